@@ -1,0 +1,73 @@
+// The extension's Python entry point: bindings only, no logic.
+// Every other file is plain C++ and includes no pybind11 or Python header.
+
+#include <torch/extension.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/headeronly/version.h>
+
+#include "reducer/broadcast_coalesced.h"
+#include "reducer/bucket_assignment.h"
+#include "reducer/reducer.h"
+
+namespace py = pybind11;
+
+namespace {
+
+using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
+
+void bind_reducer(py::module& m) {
+  using namespace ddp_ext::reducer;
+
+  m.def(
+      "assign_buckets",
+      [](const std::vector<std::tuple<int64_t, at::ScalarType, at::Device>>& tensors,
+         int64_t cap_bytes) {
+        std::vector<TensorSpec> specs;
+        specs.reserve(tensors.size());
+        for (const auto& [nbytes, dtype, device] : tensors) {
+          specs.push_back(TensorSpec{nbytes, dtype, device});
+        }
+        return assign_buckets(specs, cap_bytes);
+      },
+      py::arg("tensors"), py::arg("cap_bytes"),
+      "Bucket indices for (nbytes, dtype, device) tuples given in registration "
+      "order; see reducer/bucket_assignment.h.");
+
+  m.def(
+      "broadcast_coalesced", &broadcast_coalesced, py::arg("process_group"),
+      py::arg("tensors"), py::arg("chunk_bytes"), py::arg("root") = 0,
+      py::call_guard<py::gil_scoped_release>());
+
+  py::class_<ReducerOptions>(m, "ReducerOptions")
+      .def(py::init<>())
+      .def_readwrite("find_unused_parameters", &ReducerOptions::find_unused_parameters)
+      .def_readwrite("gradient_as_bucket_view", &ReducerOptions::gradient_as_bucket_view)
+      .def_readwrite("overlap_with_backward", &ReducerOptions::overlap_with_backward);
+
+  py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer")
+      .def(
+          py::init<std::vector<at::Tensor>, std::vector<std::string>,
+                   const std::vector<std::vector<size_t>>&, ProcessGroupPtr,
+                   ReducerOptions>(),
+          py::arg("params"), py::arg("param_names"), py::arg("buckets"),
+          py::arg("process_group"), py::arg("options"),
+          py::call_guard<py::gil_scoped_release>())
+      .def("prepare_for_forward", &Reducer::prepare_for_forward,
+           py::call_guard<py::gil_scoped_release>())
+      .def("prepare_for_backward", &Reducer::prepare_for_backward,
+           py::arg("outputs"), py::call_guard<py::gil_scoped_release>())
+      .def("bucket_indices", &Reducer::bucket_indices)
+      .def_property_readonly(
+          "phase", [](const Reducer& r) { return phase_name(r.phase()); });
+}
+
+} // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "ddp_ext native core: gradient reducer and process groups";
+  m.attr("torch_version") = py::str(
+      std::to_string(TORCH_VERSION_MAJOR) + "." +
+      std::to_string(TORCH_VERSION_MINOR));
+  bind_reducer(m);
+}

@@ -1,0 +1,22 @@
+"""Build facts: the one place both the ahead-of-time build (setup.py) and the
+JIT loader (ddp_ext._loader) read them from.
+
+This file imports nothing, so setup.py can execute it without importing the
+package (which would try to load the extension it is about to build).
+"""
+
+VERSION = "0.1.0"
+
+# Paths relative to the repository root. Listed by hand, never globbed.
+SOURCES = [
+    "ddp_ext.cpp",
+    "reducer/bucket_assignment.cpp",
+    "reducer/broadcast_coalesced.cpp",
+    "reducer/reducer.cpp",
+    "reducer/unused_parameters.cpp",
+]
+
+# Includes are rooted at the repository: `#include "reducer/reducer.h"`.
+INCLUDE_DIRS = ["."]
+
+CXX_FLAGS = ["-O2"]

@@ -1,0 +1,35 @@
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <cstddef>
+#include <vector>
+
+namespace ddp_ext::reducer {
+
+// A flat buffer that holds the gradients of several parameters of one device
+// and dtype, reduced with a single collective.
+struct Bucket {
+  // One-dimensional buffer on the parameters' device; every view below
+  // aliases a slice of it.
+  at::Tensor flat;
+
+  // Indices (into the reducer's parameter list) of the parameters laid out in
+  // this bucket, in layout order.
+  std::vector<size_t> param_indices;
+
+  // views[k]: the slice of `flat` for param_indices[k], shaped and strided
+  // like the parameter.
+  std::vector<at::Tensor> views;
+
+  // Gradients still missing before the bucket can be reduced; refilled at the
+  // start of every synchronising backward.
+  size_t pending = 0;
+
+  // The allreduce in flight for this bucket, if launched this iteration.
+  c10::intrusive_ptr<c10d::Work> work;
+};
+
+} // namespace ddp_ext::reducer

@@ -1,0 +1,59 @@
+#include "reducer/bucket_assignment.h"
+
+#include <c10/util/Exception.h>
+
+#include <utility>
+
+namespace ddp_ext::reducer {
+
+namespace {
+
+struct OpenBucket {
+  TensorSpec kind; // device and dtype shared by every member
+  size_t position = 0; // index of this bucket in the result
+  int64_t nbytes = 0;
+};
+
+bool same_kind(const TensorSpec& a, const TensorSpec& b) {
+  return a.dtype == b.dtype && a.device == b.device;
+}
+
+} // namespace
+
+std::vector<std::vector<size_t>> assign_buckets(
+    const std::vector<TensorSpec>& tensors,
+    int64_t cap_bytes) {
+  TORCH_CHECK(
+      cap_bytes > 0, "bucket cap must be positive, got ", cap_bytes, " bytes");
+  std::vector<std::vector<size_t>> buckets;
+  // Few kinds exist in practice (one or two dtypes per device): a linear
+  // scan beats a map.
+  std::vector<OpenBucket> open;
+  for (size_t i = tensors.size(); i-- > 0;) {
+    const TensorSpec& spec = tensors[i];
+    OpenBucket* target = nullptr;
+    for (auto& candidate : open) {
+      if (same_kind(candidate.kind, spec)) {
+        target = &candidate;
+        break;
+      }
+    }
+    const bool fits = target != nullptr &&
+        target->nbytes + spec.nbytes <= cap_bytes;
+    if (!fits) {
+      if (target == nullptr) {
+        open.push_back(OpenBucket{spec, buckets.size(), 0});
+        target = &open.back();
+      } else {
+        target->position = buckets.size();
+        target->nbytes = 0;
+      }
+      buckets.emplace_back();
+    }
+    buckets[target->position].push_back(i);
+    target->nbytes += spec.nbytes;
+  }
+  return buckets;
+}
+
+} // namespace ddp_ext::reducer

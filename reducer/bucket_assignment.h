@@ -1,0 +1,35 @@
+#pragma once
+
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace ddp_ext::reducer {
+
+// What bucket assignment needs to know about one tensor.
+struct TensorSpec {
+  int64_t nbytes = 0; // bytes the tensor occupies in a bucket
+  c10::ScalarType dtype = c10::ScalarType::Float;
+  c10::Device device = c10::Device(c10::DeviceType::CPU);
+};
+
+// Groups tensors into buckets for collective communication.
+//
+// Tensors are visited in reverse order (the order their gradients are
+// expected to become ready, see Note [Bucket order]). Each (device, dtype)
+// pair has one open bucket; a tensor joins the open bucket of its kind unless
+// that would take the bucket past `cap_bytes`, in which case the open bucket
+// is closed and a new one started. A tensor larger than the cap gets a bucket
+// of its own. Buckets never mix devices or dtypes.
+//
+// Returns the buckets in the order they were opened, each as the indices of
+// its tensors in the order they are laid out in the bucket. Pure: the same
+// input gives the same output on every rank.
+std::vector<std::vector<size_t>> assign_buckets(
+    const std::vector<TensorSpec>& tensors,
+    int64_t cap_bytes);
+
+} // namespace ddp_ext::reducer

@@ -1,0 +1,131 @@
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "reducer/bucket.h"
+#include "reducer/reducer_options.h"
+
+namespace ddp_ext::reducer {
+
+// Note [Reducer phases]
+// ~~~~~~~~~~~~~~~~~~~~~
+// Within one training iteration the reducer moves through explicit phases:
+//
+//   kIdle ──prepare_for_backward──▶ kExpectingGradients ──first gradient──▶
+//   kReducing ──last bucket launched, end of backward: finalize──▶ kIdle
+//
+// kIdle: no synchronising backward is expected (before the first forward,
+//   inside no_sync, under torch.no_grad, after a finished reduction). Hooks
+//   only record which parameters got a gradient.
+// kExpectingGradients: a synchronising forward ran. A forward may start again
+//   from here (a forward without backward is legal) and simply re-arms.
+// kReducing: gradients are being copied into buckets and allreduced. A
+//   forward that starts in this phase means the previous backward never gave
+//   some parameters a gradient: prepare_for_forward raises "Expected to have
+//   finished reduction in the prior iteration", naming them.
+//
+// Every transition goes through Reducer::enter(), which asserts where it
+// comes from.
+enum class Phase { kIdle, kExpectingGradients, kReducing };
+
+const char* phase_name(Phase phase);
+
+// The gradient reducer of paper section 3.2 (Algorithm 1): copies gradients
+// into buckets as autograd produces them, allreduces each bucket as soon as it
+// is full, in the same bucket order on every rank, and writes the averages
+// back to .grad at the end of the backward pass.
+class Reducer {
+ public:
+  // params[i] is named param_names[i] (used in error messages); buckets lists
+  // parameter indices per bucket in launch order (see assign_buckets). Every
+  // parameter must require grad and appear in exactly one bucket.
+  Reducer(
+      std::vector<at::Tensor> params,
+      std::vector<std::string> param_names,
+      const std::vector<std::vector<size_t>>& buckets,
+      c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+      ReducerOptions options);
+
+  // Removes every autograd hook this reducer installed.
+  ~Reducer();
+
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  // Called at the start of every forward. Raises on every rank if the previous
+  // synchronising backward left gradients unreduced.
+  void prepare_for_forward();
+
+  // Called at the end of a forward whose backward must synchronise gradients.
+  // `outputs` are the forward's output tensors; with find_unused_parameters
+  // the autograd graph is searched from them. See Note [Unused parameters].
+  void prepare_for_backward(const std::vector<at::Tensor>& outputs);
+
+  // The bucket layout, as parameter indices per bucket in launch order.
+  std::vector<std::vector<size_t>> bucket_indices() const;
+
+  Phase phase() const;
+
+  // Called by the autograd hook of parameter `index` once its gradient
+  // accumulator has run. `gradient_arrived` is false when autograd ran the
+  // accumulator with no gradient (an output the loss did not use).
+  void on_gradient_ready(size_t index, bool gradient_arrived);
+
+ private:
+  void enter(Phase from, Phase to);
+  void mark_ready(size_t index);
+  void launch_ready_buckets();
+  void launch(Bucket& bucket);
+  void launch_used_bitmap_allreduce();
+  void finalize_backward();
+  void write_back_gradients(const std::vector<bool>& globally_used);
+  void wait_for_launched_buckets();
+  std::string names_of_parameters_not_ready() const;
+
+  const std::vector<at::Tensor> params_;
+  const std::vector<std::string> param_names_;
+  const c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
+  const ReducerOptions options_;
+
+  // The gradient accumulator of each parameter, held so that autograd keeps
+  // using the node our hook is installed on, and the key to remove the hook.
+  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<uintptr_t> hook_keys_;
+
+  std::vector<Bucket> buckets_;
+  // Where each parameter lives: bucket index and position within it.
+  std::vector<size_t> bucket_of_param_;
+  std::vector<size_t> slot_of_param_;
+
+  // 1 / world_size as a wrapped scalar, so that the scale is applied like a
+  // Python number (no type promotion). See Note [Gradient averaging].
+  at::Tensor average_factor_;
+
+  // Guards everything below; hooks may run on several autograd threads.
+  mutable std::mutex mutex_;
+  Phase phase_ = Phase::kIdle;
+  std::vector<bool> ready_; // per parameter, this iteration
+  size_t next_bucket_ = 0; // first bucket not yet launched
+  std::vector<size_t> unused_; // params the last forward did not reach
+  bool unused_marked_ = false;
+
+  // See Note [Unused parameters]: per-parameter usage since the last
+  // synchronisation (int32 on CPU), and its copy on the parameters' device for
+  // the allreduce.
+  at::Tensor local_used_;
+  at::Tensor used_for_allreduce_;
+  c10::intrusive_ptr<c10d::Work> used_work_;
+  // .grad values of locally unused parameters whose .grad is a bucket view,
+  // kept so a globally unused parameter's .grad can be restored untouched.
+  std::vector<std::pair<size_t, at::Tensor>> stashed_grads_;
+};
+
+} // namespace ddp_ext::reducer

@@ -1,0 +1,25 @@
+#pragma once
+
+namespace ddp_ext::reducer {
+
+// Knobs of one Reducer. Bucket sizes are decided before construction (see
+// assign_buckets); these govern what happens during each iteration.
+struct ReducerOptions {
+  // Search the autograd graph after each synchronising forward for parameters
+  // that will get no gradient, and allreduce a per-parameter "used" bitmap so
+  // that parameters no rank used keep their .grad untouched.
+  // See Note [Unused parameters]. Default: false.
+  bool find_unused_parameters = false;
+
+  // Make each parameter's .grad a view into its bucket, so no copy is needed
+  // on the way in or out. Default: false (.grad is a tensor of its own).
+  bool gradient_as_bucket_view = false;
+
+  // Launch each bucket's allreduce as soon as its last gradient arrives
+  // (true), or hold every allreduce until the backward pass has finished
+  // (false; only useful to measure what overlap buys).
+  // See Note [Overlap and bucket order]. Default: true.
+  bool overlap_with_backward = true;
+};
+
+} // namespace ddp_ext::reducer

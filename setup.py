@@ -1,0 +1,28 @@
+"""Ahead-of-time build of ddp_ext._C.
+
+Build with torch already installed, without build isolation:
+    pip install --no-build-isolation .
+"""
+
+import os
+import runpy
+
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+BUILD_INFO = runpy.run_path(os.path.join(ROOT, "ddp_ext", "_build_info.py"))
+
+setup(
+    version=BUILD_INFO["VERSION"],
+    packages=find_packages(include=["ddp_ext", "ddp_ext.*"]),
+    ext_modules=[
+        CppExtension(
+            name="ddp_ext._C",
+            sources=BUILD_INFO["SOURCES"],
+            include_dirs=[os.path.join(ROOT, d) for d in BUILD_INFO["INCLUDE_DIRS"]],
+            extra_compile_args={"cxx": BUILD_INFO["CXX_FLAGS"]},
+        )
+    ],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)

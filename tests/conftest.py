@@ -1,0 +1,8 @@
+import os
+import sys
+
+# Tests import the checkout's ddp_ext (built in place by `pip install -e .` or
+# `python setup.py build_ext --inplace`), and spawned ranks inherit this path.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
