@@ -58,6 +58,8 @@ void bind_reducer(py::module& m) {
       .def("prepare_for_backward", &Reducer::prepare_for_backward,
            py::arg("outputs"), py::call_guard<py::gil_scoped_release>())
       .def("bucket_indices", &Reducer::bucket_indices)
+      .def("set_overlap_with_backward", &Reducer::set_overlap_with_backward,
+           py::arg("overlap"))
       .def_property_readonly(
           "phase", [](const Reducer& r) { return phase_name(r.phase()); });
 }

@@ -19,4 +19,4 @@ SOURCES = [
 # Includes are rooted at the repository: `#include "reducer/reducer.h"`.
 INCLUDE_DIRS = ["."]
 
-CXX_FLAGS = ["-O2"]
+CXX_FLAGS = ["-O2", "-g0"]

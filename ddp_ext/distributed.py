@@ -181,6 +181,12 @@ class DistributedDataParallel(nn.Module):
         finally:
             self.require_backward_grad_sync = previous
 
+    def set_overlap_with_backward(self, overlap: bool) -> None:
+        """ddp_ext only. With False, every allreduce waits until the backward pass
+        has finished instead of overlapping with it; for measuring what overlap
+        buys (paper Fig. 5). Call between iterations."""
+        self._reducer.set_overlap_with_backward(bool(overlap))
+
     def bucket_indices(self) -> List[List[int]]:
         """Parameter indices (among those that require grad) per bucket, in launch order."""
         return self._reducer.bucket_indices()

@@ -191,6 +191,14 @@ Phase Reducer::phase() const {
   return phase_;
 }
 
+void Reducer::set_overlap_with_backward(bool overlap) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(
+      phase_ != Phase::kReducing,
+      "overlap_with_backward cannot change while gradients are being reduced");
+  options_.overlap_with_backward = overlap;
+}
+
 std::vector<std::vector<size_t>> Reducer::bucket_indices() const {
   std::vector<std::vector<size_t>> result;
   for (const auto& bucket : buckets_) {

@@ -74,6 +74,9 @@ class Reducer {
 
   Phase phase() const;
 
+  // See ReducerOptions::overlap_with_backward. Not while reducing.
+  void set_overlap_with_backward(bool overlap);
+
   // Called by the autograd hook of parameter `index` once its gradient
   // accumulator has run. `gradient_arrived` is false when autograd ran the
   // accumulator with no gradient (an output the loss did not use).
@@ -93,7 +96,7 @@ class Reducer {
   const std::vector<at::Tensor> params_;
   const std::vector<std::string> param_names_;
   const c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
-  const ReducerOptions options_;
+  ReducerOptions options_; // only overlap_with_backward ever changes
 
   // The gradient accumulator of each parameter, held so that autograd keeps
   // using the node our hook is installed on, and the key to remove the hook.

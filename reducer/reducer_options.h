@@ -17,7 +17,8 @@ struct ReducerOptions {
 
   // Launch each bucket's allreduce as soon as its last gradient arrives
   // (true), or hold every allreduce until the backward pass has finished
-  // (false; only useful to measure what overlap buys).
+  // (false; only useful to measure what overlap buys). Can be changed between
+  // iterations with Reducer::set_overlap_with_backward.
   // See Note [Overlap and bucket order]. Default: true.
   bool overlap_with_backward = true;
 };
