@@ -39,6 +39,9 @@ void bind_reducer(py::module& m) {
       py::arg("tensors"), py::arg("chunk_bytes"), py::arg("root") = 0,
       py::call_guard<py::gil_scoped_release>());
 
+  m.def("accumulator_post_hook_count", &accumulator_post_hook_count,
+        py::arg("param"));
+
   py::class_<ReducerOptions>(m, "ReducerOptions")
       .def(py::init<>())
       .def_readwrite("find_unused_parameters", &ReducerOptions::find_unused_parameters)

@@ -83,6 +83,11 @@ const char* phase_name(Phase phase) {
   return "unknown";
 }
 
+size_t accumulator_post_hook_count(const at::Tensor& param) {
+  const auto accumulator = torch::autograd::impl::try_get_grad_accumulator(param);
+  return accumulator ? accumulator->post_hooks().size() : 0;
+}
+
 Reducer::Reducer(
     std::vector<at::Tensor> params,
     std::vector<std::string> param_names,

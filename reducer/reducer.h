@@ -38,6 +38,10 @@ enum class Phase { kIdle, kExpectingGradients, kReducing };
 
 const char* phase_name(Phase phase);
 
+// Number of post hooks on the gradient accumulator of leaf tensor `param`;
+// lets tests check that a reducer removes the hooks it installed.
+size_t accumulator_post_hook_count(const at::Tensor& param);
+
 // The gradient reducer of paper section 3.2 (Algorithm 1): copies gradients
 // into buckets as autograd produces them, allreduces each bucket as soon as it
 // is full, in the same bucket order on every rank, and writes the averages

@@ -9,6 +9,7 @@ with every rank's traceback, instead of hanging.
 
 import multiprocessing
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -30,7 +31,9 @@ def _rank_main(fn, rank, world_size, store_path, args, results):
             value = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        results.put((rank, True, value))
+        # Plain pickle: torch's multiprocessing pickler would share tensor
+        # storage through file descriptors that die with this process.
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
 
@@ -73,7 +76,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                             for r in dead:
                                 outcomes[r] = (False, f"rank {r} died with exit code {procs[r].exitcode}")
                     continue
-                outcomes[rank] = (ok, value)
+                outcomes[rank] = (ok, pickle.loads(value) if ok else value)
                 if not ok:
                     # One rank failed; give the others a few seconds to report theirs.
                     deadline = min(deadline, time.monotonic() + 10.0)
