@@ -46,7 +46,8 @@ void bind_reducer(py::module& m) {
       .def(py::init<>())
       .def_readwrite("find_unused_parameters", &ReducerOptions::find_unused_parameters)
       .def_readwrite("gradient_as_bucket_view", &ReducerOptions::gradient_as_bucket_view)
-      .def_readwrite("overlap_with_backward", &ReducerOptions::overlap_with_backward);
+      .def_readwrite("overlap_with_backward", &ReducerOptions::overlap_with_backward)
+      .def_readwrite("static_graph", &ReducerOptions::static_graph);
 
   py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer")
       .def(
@@ -61,6 +62,8 @@ void bind_reducer(py::module& m) {
       .def("prepare_for_backward", &Reducer::prepare_for_backward,
            py::arg("outputs"), py::call_guard<py::gil_scoped_release>())
       .def("bucket_indices", &Reducer::bucket_indices)
+      .def_property_readonly("learning_static_graph", &Reducer::learning_static_graph)
+      .def("queue_finish_learning_iteration", &Reducer::queue_finish_learning_iteration)
       .def("set_overlap_with_backward", &Reducer::set_overlap_with_backward,
            py::arg("overlap"))
       .def_property_readonly(

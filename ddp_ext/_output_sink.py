@@ -6,23 +6,30 @@ behind them, and their buckets would wait forever. Passing every output through
 one node makes autograd visit all of them; the ignored ones receive no gradient
 (materialisation is off), so their accumulators run with nothing to add and the
 reducer's hooks mark those parameters ready without counting them as used.
+
+With static_graph, the sink's backward also tells the reducer when the
+learning iteration's backward has begun; see Note [Static graph] in
+reducer/reducer.cpp.
 """
 
 import dataclasses
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 import torch
 
 
 class _OutputSink(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, *tensors):
+    def forward(ctx, on_backward, *tensors):
         ctx.set_materialize_grads(False)
+        ctx.on_backward = on_backward
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        return grads
+        if ctx.on_backward is not None:
+            ctx.on_backward()
+        return (None, *grads)
 
 
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
@@ -54,10 +61,11 @@ def find_tensors(obj: Any) -> List[torch.Tensor]:
     return found
 
 
-def sink_outputs(output: Any) -> Any:
-    """`output` with each tensor that requires grad routed through one _OutputSink node."""
+def sink_outputs(output: Any, on_backward: Optional[Callable[[], None]] = None) -> Any:
+    """`output` with each tensor that requires grad routed through one _OutputSink
+    node, whose backward first calls `on_backward` (if given)."""
     tracked = [t for t in find_tensors(output) if t.requires_grad and t.grad_fn is not None]
     if not tracked:
         return output
-    passed = dict(zip(map(id, tracked), _OutputSink.apply(*tracked)))
+    passed = dict(zip(map(id, tracked), _OutputSink.apply(on_backward, *tracked)))
     return _map_tensors(output, lambda t: passed.get(id(t), t))

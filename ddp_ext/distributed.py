@@ -36,8 +36,9 @@ class DistributedDataParallel(nn.Module):
     Reducer, bucket by bucket while the backward pass runs. ``state_dict()``
     has the same keys as torch's DDP (``module.<name>``).
 
-    ``static_graph=True`` is not supported yet and raises; use
-    ``find_unused_parameters=True`` for models that skip parameters.
+    ``static_graph=True`` learns the set of used parameters in the first
+    iteration (and then supports reentrant activation checkpointing); it takes
+    precedence over ``find_unused_parameters``.
     """
 
     def __init__(
@@ -73,11 +74,6 @@ class DistributedDataParallel(nn.Module):
             bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, numbers.Real) or not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
-        if static_graph:
-            raise ValueError(
-                "static_graph=True is not supported by ddp_ext yet; pass "
-                "find_unused_parameters=True if the model skips parameters."
-            )
 
         named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named_params:
@@ -132,6 +128,7 @@ class DistributedDataParallel(nn.Module):
         options = _C.ReducerOptions()
         options.find_unused_parameters = find_unused_parameters
         options.gradient_as_bucket_view = gradient_as_bucket_view
+        options.static_graph = static_graph
         self._reducer = _C.Reducer(
             params,
             [n for n, _ in named_params],
@@ -151,14 +148,19 @@ class DistributedDataParallel(nn.Module):
         output = self.module(*inputs, **kwargs)
 
         grad_enabled = torch.is_grad_enabled()
+        search_unused = self.find_unused_parameters and not self.static_graph
+        learning = False
         if grad_enabled and self.require_backward_grad_sync:
             # Buffers are broadcast again only before the forward that follows a
             # synchronising one (paper section 4.1).
             self.require_forward_param_sync = True
-            self._reducer.prepare_for_backward(find_tensors(output) if self.find_unused_parameters else [])
+            self._reducer.prepare_for_backward(find_tensors(output) if search_unused else [])
+            learning = self._reducer.learning_static_graph
         else:
             self.require_forward_param_sync = False
-        if self.find_unused_parameters and grad_enabled:
+        if learning:
+            output = sink_outputs(output, on_backward=self._reducer.queue_finish_learning_iteration)
+        elif search_unused and grad_enabled:
             output = sink_outputs(output)
         return output
 

@@ -27,6 +27,22 @@ namespace ddp_ext::reducer {
 // callback is queued on the autograd engine; it runs when the whole backward
 // has finished, waits for every allreduce and writes the averages to .grad.
 //
+// Note [Static graph]
+// ~~~~~~~~~~~~~~~~~~~
+// With static_graph the set of parameters that get a gradient is the same in
+// every iteration, so it is learned once instead of searched for each time.
+// The first synchronising backward is the learning iteration: hooks record
+// which parameters got a gradient but launch nothing, and the forward routes
+// its outputs through the output sink, whose backward (the first node of the
+// outer backward pass) queues finish_learning_iteration() on the engine. That
+// runs after the whole backward, nested reentrant passes included: it marks
+// the parameters that got nothing ready, reduces every bucket and the used
+// bitmap, and remembers both. Later iterations mark the locally unused
+// parameters ready at their first hook, overlap as usual, and leave the
+// .grad of globally unused parameters alone, with no graph search and no
+// bitmap allreduce. Because nothing is searched from the outputs, gradients
+// produced by reentrant activation checkpointing are fine.
+//
 // Note [Gradient averaging]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~
 // Each gradient is multiplied by 1/world_size while it is copied into its
@@ -204,6 +220,23 @@ void Reducer::set_overlap_with_backward(bool overlap) {
   options_.overlap_with_backward = overlap;
 }
 
+bool Reducer::learning_static_graph() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return learning_iteration_;
+}
+
+bool Reducer::tracks_usage() const {
+  return options_.find_unused_parameters ||
+      (options_.static_graph && !graph_learned_);
+}
+
+bool Reducer::may_be_globally_unused(size_t index) const {
+  if (options_.static_graph && graph_learned_) {
+    return !static_used_globally_[index];
+  }
+  return tracks_usage() && local_used_.data_ptr<int32_t>()[index] == 0;
+}
+
 std::vector<std::vector<size_t>> Reducer::bucket_indices() const {
   std::vector<std::vector<size_t>> result;
   for (const auto& bucket : buckets_) {
@@ -218,12 +251,20 @@ void Reducer::prepare_for_forward() {
     return;
   }
   const std::string missing = names_of_parameters_not_ready();
+  const bool all_arrived = next_bucket_ == buckets_.size();
   // The buckets launched so far were launched on every rank (the same ones,
   // when every rank skipped the same parameters): let them complete so that
   // no collective is left half-matched, then leave a clean state behind in
   // case the caller catches this error and goes on.
   wait_for_launched_buckets();
   enter(Phase::kReducing, Phase::kIdle);
+  TORCH_CHECK(
+      !all_arrived,
+      "Expected to have finished reduction in the prior iteration before "
+      "starting a new one. On rank ", process_group_->getRank(),
+      ", every gradient of the previous backward pass arrived, but its end "
+      "was never reached (the backward pass or a collective raised an error), "
+      "so .grad holds unreduced values. Look for that earlier error.");
   std::ostringstream advice;
   if (options_.find_unused_parameters) {
     advice << "find_unused_parameters=True is set, yet these parameters were "
@@ -259,14 +300,17 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   used_work_.reset();
   stashed_grads_.clear();
   unused_.clear();
-  if (options_.find_unused_parameters) {
+  learning_iteration_ = options_.static_graph && !graph_learned_;
+  if (options_.static_graph) {
+    unused_ = static_unused_locally_;
+  } else if (options_.find_unused_parameters) {
     unused_ = find_unreached_accumulators(outputs, accumulators_);
   }
 }
 
 void Reducer::on_gradient_ready(size_t index, bool gradient_arrived) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (options_.find_unused_parameters && gradient_arrived) {
+  if (gradient_arrived && tracks_usage()) {
     local_used_.data_ptr<int32_t>()[index] = 1;
   }
   if (phase_ == Phase::kIdle) {
@@ -291,9 +335,10 @@ void Reducer::mark_ready(size_t index) {
       "accumulator twice in one backward (reentrant activation checkpointing, "
       "torch.utils.checkpoint with use_reentrant=True, or a backward that "
       "runs inside another), or when find_unused_parameters=True did not see "
-      "the parameter from the forward's outputs. Use "
-      "torch.utils.checkpoint(..., use_reentrant=False), and return from "
-      "forward every tensor that depends on the parameter.");
+      "the parameter from the forward's outputs, or when static_graph=True "
+      "and the set of parameters used changed after the first iteration. Use "
+      "torch.utils.checkpoint(..., use_reentrant=False) or static_graph=True, "
+      "and return from forward every tensor that depends on the parameter.");
   ready_[index] = true;
   Bucket& bucket = buckets_[bucket_of_param_[index]];
   const at::Tensor& view = bucket.views[slot_of_param_[index]];
@@ -305,8 +350,7 @@ void Reducer::mark_ready(size_t index) {
     TORCH_CHECK(!grad.is_sparse(), "parameter ", param_names_[index],
                 " has a sparse gradient; ddp_ext reduces dense gradients only");
     if (grad.is_alias_of(view)) {
-      if (options_.find_unused_parameters &&
-          local_used_.data_ptr<int32_t>()[index] == 0) {
+      if (may_be_globally_unused(index)) {
         stashed_grads_.emplace_back(index, grad.clone());
       }
       view.mul_(average_factor_);
@@ -323,15 +367,15 @@ void Reducer::mark_ready(size_t index) {
 void Reducer::launch_ready_buckets() {
   while (next_bucket_ < buckets_.size() &&
          buckets_[next_bucket_].pending == 0) {
-    if (options_.overlap_with_backward) {
+    if (options_.overlap_with_backward && !learning_iteration_) {
       launch(buckets_[next_bucket_]);
     }
     ++next_bucket_;
   }
-  if (next_bucket_ < buckets_.size()) {
-    return;
+  if (next_bucket_ < buckets_.size() || learning_iteration_) {
+    return; // See Note [Static graph] for who finishes a learning iteration.
   }
-  if (options_.find_unused_parameters) {
+  if (options_.find_unused_parameters && !options_.static_graph) {
     launch_used_bitmap_allreduce();
   }
   torch::autograd::Engine::get_default_engine().queue_callback(
@@ -341,6 +385,12 @@ void Reducer::launch_ready_buckets() {
 void Reducer::launch(Bucket& bucket) {
   std::vector<at::Tensor> tensors{bucket.flat};
   bucket.work = process_group_->allreduce(tensors);
+}
+
+void Reducer::launch_all_buckets() {
+  for (auto& bucket : buckets_) {
+    launch(bucket);
+  }
 }
 
 void Reducer::launch_used_bitmap_allreduce() {
@@ -360,29 +410,73 @@ void Reducer::wait_for_launched_buckets() {
   }
 }
 
+std::vector<bool> Reducer::wait_for_used_bitmap() {
+  used_work_->wait();
+  used_work_.reset();
+  const at::Tensor used = used_for_allreduce_.cpu();
+  const int32_t* counts = used.data_ptr<int32_t>();
+  std::vector<bool> globally_used(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    globally_used[i] = counts[i] > 0;
+  }
+  local_used_.zero_();
+  return globally_used;
+}
+
 void Reducer::finalize_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_INTERNAL_ASSERT(phase_ == Phase::kReducing);
+  TORCH_INTERNAL_ASSERT(phase_ == Phase::kReducing && !learning_iteration_);
   TORCH_INTERNAL_ASSERT(next_bucket_ == buckets_.size());
   if (!options_.overlap_with_backward) {
-    for (auto& bucket : buckets_) {
-      launch(bucket);
-    }
+    launch_all_buckets();
   }
   wait_for_launched_buckets();
-  std::vector<bool> globally_used;
-  if (options_.find_unused_parameters) {
-    used_work_->wait();
-    used_work_.reset();
-    const at::Tensor used = used_for_allreduce_.cpu();
-    const int32_t* counts = used.data_ptr<int32_t>();
-    globally_used.resize(params_.size());
-    for (size_t i = 0; i < params_.size(); ++i) {
-      globally_used[i] = counts[i] > 0;
-    }
-    local_used_.zero_();
+  std::vector<bool> globally_used; // empty: every parameter counts as used
+  if (options_.static_graph) {
+    globally_used = static_used_globally_;
+  } else if (options_.find_unused_parameters) {
+    globally_used = wait_for_used_bitmap();
   }
   write_back_gradients(globally_used);
+  enter(Phase::kReducing, Phase::kIdle);
+}
+
+void Reducer::queue_finish_learning_iteration() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!learning_iteration_) {
+      return;
+    }
+  }
+  torch::autograd::Engine::get_default_engine().queue_callback(
+      [this] { finish_learning_iteration(); });
+}
+
+void Reducer::finish_learning_iteration() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!learning_iteration_) {
+    return; // Another output sink of the same iteration finished it.
+  }
+  if (phase_ == Phase::kExpectingGradients) {
+    enter(Phase::kExpectingGradients, Phase::kReducing);
+  }
+  TORCH_INTERNAL_ASSERT(phase_ == Phase::kReducing);
+  static_unused_locally_.clear();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (local_used_.data_ptr<int32_t>()[i] == 0) {
+      static_unused_locally_.push_back(i);
+    }
+    if (!ready_[i]) {
+      mark_ready(i);
+    }
+  }
+  launch_all_buckets();
+  launch_used_bitmap_allreduce();
+  wait_for_launched_buckets();
+  static_used_globally_ = wait_for_used_bitmap();
+  graph_learned_ = true;
+  learning_iteration_ = false;
+  write_back_gradients(static_used_globally_);
   enter(Phase::kReducing, Phase::kIdle);
 }
 

@@ -73,6 +73,15 @@ class Reducer {
   // the autograd graph is searched from them. See Note [Unused parameters].
   void prepare_for_backward(const std::vector<at::Tensor>& outputs);
 
+  // Static graph only: true between the first synchronising forward and the
+  // end of its backward. See Note [Static graph].
+  bool learning_static_graph() const;
+
+  // Called from the backward of the output sink during the learning
+  // iteration: queues finish_learning_iteration() to run when the whole
+  // backward pass (nested ones included) has finished.
+  void queue_finish_learning_iteration();
+
   // The bucket layout, as parameter indices per bucket in launch order.
   std::vector<std::vector<size_t>> bucket_indices() const;
 
@@ -91,8 +100,13 @@ class Reducer {
   void mark_ready(size_t index);
   void launch_ready_buckets();
   void launch(Bucket& bucket);
+  void launch_all_buckets();
   void launch_used_bitmap_allreduce();
+  std::vector<bool> wait_for_used_bitmap();
+  bool tracks_usage() const;
+  bool may_be_globally_unused(size_t index) const;
   void finalize_backward();
+  void finish_learning_iteration();
   void write_back_gradients(const std::vector<bool>& globally_used);
   void wait_for_launched_buckets();
   std::string names_of_parameters_not_ready() const;
@@ -121,8 +135,13 @@ class Reducer {
   Phase phase_ = Phase::kIdle;
   std::vector<bool> ready_; // per parameter, this iteration
   size_t next_bucket_ = 0; // first bucket not yet launched
-  std::vector<size_t> unused_; // params the last forward did not reach
-  bool unused_marked_ = false;
+  std::vector<size_t> unused_; // params marked ready by the first hook
+
+  // See Note [Static graph].
+  bool learning_iteration_ = false;
+  bool graph_learned_ = false;
+  std::vector<size_t> static_unused_locally_;
+  std::vector<bool> static_used_globally_;
 
   // See Note [Unused parameters]: per-parameter usage since the last
   // synchronisation (int32 on CPU), and its copy on the parameters' device for
