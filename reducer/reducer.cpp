@@ -252,11 +252,10 @@ void Reducer::prepare_for_forward() {
   }
   const std::string missing = names_of_parameters_not_ready();
   const bool all_arrived = next_bucket_ == buckets_.size();
-  // The buckets launched so far were launched on every rank (the same ones,
-  // when every rank skipped the same parameters): let them complete so that
-  // no collective is left half-matched, then leave a clean state behind in
-  // case the caller catches this error and goes on.
-  wait_for_launched_buckets();
+  // Raise without waiting for the buckets already launched: when ranks
+  // skipped different parameters, some of those allreduces have no partner
+  // and waiting would hang this rank instead of telling its user. A caller
+  // that catches this and goes on waits for them in prepare_for_backward.
   enter(Phase::kReducing, Phase::kIdle);
   TORCH_CHECK(
       !all_arrived,
@@ -291,6 +290,7 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
       phase_ != Phase::kReducing,
       "prepare_for_forward must run before prepare_for_backward");
   enter(phase_, Phase::kExpectingGradients);
+  wait_for_launched_buckets(); // left over from an unfinished iteration
   std::fill(ready_.begin(), ready_.end(), false);
   next_bucket_ = 0;
   for (auto& bucket : buckets_) {

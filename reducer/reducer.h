@@ -30,7 +30,11 @@ namespace ddp_ext::reducer {
 // kReducing: gradients are being copied into buckets and allreduced. A
 //   forward that starts in this phase means the previous backward never gave
 //   some parameters a gradient: prepare_for_forward raises "Expected to have
-//   finished reduction in the prior iteration", naming them.
+//   finished reduction in the prior iteration", naming them. Every rank that
+//   skipped a parameter raises there. A rank that skipped nothing, while
+//   another rank did, cannot know: it waits in its backward for an allreduce
+//   its peer never starts, until the process group's timeout (torch's DDP
+//   behaves the same). find_unused_parameters=True avoids both.
 //
 // Every transition goes through Reducer::enter(), which asserts where it
 // comes from.
