@@ -22,15 +22,15 @@ void bind_reducer(py::module& m) {
   m.def(
       "assign_buckets",
       [](const std::vector<std::tuple<int64_t, at::ScalarType, at::Device>>& tensors,
-         int64_t cap_bytes) {
+         int64_t cap_bytes, std::optional<int64_t> first_cap_bytes) {
         std::vector<TensorSpec> specs;
         specs.reserve(tensors.size());
         for (const auto& [nbytes, dtype, device] : tensors) {
           specs.push_back(TensorSpec{nbytes, dtype, device});
         }
-        return assign_buckets(specs, cap_bytes);
+        return assign_buckets(specs, cap_bytes, first_cap_bytes.value_or(cap_bytes));
       },
-      py::arg("tensors"), py::arg("cap_bytes"),
+      py::arg("tensors"), py::arg("cap_bytes"), py::arg("first_cap_bytes") = py::none(),
       "Bucket indices for (nbytes, dtype, device) tuples given in registration "
       "order; see reducer/bucket_assignment.h.");
 

@@ -13,6 +13,9 @@ from ddp_ext._model_check import verify_same_model
 from ddp_ext._output_sink import _map_tensors, find_tensors, sink_outputs
 
 DEFAULT_BUCKET_CAP_MB = 25
+# With the default cap, the first bucket of each dtype is smaller, so that its
+# allreduce starts early in the backward pass (torch's DDP does the same).
+DEFAULT_FIRST_BUCKET_CAP_MB = 1
 # Chunk size for broadcasting parameters and buffers, as torch's DDP uses.
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
 
@@ -70,8 +73,10 @@ class DistributedDataParallel(nn.Module):
                 "process_group must be a torch.distributed.ProcessGroup, got "
                 f"{type(process_group).__name__}"
             )
+        first_bucket_cap_mb = bucket_cap_mb
         if bucket_cap_mb is None:
             bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
+            first_bucket_cap_mb = DEFAULT_FIRST_BUCKET_CAP_MB
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, numbers.Real) or not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
 
@@ -123,7 +128,9 @@ class DistributedDataParallel(nn.Module):
                 0,
             )
 
-        cap_bytes = max(1, int(bucket_cap_mb * 1024 * 1024))
+        def to_bytes(mb):
+            return max(1, int(mb * 1024 * 1024))
+
         specs = [(p.numel() * p.element_size(), p.dtype, p.device) for p in params]
         options = _C.ReducerOptions()
         options.find_unused_parameters = find_unused_parameters
@@ -132,7 +139,7 @@ class DistributedDataParallel(nn.Module):
         self._reducer = _C.Reducer(
             params,
             [n for n, _ in named_params],
-            _C.assign_buckets(specs, cap_bytes),
+            _C.assign_buckets(specs, to_bytes(bucket_cap_mb), to_bytes(first_bucket_cap_mb)),
             process_group,
             options,
         )

@@ -33,7 +33,7 @@ void broadcast_coalesced(
         t.device()});
   }
   std::vector<Chunk> chunks;
-  for (const auto& indices : assign_buckets(specs, chunk_bytes)) {
+  for (const auto& indices : assign_buckets(specs, chunk_bytes, chunk_bytes)) {
     Chunk chunk;
     for (size_t i : indices) {
       chunk.members.push_back(tensors[i].detach());

@@ -12,6 +12,7 @@ struct OpenBucket {
   TensorSpec kind; // device and dtype shared by every member
   size_t position = 0; // index of this bucket in the result
   int64_t nbytes = 0;
+  bool is_first = true; // the first bucket of its kind
 };
 
 bool same_kind(const TensorSpec& a, const TensorSpec& b) {
@@ -22,9 +23,12 @@ bool same_kind(const TensorSpec& a, const TensorSpec& b) {
 
 std::vector<std::vector<size_t>> assign_buckets(
     const std::vector<TensorSpec>& tensors,
-    int64_t cap_bytes) {
+    int64_t cap_bytes,
+    int64_t first_cap_bytes) {
   TORCH_CHECK(
-      cap_bytes > 0, "bucket cap must be positive, got ", cap_bytes, " bytes");
+      cap_bytes > 0 && first_cap_bytes > 0,
+      "bucket caps must be positive, got ", first_cap_bytes, " bytes for the "
+      "first bucket and ", cap_bytes, " for the others");
   std::vector<std::vector<size_t>> buckets;
   // Few kinds exist in practice (one or two dtypes per device): a linear
   // scan beats a map.
@@ -39,14 +43,16 @@ std::vector<std::vector<size_t>> assign_buckets(
       }
     }
     const bool fits = target != nullptr &&
-        target->nbytes + spec.nbytes <= cap_bytes;
+        target->nbytes + spec.nbytes <=
+            (target->is_first ? first_cap_bytes : cap_bytes);
     if (!fits) {
       if (target == nullptr) {
-        open.push_back(OpenBucket{spec, buckets.size(), 0});
+        open.push_back(OpenBucket{spec, buckets.size(), 0, true});
         target = &open.back();
       } else {
         target->position = buckets.size();
         target->nbytes = 0;
+        target->is_first = false;
       }
       buckets.emplace_back();
     }

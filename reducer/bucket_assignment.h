@@ -19,17 +19,20 @@ struct TensorSpec {
 // Groups tensors into buckets for collective communication.
 //
 // Tensors are visited in reverse order (the order their gradients are
-// expected to become ready, see Note [Bucket order]). Each (device, dtype)
-// pair has one open bucket; a tensor joins the open bucket of its kind unless
-// that would take the bucket past `cap_bytes`, in which case the open bucket
-// is closed and a new one started. A tensor larger than the cap gets a bucket
-// of its own. Buckets never mix devices or dtypes.
+// expected to become ready, see Note [Overlap and bucket order]). Each
+// (device, dtype) pair has one open bucket; a tensor joins the open bucket of
+// its kind unless that would take the bucket past its cap, in which case the
+// open bucket is closed and a new one started. The first bucket of each kind
+// is capped at `first_cap_bytes`, the others at `cap_bytes`: a small first
+// bucket starts communicating early in the backward pass. A tensor larger
+// than the cap gets a bucket of its own. Buckets never mix devices or dtypes.
 //
 // Returns the buckets in the order they were opened, each as the indices of
 // its tensors in the order they are laid out in the bucket. Pure: the same
 // input gives the same output on every rank.
 std::vector<std::vector<size_t>> assign_buckets(
     const std::vector<TensorSpec>& tensors,
-    int64_t cap_bytes);
+    int64_t cap_bytes,
+    int64_t first_cap_bytes);
 
 } // namespace ddp_ext::reducer
