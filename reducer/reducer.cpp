@@ -257,31 +257,32 @@ void Reducer::prepare_for_forward() {
   // and waiting would hang this rank instead of telling its user. A caller
   // that catches this and goes on waits for them in prepare_for_backward.
   enter(Phase::kReducing, Phase::kIdle);
-  TORCH_CHECK(
-      !all_arrived,
-      "Expected to have finished reduction in the prior iteration before "
-      "starting a new one. On rank ", process_group_->getRank(),
-      ", every gradient of the previous backward pass arrived, but its end "
-      "was never reached (the backward pass or a collective raised an error), "
-      "so .grad holds unreduced values. Look for that earlier error.");
-  std::ostringstream advice;
-  if (options_.find_unused_parameters) {
-    advice << "find_unused_parameters=True is set, yet these parameters were "
-              "reachable from the forward's outputs and got no gradient: make "
-              "sure forward returns every tensor that depends on them.";
+  std::ostringstream message;
+  message << "Expected to have finished reduction in the prior iteration "
+             "before starting a new one. On rank "
+          << process_group_->getRank() << ", ";
+  if (all_arrived) {
+    message << "every gradient of the previous backward pass arrived, but "
+               "its end was never reached (the backward pass or a collective "
+               "raised an error), so .grad holds unreduced values. Look for "
+               "that earlier error.";
+  } else if (options_.find_unused_parameters) {
+    message << "these parameters were reachable from the forward's outputs "
+               "yet got no gradient in the previous backward pass, so their "
+               "buckets were never reduced: "
+            << missing
+            << ". find_unused_parameters=True is set: make sure forward "
+               "returns every tensor that depends on them.";
   } else {
-    advice << "If the forward does not always use them (a branch not taken, "
-              "a frozen part, an output left out of the loss), pass "
-              "find_unused_parameters=True to DistributedDataParallel; "
-              "otherwise make sure every parameter takes part in the loss.";
+    message << "the previous backward pass produced no gradient for these "
+               "parameters, so their buckets were never reduced: "
+            << missing
+            << ". If the forward does not always use them (a branch not "
+               "taken, a frozen part, an output left out of the loss), pass "
+               "find_unused_parameters=True to DistributedDataParallel; "
+               "otherwise make sure every parameter takes part in the loss.";
   }
-  TORCH_CHECK(
-      false,
-      "Expected to have finished reduction in the prior iteration before "
-      "starting a new one. On rank ", process_group_->getRank(),
-      ", the previous backward pass produced no gradient for these "
-      "parameters, so their buckets were never reduced: ", missing, ". ",
-      advice.str());
+  TORCH_CHECK(false, message.str());
 }
 
 void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
