@@ -91,7 +91,9 @@ void bind_process_groups(py::module& m) {
       .def_property_readonly("forwarded_calls", &RoundRobinBackend::forwarded_calls)
       .def_property_readonly(
           "owns_children",
-          [](const RoundRobinBackend& b) { return b.options().owns_children; });
+          [](const RoundRobinBackend& b) { return b.options().owns_children; })
+      .def_property_readonly(
+          "timeout", [](const RoundRobinBackend& b) { return b.options().timeout; });
 
   // Test double: see process_groups/recording_backend.h.
   py::class_<RecordedCall>(m, "RecordedCall")

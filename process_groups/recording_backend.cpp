@@ -63,6 +63,18 @@ const std::string RecordingBackend::getBackendName() const {
   return "recording";
 }
 
+void RecordingBackend::setTimeout(std::chrono::milliseconds timeout) {
+  record({"setTimeout", {}, with_timeout(timeout)}, {});
+}
+
+void RecordingBackend::shutdown() {
+  record({"shutdown", {}, {}}, {});
+}
+
+void RecordingBackend::abort() {
+  record({"abort", {}, {}}, {});
+}
+
 c10::intrusive_ptr<c10d::Work> RecordingBackend::record(
     RecordedCall call,
     std::vector<at::Tensor> outputs) {

@@ -58,6 +58,11 @@ class RecordingBackend final : public c10d::Backend {
   std::size_t complete_pending();
 
   const std::string getBackendName() const override;
+  // Recorded as calls too ("setTimeout" with timeout_ms, "shutdown",
+  // "abort"), so tests can see what a composite passes on.
+  void setTimeout(std::chrono::milliseconds timeout) override;
+  void shutdown() override;
+  void abort() override;
 
   c10::intrusive_ptr<c10d::Work> broadcast(
       std::vector<at::Tensor>& tensors,
