@@ -99,7 +99,9 @@ class RoundRobinOptions:
         except ValueError:
             raise ValueError(f"environment variable {ENV_NUM_GROUPS}={raw!r} must be an integer >= 1") from None
         _check_num_groups(num_groups, f"environment variable {ENV_NUM_GROUPS}")
-        backend = _check_child_backend(os.environ.get(ENV_BACKEND, DEFAULT_BACKEND), f"environment variable {ENV_BACKEND}")
+        backend = _check_child_backend(
+            os.environ.get(ENV_BACKEND, DEFAULT_BACKEND), f"environment variable {ENV_BACKEND}"
+        )
         return cls(num_groups, backend)
 
 

@@ -87,7 +87,8 @@ def _scatter(group, rank, ws, dtype, op):
 
 def _reduce_scatter(group, rank, ws, dtype, op):
     out = torch.zeros(N, dtype=dtype)
-    dist.reduce_scatter(out, [_input(rank, ws, dtype, salt=r) for r in range(ws)], op=getattr(dist.ReduceOp, op), group=group)
+    chunks = [_input(rank, ws, dtype, salt=r) for r in range(ws)]
+    dist.reduce_scatter(out, chunks, op=getattr(dist.ReduceOp, op), group=group)
     return out
 
 

@@ -265,8 +265,10 @@ def test_backend_reports_its_name_rank_size_and_children():
 
 CONSTRUCTION_ERRORS = [
     ("empty", lambda store: [], "at least one child"),
-    ("rank differs", lambda store: [_child(store, 0)[0], _child(store, 1, rank=0)[0]], "child process group 1 has rank 0 of size 2"),
-    ("size differs", lambda store: [_child(store, 0)[0], _child(store, 1, size=3)[0]], "child process group 1 has rank 1 of size 3"),
+    ("rank differs", lambda store: [_child(store, 0)[0], _child(store, 1, rank=0)[0]],
+     "child process group 1 has rank 0 of size 2, but child 0 has rank 1 of size 2"),
+    ("size differs", lambda store: [_child(store, 0)[0], _child(store, 1, size=3)[0]],
+     "child process group 1 has rank 1 of size 3, but child 0 has rank 1 of size 2"),
 ]
 
 
@@ -285,7 +287,7 @@ ARGUMENT_ERRORS = [
     (lambda: ddp_ext.new_round_robin_group(backend=None), TypeError, "backend must be a backend name"),
     (lambda: ddp_ext.RoundRobinOptions(num_groups=-1), ValueError, "num_groups must be an integer >= 1"),
     (lambda: ddp_ext.round_robin_group([]), ValueError, "needs at least one process group"),
-    (lambda: ddp_ext.round_robin_group([None]), TypeError, r"groups\[0\] is None, not a torch.distributed.ProcessGroup"),
+    (lambda: ddp_ext.round_robin_group([None]), TypeError, r"groups\[0\] is None, not a torch.distributed"),
     (lambda: ddp_ext.round_robin_group(_round_robin(1)[0]), TypeError, "takes a list of process groups"),
 ]
 
@@ -317,6 +319,33 @@ def test_options_from_environment(monkeypatch, env, expected, message):
     else:
         with pytest.raises(ValueError, match=message):
             ddp_ext.RoundRobinOptions.from_env()
+
+
+def _creator_options(store):
+    options = C10D._DistributedBackendOptions()
+    options.store = store
+    options.group_rank, options.group_size = 0, 2
+    options.timeout = timedelta(seconds=5)
+    options.group_id = "rr_creator_test"
+    options.global_ranks_in_group = [0, 1]
+    return options
+
+
+def test_creator_builds_children_of_any_registered_backend():
+    # torch's "fake" backend communicates nothing, so one process can play rank 0 of 2.
+    pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    store = dist.HashStore()
+    backend = round_robin._create_backend(_creator_options(store), ddp_ext.RoundRobinOptions(2, "fake"))
+    assert backend.owns_children and backend.timeout == timedelta(seconds=5)
+    assert [child._get_backend(CPU).name() for child in backend.children] == ["fake", "fake"]
+    group = round_robin._process_group(backend, store, [CPU], "rr_fake")
+    group.allreduce([torch.ones(2)]).wait()
+    assert backend.next_child_index == 1
+
+
+def test_creator_rejects_foreign_pg_options():
+    with pytest.raises(TypeError, match="pg_options for the round_robin backend must be a ddp_ext.RoundRobinOptions"):
+        round_robin._create_backend(_creator_options(dist.HashStore()), {"num_groups": 2})
 
 
 def test_backend_is_registered_with_torch_distributed():
