@@ -22,8 +22,9 @@ namespace ddp_ext::process_groups {
 // concurrency limits inside the backend (NCCL streams, Gloo threads). The
 // paper (sections 3.3 and 5.4) therefore composes several groups over the
 // same processes and deals collectives out to them in turn; three groups made
-// BERT on 16 GPUs with NCCL 33% faster than one. RoundRobinBackend is that composite, as a
-// c10d Backend that torch.distributed wraps in an ordinary ProcessGroup.
+// BERT on 16 GPUs with NCCL 33% faster than one. RoundRobinBackend is that
+// composite, as a c10d Backend that torch.distributed wraps in an ordinary
+// ProcessGroup (Python side: ddp_ext/round_robin.py).
 //
 // 1. Construction checks that every child has the same rank and size, so that
 //    child k on every rank talks to child k on every other rank.
@@ -40,11 +41,15 @@ namespace ddp_ext::process_groups {
 //    as the child's do.
 // 5. Point-to-point calls (send, recv) are refused: only two ranks make them,
 //    so the other ranks' turns would fall out of step. Use a child or a plain
-//    group for those. Collectives not listed below are refused by c10d's
-//    Backend base class with "Backend round_robin does not support <op>".
+//    group for those. Collectives this class does not override
+//    (allgather_coalesced, the *_tensor_coalesced variants, allreduce_sparse)
+//    are refused by c10d's Backend base class with "Backend round_robin does
+//    not support <op>", before any child is involved.
 // 6. barrier() is a collective like any other and goes to the next child. It
 //    lines up the ranks; it does not wait for collectives still running on
 //    the other children (wait on their Work for that).
+// 7. setTimeout reaches every child. shutdown() and abort() reach them only
+//    if the composite owns them (RoundRobinBackendOptions::owns_children).
 //
 // Children are ProcessGroups rather than Backends. A ProcessGroup keeps one
 // backend object per backend type, so this one Backend serves every device
