@@ -1,10 +1,15 @@
 // The extension's Python entry point: bindings only, no logic.
 // Every other file is plain C++ and includes no pybind11 or Python header.
 
+#include <pybind11/chrono.h>
+#include <pybind11/stl.h>
 #include <torch/extension.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/headeronly/version.h>
+
+#include "process_groups/recording_backend.h"
+#include "process_groups/round_robin_backend.h"
 
 #include "reducer/broadcast_coalesced.h"
 #include "reducer/bucket_assignment.h"
@@ -70,6 +75,57 @@ void bind_reducer(py::module& m) {
           "phase", [](const Reducer& r) { return phase_name(r.phase()); });
 }
 
+void bind_process_groups(py::module& m) {
+  using namespace ddp_ext::process_groups;
+  // The c10d base classes must be registered with pybind11 before classes
+  // deriving from them are.
+  py::module::import("torch.distributed");
+
+  py::class_<RoundRobinBackendOptions>(m, "RoundRobinBackendOptions")
+      .def(py::init<>())
+      .def_readwrite("owns_children", &RoundRobinBackendOptions::owns_children)
+      .def_readwrite("timeout", &RoundRobinBackendOptions::timeout);
+
+  py::class_<RoundRobinBackend, c10d::Backend, c10::intrusive_ptr<RoundRobinBackend>>(
+      m, "RoundRobinBackend",
+      "c10d Backend that sends each collective to the next of its child "
+      "process groups in turn; see process_groups/round_robin_backend.h.")
+      .def(py::init<std::vector<ProcessGroupPtr>, RoundRobinBackendOptions>(),
+           py::arg("children"), py::arg("options") = RoundRobinBackendOptions())
+      .def_property_readonly("children", &RoundRobinBackend::children)
+      .def_property_readonly("next_child_index", &RoundRobinBackend::next_child_index)
+      .def_property_readonly("forwarded_calls", &RoundRobinBackend::forwarded_calls)
+      .def_property_readonly(
+          "owns_children",
+          [](const RoundRobinBackend& b) { return b.options().owns_children; })
+      .def_property_readonly(
+          "timeout", [](const RoundRobinBackend& b) { return b.options().timeout; });
+
+  // Test double: see process_groups/recording_backend.h.
+  py::class_<RecordedCall>(m, "RecordedCall")
+      .def_readonly("method", &RecordedCall::method)
+      .def_readonly("tensors", &RecordedCall::tensors)
+      .def_readonly("options", &RecordedCall::options)
+      .def("__repr__", [](const RecordedCall& c) {
+        return "RecordedCall(" + c.method + ")";
+      });
+
+  py::class_<RecordingBackendOptions>(m, "RecordingBackendOptions")
+      .def(py::init<>())
+      .def_readwrite("complete_immediately", &RecordingBackendOptions::complete_immediately);
+
+  py::class_<RecordingBackend, c10d::Backend, c10::intrusive_ptr<RecordingBackend>>(
+      m, "RecordingBackend",
+      "c10d Backend that communicates nothing and records every call (a test "
+      "double).")
+      .def(py::init<int, int, RecordingBackendOptions>(), py::arg("rank"),
+           py::arg("size"), py::arg("options") = RecordingBackendOptions())
+      .def("calls", &RecordingBackend::calls)
+      .def("clear_calls", &RecordingBackend::clear_calls)
+      .def("complete_pending", &RecordingBackend::complete_pending,
+           py::call_guard<py::gil_scoped_release>());
+}
+
 } // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -78,4 +134,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       std::to_string(TORCH_VERSION_MAJOR) + "." +
       std::to_string(TORCH_VERSION_MINOR));
   bind_reducer(m);
+  bind_process_groups(m);
 }

@@ -2,6 +2,11 @@
 
     from ddp_ext import DistributedDataParallel
     model = DistributedDataParallel(model)   # instead of torch's DDP
+
+Round-robin process groups (importing ddp_ext also registers the
+torch.distributed backend "round_robin"):
+
+    rr = ddp_ext.new_round_robin_group(num_groups=3)
 """
 
 from ddp_ext._build_info import VERSION as __version__
@@ -10,5 +15,13 @@ from ddp_ext._loader import load_extension, native_module
 _C = native_module()
 
 from ddp_ext.distributed import DistributedDataParallel  # noqa: E402
+from ddp_ext.round_robin import RoundRobinOptions, new_round_robin_group, round_robin_group  # noqa: E402
 
-__all__ = ["DistributedDataParallel", "load_extension", "__version__"]
+__all__ = [
+    "DistributedDataParallel",
+    "RoundRobinOptions",
+    "load_extension",
+    "new_round_robin_group",
+    "round_robin_group",
+    "__version__",
+]

@@ -10,6 +10,8 @@ VERSION = "0.1.0"
 # Paths relative to the repository root. Listed by hand, never globbed.
 SOURCES = [
     "ddp_ext.cpp",
+    "process_groups/recording_backend.cpp",
+    "process_groups/round_robin_backend.cpp",
     "reducer/bucket_assignment.cpp",
     "reducer/broadcast_coalesced.cpp",
     "reducer/reducer.cpp",
