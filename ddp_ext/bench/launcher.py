@@ -10,6 +10,7 @@ the run stops and the error shows every failed rank's traceback.
 import multiprocessing
 import os
 import queue
+import sys
 import tempfile
 import time
 import traceback
@@ -69,6 +70,7 @@ def launch(fn: Callable[[int, int, Any], Any], world_size: int, job: Any, thread
 
     fn must be a module-level function and job and the return values picklable.
     """
+    print(f"starting {world_size} rank(s) over {BACKEND}, {threads} thread(s) each", file=sys.stderr, flush=True)
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     with tempfile.TemporaryDirectory(prefix="ddp_ext_bench_") as tmp:

@@ -36,7 +36,7 @@ def run_experiment(options: BenchOptions, command: str) -> dict:
     progress = Progress(options.output_name)
     machine = describe_machine(BACKEND, options.threads)
     started = time.time()
-    progress.say(f"{options.world_size} ranks, preset {options.preset}, writing to {options.out}")
+    progress.say(f"preset {options.preset}, writing to {options.out}")
     payload = module.run(options, progress)
     machine["load_average_at_end"] = load_average()
     data = {

@@ -19,7 +19,7 @@ from ddp_ext.bench.interleave import merge_ranks, run_interleaved
 from ddp_ext.bench.launcher import launch
 from ddp_ext.bench.options import BenchOptions, effective_bucket_cap_mb
 from ddp_ext.bench.replicas import LABELS, OURS, TORCH, make_replica
-from ddp_ext.bench.reporting import figures, markdown
+from ddp_ext.bench.reporting import figures, markdown, section
 from ddp_ext.bench.training_step import LEARNING_RATE
 from ddp_ext.bench.workloads import Workload, input_seed
 
@@ -121,7 +121,8 @@ def run(options: BenchOptions, progress) -> dict:
 
 def run_line(data: dict) -> str:
     o = data["options"]
-    return (f"preset `{o['preset']}`, seed {o['seed']}; for each n, per DDP {o['warmup']} warm-up groups of n "
+    return (f"preset `{o['preset']}`, seed {o['seed']}, {section.bucket_cap_text(o['bucket_cap_mb'])}; for each n, "
+            f"per DDP {o['warmup']} warm-up groups of n "
             f"iterations, then {o['blocks']} blocks of {o['discard_per_block']} discarded + "
             f"{o['block_iterations']} measured groups, ddp_ext and torch DDP alternating block by block.")
 

@@ -15,11 +15,17 @@ def machine_line(data: dict) -> str:
     )
 
 
+def bucket_cap_text(caps: list) -> str:
+    if caps == [None]:
+        return "each DDP's default bucket cap (25 MiB; torch's DDP also a 1 MiB first bucket)"
+    return f"bucket_cap_mb {', '.join(f'{c:g}' for c in caps)} for both DDPs"
+
+
 def run_lengths_line(data: dict) -> str:
     o = data["options"]
-    return (f"preset `{o['preset']}`, seed {o['seed']}; per variant {o['warmup']} warm-up iterations, then "
-            f"{o['blocks']} blocks of {o['discard_per_block']} discarded + {o['block_iterations']} measured "
-            f"iterations, variants alternating block by block.")
+    return (f"preset `{o['preset']}`, seed {o['seed']}, {bucket_cap_text(o['bucket_cap_mb'])}; per variant "
+            f"{o['warmup']} warm-up iterations, then {o['blocks']} blocks of {o['discard_per_block']} discarded + "
+            f"{o['block_iterations']} measured iterations, variants alternating block by block.")
 
 
 QUICK_WARNING = ("**Quick run (`--quick`): this checks that the experiment works end to end; its numbers "
