@@ -86,7 +86,7 @@ def plot(data: dict, path: str) -> None:
         for offset, kind in ((-0.2, OURS), (0.2, TORCH)):
             boxes = ax.boxplot([r["caps"][c]["samples_ms"][kind] for c in caps],
                                positions=[i + offset for i in range(len(caps))], widths=0.35,
-                               patch_artist=True, manage_ticks=False)
+                               patch_artist=True, manage_ticks=False, medianprops=figures.MEDIAN)
             for patch in boxes["boxes"]:
                 patch.set_facecolor(figures.COLORS[kind])
             boxes["boxes"][0].set_label(LABELS[kind])

@@ -77,7 +77,8 @@ def table(data: dict) -> str:
 def plot(data: dict, path: str) -> None:
     figure, axes = figures.panels(len(data["models"]))
     for ax, (model, r) in zip(axes, data["models"].items()):
-        boxes = ax.boxplot([r["samples_ms"][kind] for kind in KINDS], showfliers=True, patch_artist=True)
+        boxes = ax.boxplot([r["samples_ms"][kind] for kind in KINDS], showfliers=True, patch_artist=True,
+                            medianprops=figures.MEDIAN)
         for patch, kind in zip(boxes["boxes"], KINDS):
             patch.set_facecolor(figures.COLORS[kind])
         ax.set_xticks(range(1, len(KINDS) + 1), [LABELS[k] for k in KINDS])

@@ -77,7 +77,7 @@ def plot(data: dict, path: str) -> None:
         for offset, kind in ((-0.2, OURS), (0.2, TORCH)):
             boxes = ax.boxplot([r["groups"][n]["samples_ms"][kind] for n in names],
                                positions=[i + offset for i in range(len(names))], widths=0.35,
-                               patch_artist=True, manage_ticks=False)
+                               patch_artist=True, manage_ticks=False, medianprops=figures.MEDIAN)
             for patch in boxes["boxes"]:
                 patch.set_facecolor(figures.COLORS[kind])
             boxes["boxes"][0].set_label(LABELS[kind])
