@@ -1,0 +1,99 @@
+"""python -m ddp_ext.bench <experiment> [options]   (see --help)"""
+
+import argparse
+import shlex
+import sys
+
+from ddp_ext.bench.experiments import EXPERIMENTS
+from ddp_ext.bench.options import BenchOptions, quick_lengths
+from ddp_ext.bench.round_robin import RoundRobinUnavailable
+from ddp_ext.bench.workloads import MODELS, PRESETS
+
+DOC_PATH = "docs/BENCHMARKS.md"
+
+
+def _parser() -> argparse.ArgumentParser:
+    defaults = BenchOptions(experiment="")
+    p = argparse.ArgumentParser(
+        prog="python -m ddp_ext.bench",
+        description="Benchmarks of ddp_ext against torch's DDP, after section 5 of the PyTorch Distributed "
+                    "paper. Starts its own ranks over Gloo and writes OUT/<experiment>.json, .png and .md. "
+                    "`all` runs every experiment; `report` renders docs/BENCHMARKS.md from OUT's JSON files.",
+    )
+    p.add_argument("experiment", choices=[*EXPERIMENTS, "all", "report"])
+    p.add_argument("--preset", choices=PRESETS, default=defaults.preset)
+    p.add_argument("--world-size", type=int, default=defaults.world_size, help="ranks per run (default 2)")
+    p.add_argument("--bucket-cap-mb", type=float, nargs="+", default=None,
+                   help="bucket cap(s) in MiB for both DDPs; default: each DDP's own default "
+                        "(bucket: 0 1 5 10 25 50 100, where 0 means one parameter per bucket)")
+    p.add_argument("--models", nargs="+", choices=MODELS, default=None,
+                   help="default: both (nosync: resnet50, as in the paper)")
+    p.add_argument("--out", default=defaults.out, help="output directory (default bench_out)")
+    p.add_argument("--tag", default="", help="suffix for the output names, e.g. ws1 -> compare-ws1.json")
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--threads", type=int, default=defaults.threads, help="torch threads per rank (default 1)")
+    lengths = "; fewer for the longer experiments, see their RUN_LENGTHS"
+    p.add_argument("--warmup", type=int, default=None, help=f"default {defaults.warmup}{lengths}")
+    p.add_argument("--blocks", type=int, default=None, help=f"default {defaults.blocks}{lengths}")
+    p.add_argument("--block-iterations", type=int, default=None,
+                   help=f"default {defaults.block_iterations}{lengths}")
+    p.add_argument("--discard-per-block", type=int, default=None, help=f"default {defaults.discard_per_block}")
+    p.add_argument("--world-sizes", type=int, nargs="+", default=list(defaults.world_sizes), help="scale")
+    p.add_argument("--sync-every", type=int, nargs="+", default=list(defaults.sync_every), help="nosync")
+    p.add_argument("--rr-groups", type=int, nargs="+", default=list(defaults.rr_groups),
+                   help="round-robin group counts (roundrobin, allreduce)")
+    p.add_argument("--no-round-robin", action="store_true", help="allreduce: measure the Gloo group only")
+    p.add_argument("--convergence-iterations", type=int, default=0, help="nosync; 0: the preset's default")
+    p.add_argument("--allreduce-elements", type=int, default=0, help="allreduce; 0: the preset's default")
+    p.add_argument("--timeout", type=float, default=defaults.timeout_s, help="seconds per launch of ranks")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny run lengths to check that an experiment works end to end (not a measurement)")
+    p.add_argument("--doc", default=DOC_PATH, help="report: the document to update")
+    return p
+
+
+def _options(args, experiment: str) -> BenchOptions:
+    # Run lengths: given on the command line, else --quick's, else the experiment's own defaults.
+    lengths = quick_lengths() if args.quick else dict(getattr(EXPERIMENTS[experiment], "RUN_LENGTHS", {}))
+    for name in ("warmup", "blocks", "block_iterations", "discard_per_block"):
+        if getattr(args, name) is not None:
+            lengths[name] = getattr(args, name)
+    models = args.models or (["resnet50"] if experiment == "nosync" else list(MODELS))
+    caps = args.bucket_cap_mb or ([0, 1, 5, 10, 25, 50, 100] if experiment == "bucket" else [None])
+    return BenchOptions(
+        experiment=experiment, preset=args.preset, world_size=args.world_size, bucket_cap_mb=tuple(caps),
+        models=tuple(models), out=args.out, tag=args.tag, seed=args.seed, threads=args.threads,
+        world_sizes=tuple(args.world_sizes), sync_every=tuple(args.sync_every), rr_groups=tuple(args.rr_groups),
+        round_robin=not args.no_round_robin, convergence_iterations=args.convergence_iterations,
+        allreduce_elements=args.allreduce_elements, timeout_s=args.timeout, quick=args.quick, **lengths,
+    )
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser().parse_args(argv)
+    if args.experiment == "report":
+        from ddp_ext.bench.reporting.document import update_document
+
+        update_document(args.out, args.doc)
+        return 0
+    from ddp_ext.bench.runner import run_experiment
+
+    names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
+    unavailable = []
+    for name in names:
+        # The command that reruns this one experiment alone.
+        command = shlex.join(["python", "-m", "ddp_ext.bench", *(name if a == "all" else a for a in argv)])
+        try:
+            run_experiment(_options(args, name), command)
+        except RoundRobinUnavailable as error:
+            print(f"ddp_ext.bench {name}: {error}", file=sys.stderr)
+            unavailable.append(name)
+    if unavailable:
+        print(f"ddp_ext.bench: not measured: {', '.join(unavailable)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

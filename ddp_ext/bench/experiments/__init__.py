@@ -1,0 +1,9 @@
+"""One module per experiment of the paper's section 5. Each has NAME, FIGURE,
+TITLE, run(options, progress) -> payload, table(data) -> markdown and
+plot(data, path); optionally RUN_LENGTHS (its default run lengths, where they
+differ from BenchOptions') and run_line(data) (how its run is described)."""
+
+from ddp_ext.bench.experiments import allreduce, breakdown, bucket, compare, nosync, roundrobin, scale
+
+# In the order docs/BENCHMARKS.md presents them.
+EXPERIMENTS = {module.NAME: module for module in (compare, allreduce, breakdown, bucket, scale, nosync, roundrobin)}

@@ -1,0 +1,88 @@
+"""compare: per-iteration latency of ddp_ext vs torch's DDP vs local training.
+
+The three run the same model from the same seed on the same synthetic batch,
+with the same bucket cap, alternating block by block (Note [Interleaved
+measurement]). With --world-size 1 the ddp_ext/local ratio is the reducer's
+own overhead, since there is no one to communicate with.
+"""
+
+from ddp_ext.bench import stats
+from ddp_ext.bench.interleave import merge_ranks, run_interleaved
+from ddp_ext.bench.launcher import launch
+from ddp_ext.bench.options import BenchOptions, effective_bucket_cap_mb
+from ddp_ext.bench.replicas import KINDS, LABELS, LOCAL, OURS, TORCH, make_replica
+from ddp_ext.bench.reporting import figures, markdown
+from ddp_ext.bench.training_step import TrainingStep
+from ddp_ext.bench.workloads import Workload, input_seed
+
+NAME = "compare"
+FIGURE = "none (the issue's performance target)"
+TITLE = "Per-iteration latency: ddp_ext vs torch DDP vs local training"
+
+
+def measure_kinds(rank, world_size, job):
+    """Rank body: ours, torch and local interleaved, per model; also used by scale."""
+    options, progress = job
+    progress = progress.for_rank(rank)
+    cap = effective_bucket_cap_mb(options.single_bucket_cap())
+    measured = {}
+    for model in options.models:
+        workload = Workload(model, options.preset)
+        batch = workload.batch(input_seed(options.seed, rank))
+        variants = {kind: TrainingStep(make_replica(kind, workload, options.seed, cap), batch) for kind in KINDS}
+        measured[model] = run_interleaved(variants, **options.run_lengths(), progress=progress, label=model)
+    return measured
+
+
+def run(options: BenchOptions, progress) -> dict:
+    options.single_bucket_cap()
+    per_rank = launch(measure_kinds, options.world_size, (options, progress), options.threads, options.timeout_s)
+    models = {}
+    for model in options.models:
+        merged = merge_ranks([r[model] for r in per_rank])
+        vs_torch = stats.ratio(merged[OURS], merged[TORCH])
+        models[model] = {
+            "ours_ms": stats.median_ms(merged[OURS]),
+            "torch_ms": stats.median_ms(merged[TORCH]),
+            "local_ms": stats.median_ms(merged[LOCAL]),
+            "ratio": vs_torch["ratio"],
+            "ratio_per_block": vs_torch["per_block"],
+            "ours_over_local": stats.ratio(merged[OURS], merged[LOCAL]),
+            "torch_over_local": stats.ratio(merged[TORCH], merged[LOCAL]),
+            "summary": {kind: stats.summarize(merged[kind]) for kind in KINDS},
+            "samples_ms": {kind: stats.values(merged[kind]) for kind in KINDS},
+            "workload": Workload(model, options.preset).describe(),
+        }
+    notes = ["ratio = median ddp_ext / median torch DDP over all measured iterations; "
+             "[min-max] is the range of the same ratio over back-to-back block pairs."]
+    return {"models": models, "notes": notes}
+
+
+def table(data: dict) -> str:
+    rows = []
+    for model, r in data["models"].items():
+        rows.append([
+            model,
+            markdown.ms_iqr(r["summary"][OURS]),
+            markdown.ms_iqr(r["summary"][TORCH]),
+            markdown.ms_iqr(r["summary"][LOCAL]),
+            markdown.ratio_spread({"ratio": r["ratio"], "per_block": r["ratio_per_block"]}),
+            markdown.ratio_spread(r["ours_over_local"]),
+        ])
+    headers = ["model", "ddp_ext ms (IQR)", "torch DDP ms (IQR)", "local ms (IQR)",
+               "ddp_ext / torch [block range]", "ddp_ext / local [block range]"]
+    return markdown.table(headers, rows)
+
+
+def plot(data: dict, path: str) -> None:
+    figure, axes = figures.panels(len(data["models"]))
+    for ax, (model, r) in zip(axes, data["models"].items()):
+        boxes = ax.boxplot([r["samples_ms"][kind] for kind in KINDS], showfliers=True, patch_artist=True,
+                            medianprops=figures.MEDIAN)
+        for patch, kind in zip(boxes["boxes"], KINDS):
+            patch.set_facecolor(figures.COLORS[kind])
+        ax.set_xticks(range(1, len(KINDS) + 1), [LABELS[k] for k in KINDS])
+        ax.set_title(f"{model}: ddp_ext/torch = {r['ratio']:.3f}")
+        ax.set_ylabel("per-iteration latency (ms)")
+    world = data["options"]["world_size"]
+    figures.save(figure, path, f"{TITLE} ({world} ranks, {data['options']['preset']} preset)")

@@ -1,0 +1,34 @@
+"""The implementations under comparison, each wrapping its own identical replica."""
+
+from typing import Optional
+
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from ddp_ext import DistributedDataParallel as OurDDP
+from ddp_ext.bench.workloads import Workload
+
+OURS = "ours"  # ddp_ext.DistributedDataParallel
+TORCH = "torch"  # torch.nn.parallel.DistributedDataParallel
+LOCAL = "local"  # the bare model, no communication
+KINDS = (OURS, TORCH, LOCAL)
+LABELS = {OURS: "ddp_ext", TORCH: "torch DDP", LOCAL: "local"}
+
+
+def make_replica(kind: str, workload: Workload, seed: int, bucket_cap_mb: Optional[float] = None,
+                 process_group: Optional[dist.ProcessGroup] = None) -> nn.Module:
+    """A replica built from `seed`, wrapped as `kind`. bucket_cap_mb None keeps
+    the wrapper's default (torch's then uses a 1 MiB first bucket, ddp_ext's
+    does not); any other value goes to both wrappers unchanged."""
+    model = workload.build(seed)
+    if kind == LOCAL:
+        return model
+    kwargs = {"process_group": process_group}
+    if bucket_cap_mb is not None:
+        kwargs["bucket_cap_mb"] = bucket_cap_mb
+    if kind == OURS:
+        return OurDDP(model, **kwargs)
+    if kind == TORCH:
+        return TorchDDP(model, **kwargs)
+    raise ValueError(f"unknown implementation {kind!r}; choose from {', '.join(KINDS)}")

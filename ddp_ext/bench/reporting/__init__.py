@@ -1,0 +1,1 @@
+"""Turning measured results into files: JSON, PNG figures, markdown tables and docs."""

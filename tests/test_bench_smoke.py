@@ -1,0 +1,39 @@
+"""The benchmark entry point runs end to end (a functionality check; it times nothing).
+
+`python -m ddp_ext.bench compare` with the shortest run lengths on 2 ranks must
+write compare.json with positive medians and ratios for both models, plus the
+figure and the markdown table.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("matplotlib", reason="the benchmark suite needs matplotlib (the `bench` extra)")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHORTEST_RUN = ["--warmup", "1", "--blocks", "1", "--block-iterations", "1", "--discard-per-block", "0"]
+
+
+def test_compare_writes_results(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    command = [sys.executable, "-m", "ddp_ext.bench", "compare", "--world-size", "2", "--out", str(tmp_path),
+               *SHORTEST_RUN]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}"
+
+    with open(tmp_path / "compare.json") as f:
+        result = json.load(f)
+    assert set(result["models"]) == {"resnet50", "bert"}
+    for model, measured in result["models"].items():
+        for key in ("ours_ms", "torch_ms", "local_ms", "ratio"):
+            assert measured[key] > 0, f"{model}: {key} = {measured[key]}"
+    for key in ("logical_cores", "usable_cores", "torch", "backend", "threads_per_rank"):
+        assert key in result["machine"], f"machine record lacks {key}"
+    assert result["machine"]["backend"] == "gloo"
+    assert result["options"]["world_size"] == 2
+    assert (tmp_path / "compare.png").stat().st_size > 0
+    assert "| resnet50 |" in (tmp_path / "compare.md").read_text()

@@ -1,0 +1,73 @@
+"""Single-process checks of the benchmark suite's pure pieces (no ranks, no timing)."""
+
+import pytest
+
+from ddp_ext.bench import stats
+from ddp_ext.bench.experiments.allreduce import splits
+from ddp_ext.bench.interleave import merge_ranks, rotated
+from ddp_ext.bench.options import ONE_PARAMETER_PER_BUCKET_MB, effective_bucket_cap_mb
+from ddp_ext.bench.reporting.document import replace_block
+
+
+def _blocks(*blocks):
+    return [[{"total": ms} for ms in block] for block in blocks]
+
+
+@pytest.mark.parametrize("items, by, expected", [
+    (["a", "b", "c"], 0, ["a", "b", "c"]),
+    (["a", "b", "c"], 1, ["b", "c", "a"]),
+    (["a", "b", "c"], 5, ["c", "a", "b"]),
+])
+def test_rotated(items, by, expected):
+    assert rotated(items, by) == expected
+
+
+def test_merge_ranks_keeps_the_slowest_rank_per_iteration():
+    rank0 = {"ours": _blocks([10, 30], [5])}
+    rank1 = {"ours": _blocks([20, 25], [7])}
+    assert stats.values(merge_ranks([rank0, rank1])["ours"]) == [20, 30, 7]
+
+
+def test_ratio_and_its_per_block_spread():
+    ours = _blocks([9, 9, 9], [12, 12, 12])
+    theirs = _blocks([10, 10, 10], [10, 10, 10])
+    result = stats.ratio(ours, theirs)
+    assert result["ratio"] == pytest.approx(10.5 / 10)  # median of all six of ours / median of theirs
+    assert result["per_block"]["min"] == pytest.approx(0.9)
+    assert result["per_block"]["max"] == pytest.approx(1.2)
+
+
+@pytest.mark.parametrize("cap, expected", [
+    (None, None),
+    (0, ONE_PARAMETER_PER_BUCKET_MB),
+    (25, 25),
+])
+def test_effective_bucket_cap(cap, expected):
+    assert effective_bucket_cap_mb(cap) == expected
+
+
+def test_zero_cap_is_one_byte():
+    assert int(ONE_PARAMETER_PER_BUCKET_MB * 1024 * 1024) == 1
+
+
+@pytest.mark.parametrize("total, expected", [
+    (1024, [1024]),
+    (5000, [1024, 4096, 5000]),
+    (2**16, [1024, 4096, 16384, 65536]),
+])
+def test_allreduce_splits(total, expected):
+    assert splits(total) == expected
+
+
+def test_replace_block_keeps_text_outside_markers():
+    document = ("intro\n<!-- BEGIN GENERATED: compare -->\nold\n<!-- END GENERATED: compare -->\n"
+                "human sentences\n")
+    updated = replace_block(document, "compare", "new table")
+    assert "old" not in updated
+    assert "new table" in updated
+    assert updated.startswith("intro\n") and updated.endswith("human sentences\n")
+
+
+def test_replace_block_appends_unknown_results():
+    updated = replace_block("intro\n", "compare-ws1", "table")
+    assert updated.endswith("<!-- BEGIN GENERATED: compare-ws1 -->\ntable\n<!-- END GENERATED: compare-ws1 -->\n")
