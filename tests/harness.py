@@ -9,10 +9,10 @@ rank alike (an exception) does not disturb the others; a hang fails the
 whole run, with every rank's traceback, when run_ranks' time limit expires.
 """
 
+import io
 import traceback
 from typing import Any, Callable, Dict, List, Sequence
 
-import numpy as np
 import torch
 
 from tests.spawn import RanksFailed, run_ranks
@@ -22,7 +22,9 @@ def _run_cases(rank: int, world_size: int, case_fn: Callable, cases: Sequence[An
     results = {}
     for c in cases:
         try:
-            results[c.id] = (True, case_fn(rank, world_size, c))
+            payload = io.BytesIO()
+            torch.save(case_fn(rank, world_size, c), payload)
+            results[c.id] = (True, payload.getvalue())
         except Exception:
             results[c.id] = (False, traceback.format_exc())
     return results
@@ -57,7 +59,7 @@ class CaseTable:
         failed = [f"--- rank {r} ---\n{value}" for r, (ok, value) in enumerate(per_rank) if not ok]
         if failed:
             raise RanksFailed(f"case {c.id} raised at world size {world_size}:\n" + "\n".join(failed))
-        return [value for _, value in per_rank]
+        return [torch.load(io.BytesIO(value), weights_only=False) for _, value in per_rank]
 
 
 # --- Comparisons ---------------------------------------------------------------
@@ -65,25 +67,36 @@ class CaseTable:
 # Tolerances for "equal up to floating-point rounding" after a few optimizer
 # steps, by the least precise dtype involved.
 TOLERANCES = {
-    np.dtype(np.float32): dict(rtol=1e-5, atol=1e-6),
-    np.dtype(np.float64): dict(rtol=1e-10, atol=1e-12),
+    torch.float32: dict(rtol=1e-5, atol=1e-6),
+    torch.float64: dict(rtol=1e-10, atol=1e-12),
 }
 
+State = Dict[str, torch.Tensor]
 
-def tolerance(*states: Dict[str, np.ndarray]) -> Dict[str, float]:
-    dtypes = {a.dtype for state in states for a in state.values() if a.dtype.kind == "f"}
+
+def tolerance(*states: State) -> Dict[str, float]:
+    dtypes = {t.dtype for state in states for t in state.values() if t.is_floating_point()}
     if not dtypes:
         return dict(rtol=0, atol=0)
     least_precise = min(dtypes, key=lambda d: d.itemsize)
     return TOLERANCES[least_precise]
 
 
-def assert_states_close(actual: Dict[str, np.ndarray], expected: Dict[str, np.ndarray], what: str, **tol) -> None:
-    """Same names, and every array equal up to rounding (exactly for integers)."""
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (NaN equals NaN, -0.0 differs from 0.0)."""
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
+
+
+def assert_states_close(actual: State, expected: State, what: str, **tol) -> None:
+    """Same names, and every tensor equal up to rounding (exactly for integers)."""
     assert sorted(actual) == sorted(expected), f"{what}: names differ: {sorted(actual)} vs {sorted(expected)}"
     tol = tol or tolerance(actual, expected)
     for name in expected:
-        a, e = torch.from_numpy(actual[name]), torch.from_numpy(expected[name])
+        a, e = actual[name], expected[name]
         exact = not e.is_floating_point()
         torch.testing.assert_close(
             a,
@@ -94,17 +107,21 @@ def assert_states_close(actual: Dict[str, np.ndarray], expected: Dict[str, np.nd
         )
 
 
-def assert_same_on_every_rank(traces: List[Dict[str, Any]], what: str) -> None:
-    """Parameters bitwise identical on every rank; and, on every rank, each
-    .grad strided like its parameter after every step."""
+def assert_grad_layout_kept(traces: List[Dict[str, Any]], what: str) -> None:
+    """On every rank, after every step, each .grad strided like its parameter."""
     for rank, t in enumerate(traces):
-        off = t.get("grads_off_layout", [])
+        off = t["grads_off_layout"]
         assert not off, f"{what}: rank {rank}: .grad strided unlike the parameter for {off}"
+
+
+def assert_same_on_every_rank(traces: List[Dict[str, Any]], what: str) -> None:
+    """Parameters bitwise identical on every rank."""
     digests = [t["digest"] for t in traces]
     if len(set(digests)) != 1:
         diffs = []
         for rank, t in enumerate(traces[1:], start=1):
             for name, a in t["params"].items():
-                if a.tobytes() != traces[0]["params"][name].tobytes():
-                    diffs.append(f"rank {rank} `{name}` max |diff| {np.abs(a - traces[0]['params'][name]).max()}")
+                b = traces[0]["params"][name]
+                if not same_bits(a, b):
+                    diffs.append(f"rank {rank} `{name}` max |diff| {(a - b).abs().max().item()}")
         raise AssertionError(f"{what}: parameters differ between ranks: {digests}\n" + "\n".join(diffs))

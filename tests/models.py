@@ -130,6 +130,12 @@ class MixedDtype(nn.Module):
         return self.d(x.double())
 
 
+def _inplace_loss(output, target):
+    """Modifies the model's output in place before using it, as user code may."""
+    output.mul_(0.5)
+    return F.mse_loss(output, target)
+
+
 def _mixed_loss(output, target):
     return F.mse_loss(output, target.double())
 
@@ -272,6 +278,7 @@ MODELS: Dict[str, ModelSpec] = {
     "mixed_dtype": ModelSpec(MixedDtype, _regression(6, 3), _mixed_loss),
     "deep": ModelSpec(Deep, _regression(4, 4), _mse),
     "batchnorm": ModelSpec(BatchNormNet, _regression(6, 3), _mse),
+    "mlp_inplace_loss": ModelSpec(MLP, _regression(6, 3), _inplace_loss),
     "branches": ModelSpec(Branches, _regression(6, 3), _mse, extra_args=lambda r, s, m: (branch_schedule(r, s, m),)),
     "never_used": ModelSpec(NeverUsed, _regression(6, 3), _mse),
     "outputs_dict": ModelSpec(lambda: MultiOutput("dict"), _regression(6, 3), _multi_output_loss),

@@ -3,9 +3,10 @@ or torch's) run on every rank, and the local reference that reproduces the
 same math in one process.
 
 A Case says what to train and how; a trace records what came out of it
-(final parameters and buffers as numpy arrays, which `.grad` were None after
-each step, a digest of the final state) so that the parent process can
-compare ranks, wrappers and references.
+(final parameters and buffers, which `.grad` were None after
+each step, a digest of the final parameters; for DDP runs also the bucket
+layout and any `.grad` strided unlike its parameter) so that the parent
+process can compare ranks, wrappers and references.
 """
 
 import contextlib
@@ -13,7 +14,6 @@ import dataclasses
 import hashlib
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -65,9 +65,10 @@ def case(model: str, optimizer: str = "sgd", **kwargs) -> Case:
     return Case(model, optimizer, ddp=tuple(sorted(ddp.items())), **kwargs)
 
 
-def state_arrays(module: nn.Module) -> Tuple[Dict[str, np.ndarray], Dict[str, np.ndarray]]:
-    params = {n: p.detach().numpy().copy() for n, p in module.named_parameters()}
-    buffers = {n: b.detach().numpy().copy() for n, b in module.named_buffers()}
+def state_tensors(module: nn.Module) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+    """Copies of the module's parameters and buffers, by name."""
+    params = {n: p.detach().clone() for n, p in module.named_parameters()}
+    buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
     return params, buffers
 
 
@@ -83,7 +84,7 @@ def digest_tensors(named_tensors) -> str:
     for name, t in named_tensors:
         t = t.detach().contiguous()
         h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
-        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(bytes(t.reshape(-1).view(torch.uint8).tolist()))
     return h.hexdigest()
 
 
@@ -98,7 +99,7 @@ def grads_off_layout(module: nn.Module) -> List[str]:
 
 
 def trace_of(module: nn.Module, grad_none: List[List[str]], **extra) -> Dict[str, Any]:
-    params, buffers = state_arrays(module)
+    params, buffers = state_tensors(module)
     return dict(params=params, buffers=buffers, grad_none=grad_none, digest=digest(module), **extra)
 
 

@@ -10,7 +10,7 @@ import torch
 
 import ddp_ext
 from tests import reference
-from tests.harness import CaseTable, assert_same_on_every_rank, assert_states_close
+from tests.harness import CaseTable, assert_grad_layout_kept, assert_same_on_every_rank, assert_states_close
 from tests.reference import case
 
 # --- assign_buckets: single process -------------------------------------------
@@ -157,6 +157,7 @@ def test_bucket_layout_does_not_change_training(c, world_size):
     results = TABLE.results(world_size, c)
     traces = [r["ext"] for r in results]
     assert_same_on_every_rank(traces, f"{c.id}, world size {world_size}")
+    assert_grad_layout_kept(traces, f"{c.id}, world size {world_size}")
     assert_states_close(traces[0]["params"], results[0]["local"]["params"], f"{c.id}, ddp_ext vs local training")
     default = TABLE.results(world_size, case(c.model, c.optimizer))[0]["ext"]
     assert_states_close(traces[0]["params"], default["params"], f"{c.id} vs default bucketing")

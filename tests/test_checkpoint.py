@@ -39,7 +39,7 @@ def _round_trip(rank, world_size, rt):
     source_opt = reference.OPTIMIZERS[c.optimizer](source_module.parameters())
     reference.run_steps(source, source_opt, c, rank, world_size, range(0, 2))
 
-    at_save = reference.state_arrays(source_module)
+    at_save = reference.state_tensors(source_module)
     saved = io.BytesIO()
     torch.save({"model": source.state_dict(), "optimizer": source_opt.state_dict()}, saved)
     saved.seek(0)
@@ -51,7 +51,7 @@ def _round_trip(rank, world_size, rt):
     target.load_state_dict(checkpoint["model"])  # strict: same keys both ways
     target_opt = reference.OPTIMIZERS[c.optimizer](target_module.parameters())
     target_opt.load_state_dict(checkpoint["optimizer"])
-    loaded = reference.state_arrays(target_module)
+    loaded = reference.state_tensors(target_module)
 
     reference.run_steps(source, source_opt, c, rank, world_size, range(2, 4))
     reference.run_steps(target, target_opt, c, rank, world_size, range(2, 4))
@@ -60,8 +60,8 @@ def _round_trip(rank, world_size, rt):
         target_keys=target_keys,
         at_save=at_save,
         loaded=loaded,
-        source_final=reference.state_arrays(source_module),
-        target_final=reference.state_arrays(target_module),
+        source_final=reference.state_tensors(source_module),
+        target_final=reference.state_tensors(target_module),
     )
 
 

@@ -82,6 +82,14 @@ def _two_iterations(module, **ddp_kwargs):
     _loss(ddp(x)).backward()
 
 
+def _regularised_two_iterations(module, **ddp_kwargs):
+    """The loss also uses fc2.weight directly, outside the forward."""
+    ddp = reference.ext_ddp(module, **ddp_kwargs)
+    x = torch.randn(3, 4)
+    for _ in range(2):
+        (_loss(ddp(x)) + module.fc2.weight.pow(2).sum()).backward()
+
+
 def _forward_without_backward(module, **ddp_kwargs):
     """Legal: a forward whose output is dropped, then a normal iteration."""
     ddp = reference.ext_ddp(module, **ddp_kwargs)
@@ -136,6 +144,11 @@ TRIGGERS = {
         lambda: _Checkpointed(use_reentrant=True),
         dict(find_unused_parameters=True),
     ),
+    "parameter_used_outside_forward_find_unused": (
+        _regularised_two_iterations,
+        lambda: _Skips(("fc2",)),
+        dict(find_unused_parameters=True),
+    ),
     "no_parameter_requires_grad": (_construct, lambda: nn.Linear(4, 4).requires_grad_(False), {}),
     "no_parameters": (_construct, nn.ReLU, {}),
     # Not errors: these must run through.
@@ -170,6 +183,12 @@ CASES = [
     ),
     ErrorCase("ignored_output", "RuntimeError", (NOT_FINISHED, "aux.weight", "aux.bias", ADVICE_FIND_UNUSED), ("fc.",)),
     ErrorCase("reentrant_checkpoint_find_unused", "RuntimeError", (TWICE, "fc1.", "use_reentrant=False")),
+    ErrorCase(
+        "parameter_used_outside_forward_find_unused",
+        "RuntimeError",
+        (TWICE, "fc2.weight", "forward"),
+        ("fc0.", "fc1.", "fc2.bias"),
+    ),
     ErrorCase("no_parameter_requires_grad", "RuntimeError", ("parameter that requires a gradient",)),
     ErrorCase("no_parameters", "RuntimeError", ("parameter that requires a gradient",)),
     ErrorCase("forward_without_backward", None),

@@ -10,7 +10,7 @@ which they could not if anything were communicated inside no_sync.
 import pytest
 
 from tests import models, reference
-from tests.harness import CaseTable, assert_same_on_every_rank, assert_states_close
+from tests.harness import CaseTable, assert_grad_layout_kept, assert_same_on_every_rank, assert_states_close
 from tests.reference import case
 
 FIND = dict(find_unused_parameters=True)
@@ -52,6 +52,7 @@ def test_no_sync_matches_local_and_torch_ddp(c, world_size):
     results = TABLE.results(world_size, c)
     ext = [r["ext"] for r in results]
     assert_same_on_every_rank(ext, f"{c.id}, world size {world_size}")
+    assert_grad_layout_kept(ext, f"{c.id}, world size {world_size}")
     local = results[0]["local"]
     assert_states_close(ext[0]["params"], local["params"], f"{c.id}, ddp_ext vs local training")
     assert ext[0]["grad_none"] == local["grad_none"], "parameters with .grad None per step, ddp_ext vs local"

@@ -10,7 +10,7 @@ rank (issue 2).
 import pytest
 
 from tests import reference
-from tests.harness import CaseTable, assert_same_on_every_rank, assert_states_close
+from tests.harness import CaseTable, assert_grad_layout_kept, assert_same_on_every_rank, assert_states_close
 from tests.reference import case
 
 MODELS = ["mlp", "conv", "shared_weight", "mixed_dtype", "deep"]
@@ -33,6 +33,7 @@ def test_matches_local_training_on_whole_batch(c, world_size):
     results = TABLE.results(world_size, c)
     traces = [r["ext"] for r in results]
     assert_same_on_every_rank(traces, f"{c.id}, world size {world_size}")
+    assert_grad_layout_kept(traces, f"{c.id}, world size {world_size}")
     local = results[0]["local"]
     assert_states_close(traces[0]["params"], local["params"], f"{c.id}, ddp_ext vs local training")
     assert traces[0]["grad_none"] == local["grad_none"]

@@ -12,7 +12,7 @@ and without gradient_as_bucket_view.
 import pytest
 
 from tests import reference
-from tests.harness import CaseTable, assert_same_on_every_rank, assert_states_close
+from tests.harness import CaseTable, assert_grad_layout_kept, assert_same_on_every_rank, assert_states_close
 from tests.reference import case
 
 MODELS = ["mlp", "conv", "shared_weight", "mixed_dtype", "deep", "batchnorm", "conv_channels_last", "transposed"]
@@ -36,8 +36,49 @@ TABLE = CaseTable(_train, CASES)
 def test_matches_torch_ddp(c, world_size):
     results = TABLE.results(world_size, c)
     assert_same_on_every_rank([r["ext"] for r in results], f"{c.id}, world size {world_size}")
+    assert_grad_layout_kept([r["ext"] for r in results], f"{c.id}, world size {world_size}")
     for rank, r in enumerate(results):
         what = f"{c.id}, rank {rank} of {world_size}, ddp_ext vs torch DDP"
+        assert_states_close(r["ext"]["params"], r["torch"]["params"], what + " parameters")
+        assert_states_close(r["ext"]["buffers"], r["torch"]["buffers"], what + " buffers")
+        assert r["ext"]["grad_none"] == r["torch"]["grad_none"], what
+
+
+# --- A process group of some of the ranks ----------------------------------------
+
+SUBGROUP_CASES = [case("mlp", "sgd"), case("batchnorm", "adam"), case("branches", "sgd", ddp=dict(find_unused_parameters=True))]
+
+
+def _train_in_subgroup(rank, world_size, c):
+    """Ranks 1 and 2 of 3 train through a group of their own: its rank 0
+    (global rank 1) is the broadcast source, its size the divisor."""
+    import torch.distributed as dist
+
+    members = [1, 2]
+    group = dist.new_group(members)
+    if rank not in members:
+        return None
+    group_rank, group_size = members.index(rank), len(members)
+    result = {}
+    for name, wrapper in (("ext", reference.ext_ddp), ("torch", reference.torch_ddp)):
+        in_group = lambda module, wrapper=wrapper, **kw: wrapper(module, process_group=group, **kw)
+        # Start every member from other weights: construction must make them rank 1's.
+        result[name] = reference.train_ddp(in_group, c, group_rank, group_size, seed=1000 * rank)
+    return result
+
+
+SUBGROUP_TABLE = CaseTable(_train_in_subgroup, SUBGROUP_CASES)
+
+
+@pytest.mark.parametrize("c", SUBGROUP_CASES, ids=lambda c: c.id)
+def test_process_group_of_some_ranks_matches_torch_ddp(c):
+    results = SUBGROUP_TABLE.results(3, c)
+    assert results[0] is None
+    members = results[1:]
+    assert_same_on_every_rank([r["ext"] for r in members], f"{c.id}, ranks 1 and 2")
+    assert_grad_layout_kept([r["ext"] for r in members], f"{c.id}, ranks 1 and 2")
+    for rank, r in enumerate(members, start=1):
+        what = f"{c.id}, rank {rank}, ddp_ext vs torch DDP over the group of ranks 1 and 2"
         assert_states_close(r["ext"]["params"], r["torch"]["params"], what + " parameters")
         assert_states_close(r["ext"]["buffers"], r["torch"]["buffers"], what + " buffers")
         assert r["ext"]["grad_none"] == r["torch"]["grad_none"], what

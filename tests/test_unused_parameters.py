@@ -11,7 +11,7 @@ training's.
 import pytest
 
 from tests import reference
-from tests.harness import CaseTable, assert_same_on_every_rank, assert_states_close
+from tests.harness import CaseTable, assert_grad_layout_kept, assert_same_on_every_rank, assert_states_close
 from tests.reference import case
 
 FIND = dict(find_unused_parameters=True)
@@ -34,7 +34,16 @@ CASES = [
     # find_unused_parameters=True; the reentrant kind without it.
     case("checkpoint_nonreentrant", "adam", ddp=FIND),
     case("checkpoint_reentrant", "adam"),
+    # The loss modifies the model's output in place.
+    case("mlp_inplace_loss", "sgd", ddp=FIND),
 ]
+INPLACE_XFAIL = pytest.mark.xfail(
+    reason="BUG: with find_unused_parameters=True, ddp_ext's forward returns views made inside a "
+    "custom autograd Function (_OutputSink returns t.view_as(t)); autograd forbids modifying them in "
+    "place ('Output 0 of _OutputSink is a view and is being modified inplace'). torch's _DDPSink "
+    "clones its outputs, so the same loss code works with torch's DDP",
+    strict=True,
+)
 # torch's DDP hides dataclass outputs from its sink (pytree treats them as
 # leaves) and then waits for the ignored ones forever: compared locally only.
 NOT_WITH_TORCH = {"outputs_dataclass"}
@@ -53,11 +62,16 @@ TABLE = CaseTable(_train, CASES)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("c", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize(
+    "c",
+    [pytest.param(c, marks=INPLACE_XFAIL) if c.model == "mlp_inplace_loss" else c for c in CASES],
+    ids=lambda c: c.id,
+)
 def test_unused_parameters_match_local_and_torch_ddp(c, world_size):
     results = TABLE.results(world_size, c)
     ext = [r["ext"] for r in results]
     assert_same_on_every_rank(ext, f"{c.id}, world size {world_size}")
+    assert_grad_layout_kept(ext, f"{c.id}, world size {world_size}")
     local = results[0]["local"]
     assert_states_close(ext[0]["params"], local["params"], f"{c.id}, ddp_ext vs local training")
     assert ext[0]["grad_none"] == local["grad_none"], "parameters with .grad None per step, ddp_ext vs local"
