@@ -8,13 +8,11 @@ constructor arguments raise ValueError or TypeError naming the argument.
 
 import dataclasses
 import datetime
-import os
 from typing import Optional, Tuple
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -247,18 +245,7 @@ def test_error_on_every_rank(c, world_size):
             assert f"rank {rank}" in message.lower(), f"rank {rank}: message does not say which rank:\n{message}"
 
 
-# --- Single process: argument checks -------------------------------------------
-
-
-@pytest.fixture
-def default_group(tmp_path):
-    """A world of one process: enough for construction-time checks."""
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.FileStore(os.fspath(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield dist.distributed_c10d._get_default_group()
-    finally:
-        dist.destroy_process_group()
+# --- Single process: argument checks ------------------------------------------
 
 
 # (id, constructor keyword arguments, exception type, argument the message must name)
@@ -279,25 +266,25 @@ BAD_ARGUMENTS = [
 @pytest.mark.parametrize(
     "kwargs, error, argument", [row[1:] for row in BAD_ARGUMENTS], ids=[row[0] for row in BAD_ARGUMENTS]
 )
-def test_invalid_argument_names_it(default_group, kwargs, error, argument):
+def test_invalid_argument_names_it(single_process_group, kwargs, error, argument):
     with pytest.raises(error, match=argument):
         reference.ext_ddp(nn.Linear(2, 2), **kwargs)
 
 
-def test_static_graph_error_says_what_to_do(default_group):
+def test_static_graph_error_says_what_to_do(single_process_group):
     with pytest.raises(ValueError, match="not supported") as info:
         reference.ext_ddp(nn.Linear(2, 2), static_graph=True)
     assert "find_unused_parameters=True" in str(info.value)
 
 
-def test_module_must_be_a_module(default_group):
+def test_module_must_be_a_module(single_process_group):
     with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
         reference.ext_ddp(lambda x: x)
 
 
-def test_valid_arguments_construct(default_group):
+def test_valid_arguments_construct(single_process_group):
     """The checks above reject only what they should."""
-    for kwargs in (dict(), dict(bucket_cap_mb=1e-3), dict(bucket_cap_mb=100), dict(process_group=default_group)):
+    for kwargs in (dict(), dict(bucket_cap_mb=1e-3), dict(bucket_cap_mb=100), dict(process_group=single_process_group)):
         ddp = reference.ext_ddp(nn.Linear(2, 2), **kwargs)
         ddp(torch.randn(1, 2)).sum().backward()
 
