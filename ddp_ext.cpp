@@ -66,6 +66,7 @@ void bind_reducer(py::module& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("prepare_for_backward", &Reducer::prepare_for_backward,
            py::arg("outputs"), py::call_guard<py::gil_scoped_release>())
+      .def("prepare_for_local_backward", &Reducer::prepare_for_local_backward)
       .def("bucket_indices", &Reducer::bucket_indices)
       .def_property_readonly("learning_static_graph", &Reducer::learning_static_graph)
       .def("queue_finish_learning_iteration", &Reducer::queue_finish_learning_iteration)

@@ -38,19 +38,23 @@ def verify_same_model(process_group: dist.ProcessGroup, named_params, device) ->
     for rank, described in enumerate(every_rank[1:], start=1):
         if described == reference:
             continue
-        for index, (ours, theirs) in enumerate(zip(reference, described)):
-            if ours != theirs:
-                raise RuntimeError(
-                    "DDP expects same model across all ranks, but parameter "
-                    f"{index} differs: rank 0 has `{ours}`, rank {rank} has "
-                    f"`{theirs}` (name shape dtype). Build the model identically "
-                    "on every rank before wrapping it."
-                )
-        shorter = min(len(reference), len(described))
-        extra_rank, extra = (0, reference) if len(reference) > shorter else (rank, described)
+        index = next(
+            (i for i, (ours, theirs) in enumerate(zip(reference, described)) if ours != theirs),
+            min(len(reference), len(described)),
+        )
+
+        def at(entries):
+            return f"`{entries[index]}`" if index < len(entries) else "nothing"
+
+        count = ""
+        if len(reference) != len(described):
+            count = (
+                f"rank 0 has {len(reference)} parameters that require grad and rank {rank} "
+                f"has {len(described)}; "
+            )
         raise RuntimeError(
-            f"DDP expects same model across all ranks, but rank 0 has {len(reference)} "
-            f"parameters that require grad while rank {rank} has {len(described)}; the "
-            f"first one only rank {extra_rank} has is `{extra[shorter]}` (name shape dtype). "
-            "Build the model identically on every rank before wrapping it."
+            f"DDP expects same model across all ranks, but {count}parameter {index} differs: "
+            f"rank 0 has {at(reference)}, rank {rank} has {at(described)} (name shape dtype). "
+            "Build the model identically on every rank, with the same parameters frozen, "
+            "before wrapping it."
         )

@@ -12,6 +12,7 @@ learning iteration's backward has begun; see Note [Static graph] in
 reducer/reducer.cpp.
 """
 
+import copy
 import dataclasses
 from typing import Any, Callable, List, Optional
 
@@ -23,7 +24,8 @@ class _OutputSink(torch.autograd.Function):
     def forward(ctx, on_backward, *tensors):
         ctx.set_materialize_grads(False)
         ctx.on_backward = on_backward
-        return tuple(t.view_as(t) for t in tensors)
+        # Clones, not views: callers may modify outputs in place.
+        return tuple(t.clone() for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -34,7 +36,8 @@ class _OutputSink(torch.autograd.Function):
 
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     """Rebuilds `obj` with fn applied to every tensor nested in tuples, lists,
-    dicts, namedtuples and dataclasses."""
+    dicts, namedtuples and dataclasses. Dicts and dataclasses are shallow-copied
+    and refilled, so their type, default factory and every field survive."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
@@ -42,10 +45,16 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_map_tensors(v, fn) for v in obj)
     if isinstance(obj, dict):
-        return type(obj)((k, _map_tensors(v, fn)) for k, v in obj.items())
+        mapped = copy.copy(obj)
+        for key, value in obj.items():
+            mapped[key] = _map_tensors(value, fn)
+        return mapped
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: _map_tensors(getattr(obj, f.name), fn) for f in dataclasses.fields(obj) if f.init}
-        return dataclasses.replace(obj, **changes)
+        mapped = copy.copy(obj)
+        for field in dataclasses.fields(obj):
+            # object.__setattr__ also works on frozen dataclasses.
+            object.__setattr__(mapped, field.name, _map_tensors(getattr(obj, field.name), fn))
+        return mapped
     return obj
 
 

@@ -81,6 +81,12 @@ class DistributedDataParallel(nn.Module):
             raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
 
         named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if init_sync:
+            # First of all, so that a rank with a different model (even one with
+            # nothing to train) makes every rank raise the same error.
+            some_param = next(module.parameters(), None)
+            check_device = some_param.device if some_param is not None else torch.device("cpu")
+            verify_same_model(process_group, named_params, check_device)
         if not named_params:
             raise RuntimeError(
                 "DistributedDataParallel is not needed when a module doesn't have any "
@@ -120,7 +126,6 @@ class DistributedDataParallel(nn.Module):
 
         params = [p for _, p in named_params]
         if init_sync:
-            verify_same_model(process_group, named_params, params[0].device)
             _C.broadcast_coalesced(
                 process_group,
                 [t.detach() for t in module.parameters()] + self._module_buffers,
@@ -145,7 +150,9 @@ class DistributedDataParallel(nn.Module):
         )
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        self._reducer.prepare_for_forward()
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled:
+            self._reducer.prepare_for_forward()
         if self.device_ids:
             device = torch.device(self.device_type, self.device_ids[0])
             inputs, kwargs = _map_tensors((inputs, kwargs), lambda t: t.to(device, non_blocking=True))
@@ -154,7 +161,6 @@ class DistributedDataParallel(nn.Module):
 
         output = self.module(*inputs, **kwargs)
 
-        grad_enabled = torch.is_grad_enabled()
         search_unused = self.find_unused_parameters and not self.static_graph
         learning = False
         if grad_enabled and self.require_backward_grad_sync:
@@ -165,6 +171,10 @@ class DistributedDataParallel(nn.Module):
             learning = self._reducer.learning_static_graph
         else:
             self.require_forward_param_sync = False
+            if grad_enabled:
+                # Inside no_sync: whatever the last forward expected, the next
+                # backward only accumulates.
+                self._reducer.prepare_for_local_backward()
         if learning:
             output = sink_outputs(output, on_backward=self._reducer.queue_finish_learning_iteration)
         elif search_unused and grad_enabled:

@@ -309,6 +309,14 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   }
 }
 
+void Reducer::prepare_for_local_backward() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_INTERNAL_ASSERT(
+      phase_ != Phase::kReducing,
+      "prepare_for_forward must run before prepare_for_local_backward");
+  enter(phase_, Phase::kIdle);
+}
+
 void Reducer::on_gradient_ready(size_t index, bool gradient_arrived) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (gradient_arrived && tracks_usage()) {

@@ -22,6 +22,8 @@ namespace ddp_ext::reducer {
 //   kIdle ──prepare_for_backward──▶ kExpectingGradients ──first gradient──▶
 //   kReducing ──last bucket launched, end of backward: finalize──▶ kIdle
 //
+//   kExpectingGradients ──prepare_for_local_backward (no_sync forward)──▶ kIdle
+//
 // kIdle: no synchronising backward is expected (before the first forward,
 //   inside no_sync, under torch.no_grad, after a finished reduction). Hooks
 //   only record which parameters got a gradient.
@@ -85,6 +87,11 @@ class Reducer {
   // iteration: queues finish_learning_iteration() to run when the whole
   // backward pass (nested ones included) has finished.
   void queue_finish_learning_iteration();
+
+  // Called at the end of a forward inside no_sync: its backward only
+  // accumulates, even if an earlier forward without backward expected
+  // gradients.
+  void prepare_for_local_backward();
 
   // The bucket layout, as parameter indices per bucket in launch order.
   std::vector<std::vector<size_t>> bucket_indices() const;

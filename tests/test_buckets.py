@@ -64,8 +64,28 @@ def test_assign_buckets_table(tensors, cap_bytes, expected):
 
 @pytest.mark.parametrize("cap_bytes", [0, -1])
 def test_assign_buckets_rejects_non_positive_cap(cap_bytes):
-    with pytest.raises(RuntimeError, match="bucket cap must be positive"):
+    with pytest.raises(RuntimeError, match="bucket caps must be positive"):
         ddp_ext._C.assign_buckets(_specs(4), cap_bytes)
+    with pytest.raises(RuntimeError, match="bucket caps must be positive"):
+        ddp_ext._C.assign_buckets(_specs(4), 100, cap_bytes)
+
+
+# (id, tensors in registration order, cap_bytes, first_cap_bytes, expected buckets)
+FIRST_CAP_TABLE = [
+    ("first_bucket_smaller", _specs(4, 4, 4, 4, 4), 100, 8, [[4, 3], [2, 1, 0]]),
+    ("first_cap_equal_to_cap", _specs(4, 4, 4, 4, 4), 8, 8, [[4, 3], [2, 1], [0]]),
+    ("first_bucket_per_kind", _specs(4, (8, F64), 4, (8, F64)), 100, 4, [[3], [2], [1], [0]]),
+    ("first_cap_larger_than_cap", _specs(4, 4, 4, 4), 4, 8, [[3, 2], [1], [0]]),
+]
+
+
+@pytest.mark.parametrize(
+    "tensors, cap_bytes, first_cap_bytes, expected",
+    [row[1:] for row in FIRST_CAP_TABLE],
+    ids=[row[0] for row in FIRST_CAP_TABLE],
+)
+def test_assign_buckets_first_cap_table(tensors, cap_bytes, first_cap_bytes, expected):
+    assert ddp_ext._C.assign_buckets(tensors, cap_bytes, first_cap_bytes) == expected
 
 
 def _check_invariants(tensors, cap, buckets):

@@ -211,13 +211,6 @@ def test_no_sync_communicates_nothing_and_find_unused_adds_one_bitmap(name, worl
                 assert bitmaps == [], where
 
 
-@pytest.mark.xfail(
-    reason="BUG (torch's DDP does the same): a synchronising forward without backward leaves the "
-    "reducer expecting gradients (phase kExpectingGradients); a no_sync forward does not disarm it, "
-    "so the no_sync backward reduces and allreduces. Harmless when every rank does it (averaging is "
-    "linear), a hang when only some ranks do",
-    strict=True,
-)
 @pytest.mark.parametrize("world_size", [2])
 def test_no_sync_after_forward_without_backward_communicates_nothing(world_size):
     for rank, calls in enumerate(TABLE.results(world_size, _scenario("no_sync_after_forward_without_backward"))):

@@ -259,7 +259,6 @@ BAD_ARGUMENTS = [
     ("output_device_cpu_module", dict(output_device=0), ValueError, "output_device"),
     ("process_group_object", dict(process_group=object()), TypeError, "process_group"),
     ("process_group_str", dict(process_group="gloo"), TypeError, "process_group"),
-    ("static_graph", dict(static_graph=True), ValueError, "static_graph"),
 ]
 
 
@@ -269,12 +268,6 @@ BAD_ARGUMENTS = [
 def test_invalid_argument_names_it(single_process_group, kwargs, error, argument):
     with pytest.raises(error, match=argument):
         reference.ext_ddp(nn.Linear(2, 2), **kwargs)
-
-
-def test_static_graph_error_says_what_to_do(single_process_group):
-    with pytest.raises(ValueError, match="not supported") as info:
-        reference.ext_ddp(nn.Linear(2, 2), static_graph=True)
-    assert "find_unused_parameters=True" in str(info.value)
 
 
 def test_module_must_be_a_module(single_process_group):

@@ -62,7 +62,7 @@ MISMATCHES = [
     Mismatch("frozen_on_one_rank", (("freeze_fc1", True),), ("fc1.weight",)),
 ]
 DIVERGENT = [Divergent("batchnorm"), Divergent("branches"), Divergent("mlp", init_sync=False)]
-# Last: on failure its ranks fall out of step (see the xfail below).
+# Last: on failure its ranks fall out of step.
 NOTHING_TO_TRAIN = Mismatch("nothing_to_train_on_one_rank", (), ("fc1.weight",), freeze_all=True)
 
 
@@ -99,19 +99,12 @@ def _run(rank, world_size, c):
 
 TABLE = CaseTable(_run, MISMATCHES + DIVERGENT + [NOTHING_TO_TRAIN], timeout=120)
 
-NOTHING_TO_TRAIN_XFAIL = pytest.mark.xfail(
-    reason="BUG: a rank whose module has no parameter that requires grad raises 'DistributedDataParallel "
-    "is not needed ...' locally, before the model check's allgather; the other ranks wait in that "
-    "allgather and fail only with a gloo error (timeout, or 'Connection closed/reset by peer' once the "
-    "raising rank exits) instead of 'DDP expects same model across all ranks'",
-    strict=True,
-)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize(
     "m",
-    MISMATCHES + [pytest.param(NOTHING_TO_TRAIN, marks=NOTHING_TO_TRAIN_XFAIL)],
+    MISMATCHES + [NOTHING_TO_TRAIN],
     ids=lambda m: m.id,
 )
 def test_mismatched_models_raise_on_every_rank(m, world_size):

@@ -69,27 +69,8 @@ STRUCTURES = [
     pytest.param(lambda a, b, c: Plain(a, [b, {"c": c}]), id="dataclass"),
     pytest.param(lambda a, b, c: Frozen(a), id="frozen_dataclass"),
     pytest.param(lambda a, b, c: torch.max(torch.stack([a, b]), dim=0), id="return_types"),
-    pytest.param(
-        _defaultdict,
-        id="defaultdict",
-        marks=pytest.mark.xfail(
-            reason="BUG: _map_tensors rebuilds a dict as type(obj)(items); defaultdict's first "
-            "argument is its default_factory, so any model returning a defaultdict fails with "
-            "find_unused_parameters=True (TypeError: first argument must be callable or None)",
-            raises=TypeError,
-            strict=True,
-        ),
-    ),
-    pytest.param(
-        lambda a, b, c: _with_aux(WithDerivedField, a, b),
-        id="dataclass_field_not_in_init",
-        marks=pytest.mark.xfail(
-            reason="BUG: _map_tensors rebuilds a dataclass with dataclasses.replace() over its "
-            "init fields only; fields with init=False are reset to their default, so the output "
-            "the user gets back has lost them (aux becomes None), and find_tensors never sees them",
-            strict=True,
-        ),
-    ),
+    pytest.param(_defaultdict, id="defaultdict"),
+    pytest.param(lambda a, b, c: _with_aux(WithDerivedField, a, b), id="dataclass_field_not_in_init"),
 ]
 
 
@@ -142,13 +123,6 @@ def test_sink_passes_gradients_through_and_none_for_ignored_outputs():
     torch.testing.assert_close(w.grad, torch.full((3,), 2.0))
 
 
-@pytest.mark.xfail(
-    reason="BUG: _OutputSink returns t.view_as(t), views created inside a custom Function, which "
-    "autograd forbids modifying in place; torch's _DDPSink clones instead, so `out.mul_(0.5)` on a "
-    "DDP output works with torch's DDP but raises with ddp_ext and find_unused_parameters=True",
-    raises=RuntimeError,
-    strict=True,
-)
 @pytest.mark.parametrize("n_outputs", [1, 2])
 def test_sunk_outputs_can_be_modified_in_place(n_outputs):
     w = torch.randn(3, requires_grad=True)

@@ -37,13 +37,6 @@ CASES = [
     # The loss modifies the model's output in place.
     case("mlp_inplace_loss", "sgd", ddp=FIND),
 ]
-INPLACE_XFAIL = pytest.mark.xfail(
-    reason="BUG: with find_unused_parameters=True, ddp_ext's forward returns views made inside a "
-    "custom autograd Function (_OutputSink returns t.view_as(t)); autograd forbids modifying them in "
-    "place ('Output 0 of _OutputSink is a view and is being modified inplace'). torch's _DDPSink "
-    "clones its outputs, so the same loss code works with torch's DDP",
-    strict=True,
-)
 # torch's DDP hides dataclass outputs from its sink (pytree treats them as
 # leaves) and then waits for the ignored ones forever: compared locally only.
 NOT_WITH_TORCH = {"outputs_dataclass"}
@@ -64,7 +57,7 @@ TABLE = CaseTable(_train, CASES)
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize(
     "c",
-    [pytest.param(c, marks=INPLACE_XFAIL) if c.model == "mlp_inplace_loss" else c for c in CASES],
+    CASES,
     ids=lambda c: c.id,
 )
 def test_unused_parameters_match_local_and_torch_ddp(c, world_size):
