@@ -43,6 +43,15 @@ namespace ddp_ext::reducer {
 // bitmap allreduce. Because nothing is searched from the outputs, gradients
 // produced by reentrant activation checkpointing are fine.
 //
+// Note [A world of one rank]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// With a single rank the average of each gradient is the gradient itself,
+// so, unless .grad must be a bucket view, the reducer leaves gradients where
+// autograd put them: hooks keep their bookkeeping (so every error is raised
+// as with more ranks) but copy nothing, no collective is launched, and
+// nothing is written back. Parameters that got no gradient keep their .grad,
+// which is what "used by no rank" means in a world of one.
+//
 // Note [Gradient averaging]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~
 // Each gradient is multiplied by 1/world_size while it is copied into its
@@ -113,7 +122,10 @@ Reducer::Reducer(
     : params_(std::move(params)),
       param_names_(std::move(param_names)),
       process_group_(std::move(process_group)),
-      options_(options) {
+      options_(options),
+      gradients_stay_local_(
+          process_group_ && process_group_->getSize() == 1 &&
+          !options.gradient_as_bucket_view) {
   const size_t n = params_.size();
   TORCH_CHECK(n > 0, "Reducer needs at least one parameter");
   TORCH_CHECK(
@@ -353,7 +365,9 @@ void Reducer::mark_ready(size_t index) {
   const at::Tensor& view = bucket.views[slot_of_param_[index]];
   const at::Tensor& grad = params_[index].grad();
   at::NoGradGuard no_grad;
-  if (!grad.defined()) {
+  if (gradients_stay_local_) {
+    // See Note [A world of one rank].
+  } else if (!grad.defined()) {
     view.zero_();
   } else {
     TORCH_CHECK(!grad.is_sparse(), "parameter ", param_names_[index],
@@ -392,6 +406,9 @@ void Reducer::launch_ready_buckets() {
 }
 
 void Reducer::launch(Bucket& bucket) {
+  if (gradients_stay_local_) {
+    return; // See Note [A world of one rank].
+  }
   std::vector<at::Tensor> tensors{bucket.flat};
   bucket.work = process_group_->allreduce(tensors);
 }
@@ -403,6 +420,9 @@ void Reducer::launch_all_buckets() {
 }
 
 void Reducer::launch_used_bitmap_allreduce() {
+  if (gradients_stay_local_) {
+    return; // See Note [A world of one rank]: the local bitmap is global.
+  }
   if (!used_for_allreduce_.is_same(local_used_)) {
     used_for_allreduce_.copy_(local_used_, /*non_blocking=*/true);
   }
@@ -420,9 +440,12 @@ void Reducer::wait_for_launched_buckets() {
 }
 
 std::vector<bool> Reducer::wait_for_used_bitmap() {
-  used_work_->wait();
-  used_work_.reset();
-  const at::Tensor used = used_for_allreduce_.cpu();
+  if (used_work_) {
+    used_work_->wait();
+    used_work_.reset();
+  }
+  const at::Tensor used =
+      gradients_stay_local_ ? local_used_ : used_for_allreduce_.cpu();
   const int32_t* counts = used.data_ptr<int32_t>();
   std::vector<bool> globally_used(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -490,6 +513,9 @@ void Reducer::finish_learning_iteration() {
 }
 
 void Reducer::write_back_gradients(const std::vector<bool>& globally_used) {
+  if (gradients_stay_local_) {
+    return; // See Note [A world of one rank].
+  }
   at::NoGradGuard no_grad;
   for (const auto& [index, stash] : stashed_grads_) {
     if (!globally_used[index]) {

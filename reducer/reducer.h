@@ -126,6 +126,8 @@ class Reducer {
   const std::vector<std::string> param_names_;
   const c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
   ReducerOptions options_; // only overlap_with_backward ever changes
+  // See Note [A world of one rank].
+  const bool gradients_stay_local_;
 
   // The gradient accumulator of each parameter, held so that autograd keeps
   // using the node our hook is installed on, and the key to remove the hook.

@@ -19,8 +19,8 @@ LABELS = {OURS: "ddp_ext", TORCH: "torch DDP", LOCAL: "local"}
 def make_replica(kind: str, workload: Workload, seed: int, bucket_cap_mb: Optional[float] = None,
                  process_group: Optional[dist.ProcessGroup] = None) -> nn.Module:
     """A replica built from `seed`, wrapped as `kind`. bucket_cap_mb None keeps
-    the wrapper's default (torch's then uses a 1 MiB first bucket, ddp_ext's
-    does not); any other value goes to both wrappers unchanged."""
+    the wrappers' defaults (25 MiB with a 1 MiB first bucket, in both); any
+    other value goes to both wrappers unchanged."""
     model = workload.build(seed)
     if kind == LOCAL:
         return model

@@ -62,8 +62,8 @@ def run(options: BenchOptions, progress) -> dict:
         "bucket_cap_mb 0 is measured as a cap of 1 byte (2^-20 MiB): ddp_ext rejects caps <= 0, and "
         "1 byte puts every parameter in a bucket of its own in both DDPs, which is what 0 means in the paper.",
         "Caps are measured one after another; within each cap ddp_ext and torch DDP alternate block by block.",
-        "An explicit cap applies to every bucket in both DDPs (torch uses its 1 MiB first bucket only "
-        "with its default cap).",
+        "An explicit cap applies to every bucket in both DDPs (both use a 1 MiB first bucket only "
+        "with their default cap).",
     ]
     return {"models": models, "notes": notes}
 

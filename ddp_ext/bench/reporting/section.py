@@ -17,7 +17,7 @@ def machine_line(data: dict) -> str:
 
 def bucket_cap_text(caps: list) -> str:
     if list(caps) == [None]:
-        return "each DDP's default bucket cap (25 MiB; torch's DDP also a 1 MiB first bucket)"
+        return "each DDP's default bucket cap (25 MiB, with a 1 MiB first bucket in both)"
     return f"bucket_cap_mb {', '.join(f'{c:g}' for c in caps)} for both DDPs"
 
 
