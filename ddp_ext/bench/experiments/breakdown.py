@@ -11,13 +11,14 @@ estimates the communication.
 """
 
 from ddp_ext.bench import stats
-from ddp_ext.bench.interleave import merge_ranks, run_interleaved
+from ddp_ext.bench.experiments.compare import measure_models
+from ddp_ext.bench.interleave import merge_ranks
 from ddp_ext.bench.launcher import launch
-from ddp_ext.bench.options import BenchOptions, effective_bucket_cap_mb
+from ddp_ext.bench.options import BenchOptions
 from ddp_ext.bench.replicas import LOCAL, OURS, TORCH, make_replica
 from ddp_ext.bench.reporting import figures, markdown
 from ddp_ext.bench.training_step import PHASES, TrainingStep
-from ddp_ext.bench.workloads import Workload, input_seed
+from ddp_ext.bench.workloads import Workload
 
 NAME = "breakdown"
 FIGURE = "Fig. 5"
@@ -39,17 +40,12 @@ def _replica(variant, workload, seed, cap):
     return ddp
 
 
+def _variants(workload, batch, seed, cap):
+    return {v: TrainingStep(_replica(v, workload, seed, cap), batch) for v in VARIANTS}
+
+
 def _measure(rank, world_size, job):
-    options, progress = job
-    progress = progress.for_rank(rank)
-    cap = effective_bucket_cap_mb(options.single_bucket_cap())
-    measured = {}
-    for model in options.models:
-        workload = Workload(model, options.preset)
-        batch = workload.batch(input_seed(options.seed, rank))
-        variants = {v: TrainingStep(_replica(v, workload, options.seed, cap), batch) for v in VARIANTS}
-        measured[model] = run_interleaved(variants, **options.run_lengths(), progress=progress, label=model)
-    return measured
+    return measure_models(rank, job, _variants)
 
 
 def _model_result(merged, workload) -> dict:

@@ -20,8 +20,10 @@ FIGURE = "none (the issue's performance target)"
 TITLE = "Per-iteration latency: ddp_ext vs torch DDP vs local training"
 
 
-def measure_kinds(rank, world_size, job):
-    """Rank body: ours, torch and local interleaved, per model; also used by scale."""
+def measure_models(rank, job, build_variants):
+    """Per model, the training steps `build_variants(workload, batch, seed, cap)`
+    returns, measured interleaved on this rank; shared by the experiments that
+    compare variants of one training step."""
     options, progress = job
     progress = progress.for_rank(rank)
     cap = effective_bucket_cap_mb(options.single_bucket_cap())
@@ -29,9 +31,18 @@ def measure_kinds(rank, world_size, job):
     for model in options.models:
         workload = Workload(model, options.preset)
         batch = workload.batch(input_seed(options.seed, rank))
-        variants = {kind: TrainingStep(make_replica(kind, workload, options.seed, cap), batch) for kind in KINDS}
+        variants = build_variants(workload, batch, options.seed, cap)
         measured[model] = run_interleaved(variants, **options.run_lengths(), progress=progress, label=model)
     return measured
+
+
+def _kinds(workload, batch, seed, cap):
+    return {kind: TrainingStep(make_replica(kind, workload, seed, cap), batch) for kind in KINDS}
+
+
+def measure_kinds(rank, world_size, job):
+    """Rank body: ours, torch and local interleaved, per model; also used by scale."""
+    return measure_models(rank, job, _kinds)
 
 
 def run(options: BenchOptions, progress) -> dict:
