@@ -82,15 +82,7 @@ def table(data: dict) -> str:
 def plot(data: dict, path: str) -> None:
     figure, axes = figures.panels(len(data["models"]), width_per_panel=6.0)
     for ax, (model, r) in zip(axes, data["models"].items()):
-        caps = list(r["caps"])
-        for offset, kind in ((-0.2, OURS), (0.2, TORCH)):
-            boxes = ax.boxplot([r["caps"][c]["samples_ms"][kind] for c in caps],
-                               positions=[i + offset for i in range(len(caps))], widths=0.35,
-                               patch_artist=True, manage_ticks=False, medianprops=figures.MEDIAN)
-            for patch in boxes["boxes"]:
-                patch.set_facecolor(figures.COLORS[kind])
-            boxes["boxes"][0].set_label(LABELS[kind])
-        ax.set_xticks(range(len(caps)), caps)
+        figures.paired_boxes(ax, list(r["caps"]), lambda c, kind: r["caps"][c]["samples_ms"][kind], LABELS)
         ax.set_xlabel("bucket_cap_mb (MiB)")
         ax.set_ylabel("per-iteration latency (ms)")
         ax.set_title(model)

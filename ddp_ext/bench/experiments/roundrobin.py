@@ -73,15 +73,7 @@ def table(data: dict) -> str:
 def plot(data: dict, path: str) -> None:
     figure, axes = figures.panels(len(data["models"]))
     for ax, (model, r) in zip(axes, data["models"].items()):
-        names = list(r["groups"])
-        for offset, kind in ((-0.2, OURS), (0.2, TORCH)):
-            boxes = ax.boxplot([r["groups"][n]["samples_ms"][kind] for n in names],
-                               positions=[i + offset for i in range(len(names))], widths=0.35,
-                               patch_artist=True, manage_ticks=False, medianprops=figures.MEDIAN)
-            for patch in boxes["boxes"]:
-                patch.set_facecolor(figures.COLORS[kind])
-            boxes["boxes"][0].set_label(LABELS[kind])
-        ax.set_xticks(range(len(names)), names)
+        figures.paired_boxes(ax, list(r["groups"]), lambda n, kind: r["groups"][n]["samples_ms"][kind], LABELS)
         ax.set_ylabel("per-iteration latency (ms)")
         ax.set_title(model)
         ax.legend(fontsize="small")
