@@ -308,7 +308,6 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   next_bucket_ = 0;
   for (auto& bucket : buckets_) {
     bucket.pending = bucket.param_indices.size();
-    bucket.work.reset();
   }
   used_work_.reset();
   stashed_grads_.clear();
