@@ -31,9 +31,9 @@ class DelayedAllReduce:
         self._work: Optional[dist.Work] = None
         # Broadcast regardless of init_sync, as torch's DDP does.
         _C.broadcast_coalesced(process_group, [p.detach() for p in params], chunk_bytes, 0)
-        self._handle = hooked_param.register_hook(self._start)
+        self._handle = hooked_param.register_hook(self.start)
 
-    def _start(self, grad):
+    def start(self, grad):
         self.buffer.div_(self.process_group.size())
         self._work = dist.all_reduce(self.buffer, group=self.process_group, async_op=True)
         Variable._execution_engine.queue_callback(self._finish)

@@ -190,11 +190,10 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
 
         if init_sync:
             self._sync_module_states(authoritative_rank=0, include_buffers=buffer_sync.at_init)
+        self._delay_all_reduce_params = delayed_params
         self._delayed = None
         if delayed_params:
-            self._delayed = DelayedAllReduce(
-                delayed_params, param_to_hook_all_reduce, process_group, BROADCAST_CHUNK_BYTES
-            )
+            self._register_delay_all_reduce_hook(bucket_cap_mb, param_to_hook_all_reduce, device_ids)
         self._delay_all_reduce_all_params = not named_params
         self.reducer = None if self._delay_all_reduce_all_params else self._build_reducer()
         if static_graph:
@@ -351,6 +350,15 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         self._clear_grad_buffer()
         return output
 
+    def _register_delay_all_reduce_hook(self, bucket_cap_mb, param_to_hook_all_reduce, device_ids) -> None:
+        """delay_all_reduce_named_params: see ddp_ext/_delayed_all_reduce.py."""
+        self._delayed = DelayedAllReduce(
+            self._delay_all_reduce_params, param_to_hook_all_reduce, self.process_group, BROADCAST_CHUNK_BYTES
+        )
+
+    def _delayed_all_reduce_hook(self, grad):
+        return self._delayed.start(grad)
+
     def _clear_grad_buffer(self) -> None:
         if self._delayed is not None:
             self._delayed.point_grads_at_buffer()
@@ -501,6 +509,12 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
 
     # --- communication hooks ---------------------------------------------
 
+    def _check_comm_hook(self, hook) -> None:
+        check_comm_hook(hook)
+
+    def _log_and_throw(self, err_type, err_msg):
+        raise err_type(err_msg)
+
     def register_comm_hook(self, state: object, hook: Callable) -> None:
         """Reduce each bucket with `hook(state, bucket) -> torch.futures.Future`
         instead of the default averaging allreduce (torch's contract: the bucket
@@ -597,6 +611,11 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
 
     def __getstate__(self):
         self._check_default_group()
+        if self._delay_all_reduce_params:
+            raise NotImplementedError(
+                "ddp_ext.DistributedDataParallel with delay_all_reduce_named_params cannot be "
+                "pickled or deep-copied: wrap a copy of the module instead."
+            )
         state = copy.copy(self.__dict__)
         for name in ("process_group", "reducer", "_delayed"):
             state.pop(name, None)
