@@ -76,7 +76,8 @@ void bind_reducer(py::module& m) {
       .def_readwrite("static_graph", &ReducerOptions::static_graph)
       .def_readwrite("skip_all_reduce_unused_params",
                      &ReducerOptions::skip_all_reduce_unused_params)
-      .def_readwrite("batched_grad_copy", &ReducerOptions::batched_grad_copy);
+      .def_readwrite("batched_grad_copy", &ReducerOptions::batched_grad_copy)
+      .def_readwrite("reduce_dtype", &ReducerOptions::reduce_dtype);
 
   // Methods with a leading underscore carry the names of torch's
   // torch._C._distributed_c10d.Reducer, which frameworks call.

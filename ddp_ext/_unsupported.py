@@ -17,9 +17,11 @@ UNSUPPORTED: Dict[str, str] = {
     "_ddp_init_helper": "ddp_ext builds its C++ Reducer in __init__; construct a new wrapper instead",
     "_register_accum_grad_hook": "the python_reducer mode of torch.compile is not supported; "
     "leave torch._dynamo.config.optimize_ddp at its default",
-    "_fire_reducer_autograd_hook": "mixed precision is not supported; cast the module yourself",
-    "_root_copy_hook": "mixed precision is not supported; cast the module yourself",
-    "_module_wait_for_copy_hook": "mixed precision is not supported; cast the module yourself",
+    "_fire_reducer_autograd_hook": "ddp_ext's mixed precision casts parameters inside the forward "
+    "(ddp_ext/_mixed_precision.py), so the reducer's own hooks fire",
+    "_root_copy_hook": "ddp_ext's mixed precision casts parameters inside the forward (ddp_ext/_mixed_precision.py)",
+    "_module_wait_for_copy_hook": "ddp_ext's mixed precision casts parameters inside the forward "
+    "(ddp_ext/_mixed_precision.py)",
     "_register_buffer_comm_hook": "buffers are broadcast from rank 0 before each synchronising forward "
     "(forward_sync_buffers=True); custom buffer hooks are not supported",
     "_set_sparse_metadata": "ddp_ext reduces dense gradients only",

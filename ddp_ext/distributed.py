@@ -20,6 +20,7 @@ from ddp_ext._comm_hooks import check_comm_hook, hook_name
 from ddp_ext._delayed_all_reduce import DelayedAllReduce
 from ddp_ext._join import DistributedDataParallelJoinHook
 from ddp_ext._logging_data import logging_data
+from ddp_ext import _mixed_precision as mixed_precision_forward
 from ddp_ext._model_check import verify_same_model
 from ddp_ext._output_sink import _map_tensors, find_tensors, sink_outputs
 from ddp_ext._unsupported import UnsupportedTorchInternals
@@ -46,7 +47,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
     buffers are broadcast; during backward, gradients are averaged across
     ranks by ddp_ext's C++ Reducer, bucket by bucket while the backward pass
     runs. ``state_dict()`` has the same keys as torch's DDP
-    (``module.<name>``). ``mixed_precision`` is not supported (it raises).
+    (``module.<name>``). ``mixed_precision`` casts parameters for the forward
+    and backward only; see ddp_ext/_mixed_precision.py.
 
     ``static_graph=True`` learns the set of used parameters, and how often
     each gets a gradient, in the first iteration (and then supports reentrant
@@ -83,12 +85,6 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         Joinable.__init__(self)
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        if mixed_precision is not None:
-            raise NotImplementedError(
-                "ddp_ext.DistributedDataParallel does not support mixed_precision: pass "
-                "mixed_precision=None and cast the module (and inputs) to the dtype you want, "
-                "or use torch.autocast inside forward."
-            )
         if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
             raise ValueError(
                 "delay_all_reduce_named_params and param_to_hook_all_reduce need to be set at the same time."
@@ -169,7 +165,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.batched_grad_copy = batched_grad_copy
-        self.mixed_precision = None
+        self.mixed_precision = mixed_precision
         self.static_graph = False
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
@@ -190,6 +186,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
 
         if init_sync:
             self._sync_module_states(authoritative_rank=0, include_buffers=buffer_sync.at_init)
+        if mixed_precision is not None:
+            mixed_precision_forward.cast_buffers(mixed_precision, module, self.parameters_to_ignore)
         self._delay_all_reduce_params = delayed_params
         self._delayed = None
         if delayed_params:
@@ -219,8 +217,12 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
     def _build_reducer(self):
         named_params = self._named_params_for_reducer(self.module)
         params = [p for _, p in named_params]
-        specs = [(p.numel() * p.element_size(), p.dtype, p.device) for p in params]
+        reduce_dtype = None
+        if self.mixed_precision is not None:
+            reduce_dtype = mixed_precision_forward.reduce_dtype_of(self.mixed_precision)
+        specs = [(p.numel() * (reduce_dtype or p.dtype).itemsize, p.dtype, p.device) for p in params]
         options = _C.ReducerOptions()
+        options.reduce_dtype = reduce_dtype
         options.find_unused_parameters = self.find_unused_parameters
         options.gradient_as_bucket_view = self.gradient_as_bucket_view
         options.skip_all_reduce_unused_params = self.skip_all_reduce_unused_params
@@ -303,6 +305,10 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
 
     def _run_ddp_forward(self, *inputs, **kwargs):
         with self._inside_ddp_forward():
+            if self.mixed_precision is not None:
+                return mixed_precision_forward.run_forward(
+                    self.mixed_precision, self.module, self.parameters_to_ignore, inputs, kwargs
+                )
             return self.module(*inputs, **kwargs)
 
     @classmethod

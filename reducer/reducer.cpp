@@ -206,7 +206,9 @@ Reducer::Reducer(
       bucket.param_indices.push_back(index);
       numel += param.numel();
     }
-    bucket.flat = at::zeros({numel}, first.options());
+    bucket.flat = at::zeros(
+        {numel},
+        first.options().dtype(options_.reduce_dtype.value_or(first.scalar_type())));
     int64_t offset = 0;
     for (size_t index : indices) {
       const at::Tensor& param = params_[index];
@@ -217,6 +219,13 @@ Reducer::Reducer(
       bucket.params.push_back(param);
       offset += param.numel();
       at::Tensor& grad = param.mutable_grad();
+      TORCH_CHECK(
+          !options_.gradient_as_bucket_view ||
+              view.scalar_type() == param.scalar_type(),
+          "gradient_as_bucket_view needs buckets of the parameters' dtype, but "
+          "parameter ", param_names_[index], " is ", param.scalar_type(),
+          " and its bucket ", view.scalar_type(), " (a reduce dtype of mixed "
+          "precision); turn one of them off");
       if (options_.gradient_as_bucket_view && grad.defined()) {
         view.copy_(grad);
         grad = view;
@@ -864,7 +873,8 @@ void Reducer::write_back_gradients(const std::vector<bool>& globally_used) {
           grad = view;
         }
       } else if (!grad.defined()) {
-        grad = view.clone();
+        grad = at::empty_like(params_[index]);
+        grad.copy_(view);
       } else {
         grad.copy_(view);
       }

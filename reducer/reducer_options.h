@@ -1,5 +1,9 @@
 #pragma once
 
+#include <c10/core/ScalarType.h>
+
+#include <optional>
+
 namespace ddp_ext::reducer {
 
 // Knobs of one Reducer. Bucket sizes are decided before construction (see
@@ -40,6 +44,11 @@ struct ReducerOptions {
   // bucket) instead of one fused copy-and-scale per gradient (torch's
   // batched_grad_copy). Same values either way. Default: false.
   bool batched_grad_copy = false;
+
+  // dtype of the buckets, and so of the reduction (mixed precision's
+  // reduce_dtype); gradients are cast on their way in and out. Unset: each
+  // bucket has its parameters' dtype. Default: unset.
+  std::optional<c10::ScalarType> reduce_dtype;
 };
 
 } // namespace ddp_ext::reducer

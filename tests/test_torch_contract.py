@@ -88,11 +88,21 @@ def test_construction_errors_match_torch(single_process_group, make, kwargs):
     assert their_message.split(".")[0] in our_message
 
 
-def test_mixed_precision_is_refused_by_name(single_process_group):
+def test_mixed_precision_computes_low_keeps_full_reduces_in_reduce_dtype(single_process_group):
     from torch.nn.parallel.distributed import _MixedPrecision
 
-    with pytest.raises(NotImplementedError, match="mixed_precision"):
-        OursDDP(nn.Linear(2, 2), mixed_precision=_MixedPrecision(param_dtype=torch.float16))
+    module = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    config = _MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float16, buffer_dtype=torch.bfloat16)
+    ddp = OursDDP(module, mixed_precision=config)
+    out = ddp(torch.randn(5, 4))
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in module.parameters())
+    assert module[1].running_mean.dtype == torch.bfloat16
+    # Buckets hold float16: 2 bytes per element.
+    assert sum(ddp.reducer.bucket_sizes()) == 2 * sum(p.numel() for p in module.parameters())
+    with pytest.raises(RuntimeError, match="gradient_as_bucket_view needs buckets of the parameters' dtype"):
+        OursDDP(nn.Linear(2, 2), mixed_precision=config, gradient_as_bucket_view=True)
 
 
 def test_deprecated_arguments_warn_like_torch(single_process_group):
