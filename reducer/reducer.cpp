@@ -90,6 +90,14 @@ namespace ddp_ext::reducer {
 // ranks that joined shadow each bucket's reduction with zeros (run_comm_hook
 // on zeros_like_grad_buckets), so the sum is over the ranks with data.
 //
+// Note [Reducer lifetime]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// The wrapper (and so the reducer) may be freed while a backward pass it
+// prepared is running, by a hook for example. The destructor removes the
+// autograd hooks, so no later gradient reaches it; the callbacks queued on
+// the autograd engine hold only a weak reference, and raise instead of
+// touching a destroyed reducer.
+//
 // Note [Unprepared backward]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A gradient that arrives while the reducer is idle belongs to a backward
@@ -633,8 +641,7 @@ void Reducer::launch_ready_buckets() {
   if (options_.find_unused_parameters && !options_.static_graph) {
     launch_used_bitmap_allreduce();
   }
-  torch::autograd::Engine::get_default_engine().queue_callback(
-      [this] { finalize_backward(); });
+  queue_at_end_of_backward(&Reducer::finalize_backward);
 }
 
 c10d::GradBucket Reducer::grad_bucket(size_t bucket_index, at::Tensor buffer) const {
@@ -783,6 +790,21 @@ void Reducer::finalize_backward() {
   enter(Phase::kReducing, Phase::kIdle);
 }
 
+void Reducer::queue_at_end_of_backward(void (Reducer::*step)()) {
+  // See Note [Reducer lifetime].
+  const int rank = process_group_->getRank();
+  torch::autograd::Engine::get_default_engine().queue_callback(
+      [weak = weak_from_this(), step, rank] {
+        const std::shared_ptr<Reducer> self = weak.lock();
+        TORCH_CHECK(
+            self, "DistributedDataParallel on rank ", rank,
+            " was destroyed during its backward pass, so this iteration's "
+            "gradients were not averaged across ranks. Keep the wrapper alive "
+            "until backward returns.");
+        ((*self).*step)();
+      });
+}
+
 void Reducer::queue_finish_learning_iteration() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -790,8 +812,7 @@ void Reducer::queue_finish_learning_iteration() {
       return;
     }
   }
-  torch::autograd::Engine::get_default_engine().queue_callback(
-      [this] { finish_learning_iteration(); });
+  queue_at_end_of_backward(&Reducer::finish_learning_iteration);
 }
 
 void Reducer::finish_learning_iteration() {

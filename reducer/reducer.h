@@ -60,7 +60,9 @@ size_t accumulator_post_hook_count(const at::Tensor& param);
 // into buckets as autograd produces them, reduces each bucket as soon as it
 // is full, in the same bucket order on every rank, and writes the averages
 // back to .grad at the end of the backward pass.
-class Reducer {
+// Always owned by a std::shared_ptr (the Python binding's holder); see Note
+// [Reducer lifetime].
+class Reducer : public std::enable_shared_from_this<Reducer> {
  public:
   // params[i] is named param_names[i] (used in error messages); buckets lists
   // parameter indices per bucket in launch order (see assign_buckets). Every
@@ -186,6 +188,7 @@ class Reducer {
   bool may_be_globally_unused(size_t index) const;
   bool unused_locally(size_t index) const;
   void finalize_backward();
+  void queue_at_end_of_backward(void (Reducer::*step)());
   void finish_learning_iteration_locked();
   void write_back_gradients(const std::vector<bool>& globally_used);
   void wait_for_launched_buckets();
