@@ -2,6 +2,7 @@
 that need more than a line: the process group, buffer synchronisation, and
 the bucket caps."""
 
+import math
 import numbers
 import warnings
 from dataclasses import dataclass
@@ -76,9 +77,20 @@ def resolve_buffer_sync(broadcast_buffers: Optional[bool], forward_sync_buffers:
     return BufferSync(forward=effective, at_init=effective)
 
 
-def _check_cap(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
-        raise ValueError(f"{name} must be a positive number of MiB, got {value!r}")
+def _cap_bytes(name: str, value) -> int:
+    """A cap in MiB as bytes, with torch's leniency: 0 (or anything that
+    rounds to no bytes) puts every parameter in a bucket of its own;
+    negatives and bools, which torch also accepts, do so with a warning."""
+    if isinstance(value, bool):
+        warnings.warn(f"{name}={value!r} is a bool; read as {int(value)} MiB, as torch's DDP does", stacklevel=4)
+        value = int(value)
+    if not isinstance(value, numbers.Real) or math.isnan(value) or math.isinf(value):
+        raise ValueError(f"{name} must be a finite number of MiB, got {value!r}")
+    if value < 0:
+        warnings.warn(
+            f"{name}={value!r} is negative; every parameter gets a bucket of its own, as with 0", stacklevel=4
+        )
+    return max(1, int(value * MIB))
 
 
 @dataclass(frozen=True)
@@ -91,17 +103,12 @@ class BucketCaps:
 def resolve_bucket_caps(bucket_cap_mb, bucket_cap_mb_list: Optional[Sequence[float]]) -> BucketCaps:
     """Caps per bucket, in bytes. A list caps each bucket in turn and wins over
     `bucket_cap_mb`; with neither, the first bucket is capped at 1 MiB and the
-    others at 25 MiB, as in torch's DDP."""
-    def to_bytes(mb) -> int:
-        return max(1, int(mb * MIB))
-
+    others at 25 MiB, as in torch's DDP. See _cap_bytes for odd values."""
     if bucket_cap_mb_list:
-        for i, cap in enumerate(bucket_cap_mb_list):
-            _check_cap(f"bucket_cap_mb_list[{i}]", cap)
-        caps = [to_bytes(cap) for cap in bucket_cap_mb_list]
-        return BucketCaps(to_bytes(max(bucket_cap_mb_list)), caps, True)
+        caps = [_cap_bytes(f"bucket_cap_mb_list[{i}]", cap) for i, cap in enumerate(bucket_cap_mb_list)]
+        return BucketCaps(max(caps), caps, True)
     if bucket_cap_mb is None:
-        cap = to_bytes(DEFAULT_BUCKET_CAP_MB)
-        return BucketCaps(cap, [to_bytes(DEFAULT_FIRST_BUCKET_CAP_MB), cap], False)
-    _check_cap("bucket_cap_mb", bucket_cap_mb)
-    return BucketCaps(to_bytes(bucket_cap_mb), [to_bytes(bucket_cap_mb)], False)
+        cap = DEFAULT_BUCKET_CAP_MB * MIB
+        return BucketCaps(cap, [DEFAULT_FIRST_BUCKET_CAP_MB * MIB, cap], False)
+    cap = _cap_bytes("bucket_cap_mb", bucket_cap_mb)
+    return BucketCaps(cap, [cap], False)
