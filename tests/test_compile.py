@@ -27,16 +27,23 @@ BUCKET_CAP_MB = 1  # DDPOptimizer's first bucket is 1 MiB whatever the cap
 
 
 class Tower(nn.Module):
-    """A stack of linear layers; `spare` is used only when `use_spare`."""
+    """A stack of linear layers; `spare` is used only when `use_spare`, and
+    `graph_break` makes dynamo split the forward in two."""
 
-    def __init__(self, use_spare: bool):
+    def __init__(self, use_spare: bool, graph_break: bool):
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS))
         self.spare = nn.Linear(WIDTH, WIDTH)
         self.use_spare = use_spare
+        self.graph_break = graph_break
 
     def forward(self, x):
-        for layer in self.layers:
+        half = LAYERS // 2
+        for layer in self.layers[:half]:
+            x = torch.tanh(layer(x))
+        if self.graph_break:  # outside the loops: a break in a loop skips the frame
+            torch._dynamo.graph_break()
+        for layer in self.layers[half:]:
             x = torch.tanh(layer(x))
         return self.spare(x) if self.use_spare else x
 
@@ -45,13 +52,16 @@ class Tower(nn.Module):
 class CompileCase:
     how: str  # "compile_ddp": torch.compile(DDP(m)); "ddp_compiled": DDP(torch.compile(m))
     mode: str  # "default", "find_unused" or "static_graph"
+    graph_break: bool = False  # a graph break in the module's own forward
 
     @property
     def id(self) -> str:
-        return f"{self.how}-{self.mode}"
+        return f"{self.how}-{self.mode}" + ("-graph_break" if self.graph_break else "")
 
 
 CASES = [CompileCase(how, mode) for how in ("compile_ddp", "ddp_compiled") for mode in ("default", "find_unused", "static_graph")]
+# The graphs on either side of the module's graph break are both split by bucket.
+CASES += [CompileCase("compile_ddp", "find_unused", graph_break=True)]
 
 DDP_KWARGS = {
     "default": {},
@@ -77,7 +87,7 @@ def _train_compiled(wrapper, c: CompileCase, rank: int):
         return aot_eager(gm, example_inputs)
 
     torch.manual_seed(0)
-    module = Tower(use_spare=c.mode != "find_unused")
+    module = Tower(use_spare=c.mode != "find_unused", graph_break=c.graph_break)
     kwargs = dict(bucket_cap_mb=BUCKET_CAP_MB, **DDP_KWARGS[c.mode])
     if c.how == "compile_ddp":
         model = torch.compile(wrapper(module, **kwargs), backend=counting_backend)
