@@ -60,7 +60,7 @@ class CompileCase:
 
 
 CASES = [CompileCase(how, mode) for how in ("compile_ddp", "ddp_compiled") for mode in ("default", "find_unused", "static_graph")]
-# The graphs on either side of the module's graph break are both split by bucket.
+# A module that breaks its own graph: both graphs reach DDPOptimizer, as with torch's DDP.
 CASES += [CompileCase("compile_ddp", "find_unused", graph_break=True)]
 
 DDP_KWARGS = {
