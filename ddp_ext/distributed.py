@@ -262,6 +262,21 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
 
     # --- forward ----------------------------------------------------------
 
+    # Note [torch.compile]
+    # As with torch's DDP, the wrapper's forward runs eagerly and only the
+    # wrapped module is compiled, under torch.compile(ddp) as well as in
+    # DDP(torch.compile(module)). Dynamo skips the frames of forward and
+    # _run_ddp_forward but not what they call (recursive=False), so the
+    # module's forward is compiled while _inside_ddp_forward has set the
+    # active DDP module, and DDPOptimizer splits the graph at our
+    # bucket_bytes_cap. _pre_forward and _post_forward, with everything they
+    # call (reducer, Join, buffer broadcasts, the output sink), are never
+    # traced: traced, each reducer call broke the graph, and guards on the
+    # sink's outputs recompiled every step. torch._disable_dynamo is the lazy
+    # torch.compiler.disable torch's DDP uses: dynamo is imported at the first
+    # forward, not at `import ddp_ext`. tests/test_compile.py checks graph,
+    # graph-break and recompile counts against torch's DDP.
+    @torch._disable_dynamo(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with torch.autograd.profiler.record_function("DistributedDataParallel.forward"):
             inputs, kwargs = self._pre_forward(*inputs, **kwargs)
@@ -283,6 +298,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
                 "backward, or use _register_fused_optim."
             )
 
+    @torch._disable_dynamo
     def _pre_forward(self, *inputs, **kwargs):
         if not self._lazy_init_ran and not torch.compiler.is_compiling():
             self._lazy_init()
@@ -302,6 +318,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
             inputs, kwargs = _map_tensors((inputs, kwargs), lambda t: t.to(device, non_blocking=True))
         return inputs, kwargs
 
+    @torch._disable_dynamo(recursive=False)
     def _run_ddp_forward(self, *inputs, **kwargs):
         with self._inside_ddp_forward():
             if self.mixed_precision is not None:
@@ -326,6 +343,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         finally:
             TorchDistributedDataParallel._active_ddp_module = previous
 
+    @torch._disable_dynamo
     def _post_forward(self, output):
         if self._delay_all_reduce_all_params:
             self._clear_grad_buffer()
