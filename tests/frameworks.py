@@ -14,7 +14,7 @@ import torch
 from tests.harness import assert_states_close, same_bits
 
 FEATURES = 4
-SAMPLES = 32  # 16 per rank at world size 2
+SAMPLES = 64  # 32 per rank at world size 2: 8 batches
 BATCH = 4
 
 
