@@ -32,6 +32,7 @@ CASES = [
     Case("automatic"),
     Case("automatic_accumulate", accumulate=2),
     Case("automatic_find_unused", ddp=dict(find_unused_parameters=True)),
+    Case("automatic_static_graph", ddp=dict(static_graph=True)),
     Case("manual", manual=True),
     Case("manual_static_graph", manual=True, ddp=dict(static_graph=True)),
 ]
