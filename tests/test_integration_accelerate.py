@@ -8,8 +8,8 @@ One launch runs every case (tests/accelerate_train.py); the tests read its
 per-rank results.
 """
 
-import functools
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -35,9 +35,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@functools.lru_cache(maxsize=None)
-def _launch():
-    """Every rank's {case id: (ok, results or traceback)}."""
+def _run_launch():
     with tempfile.TemporaryDirectory(prefix="ddp_ext_accelerate_") as out:
         # Without MPI, `accelerate launch --cpu` starts one process only;
         # --multi_gpu starts them through torchrun, and the script's
@@ -46,10 +44,42 @@ def _launch():
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                "--main_process_port", str(_free_port()), SCRIPT, out]  # fmt: skip
         env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-        if proc.returncode != 0:
-            raise AssertionError(f"accelerate launch failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        log_path = os.path.join(out, "launch.log")
+        hung = False
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                proc.wait(timeout=TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                hung = True
+                # torchrun ends its workers (each in a session of its own) on SIGTERM.
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+        with open(log_path) as log:
+            output = log.read()
+        if hung or proc.returncode != 0:
+            what = f"hung ({TIMEOUT_S} s limit)" if hung else f"failed (exit {proc.returncode})"
+            raise AssertionError(f"accelerate launch {what}:\n{output}")
         return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(2)]
+
+
+_LAUNCH = []
+
+
+def _launch():
+    """Every rank's {case id: (ok, results or traceback)}, from one launch
+    (whose failure every test then reports)."""
+    if not _LAUNCH:
+        try:
+            _LAUNCH.append(_run_launch())
+        except AssertionError as failure:
+            _LAUNCH.append(failure)
+    if isinstance(_LAUNCH[0], AssertionError):
+        raise _LAUNCH[0]
+    return _LAUNCH[0]
 
 
 def _results(case_id):
