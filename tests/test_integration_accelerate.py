@@ -98,25 +98,7 @@ def _parity(case_id):
     return results
 
 
-# What each case needs from ddp_ext's wrapper that it does not have yet;
-# accelerate/accelerator.py and accelerate/utils/other.py check
-# isinstance(model, torch.nn.parallel.DistributedDataParallel).
-SUBCLASS = "needs ddp_ext.DistributedDataParallel to subclass torch's DDP"
-PENDING = {
-    "trigger_sync": SUBCLASS + ", and wrapper.reducer.prepare_for_backward([]) to arm the "
-    "reduction for the next backward (Accelerator.trigger_sync_in_backward)",
-    "comm_hook_fp16": "needs wrapper.register_comm_hook(state, hook) with torch's contract "
-    "(DistributedDataParallelKwargs.register_comm_hook)",
-}
-
-
-@pytest.mark.parametrize(
-    "case_id",
-    [
-        pytest.param(c, marks=[pytest.mark.xfail(strict=True, reason=PENDING[c])] if c in PENDING else [])
-        for c in ("prepare", "accumulate", "trigger_sync", "comm_hook_fp16")
-    ],
-)
+@pytest.mark.parametrize("case_id", ["prepare", "accumulate", "trigger_sync", "comm_hook_fp16"])
 def test_accelerate_matches_torch_ddp(case_id):
     _parity(case_id)
 
@@ -127,7 +109,6 @@ def test_accelerate_wraps_in_ddp_ext():
         assert r["torch"]["wrapper"] == "torch.nn.parallel.distributed.DistributedDataParallel"
 
 
-@pytest.mark.xfail(strict=True, reason=SUBCLASS + " (accelerate.utils.other.extract_model_from_parallel)")
 def test_accelerate_unwrap_model():
     for r in _results("prepare"):
         assert r["torch"]["unwrapped_is_net"]

@@ -29,11 +29,6 @@ class Case:
 
 CASES = [Case("steps"), Case("no_backward_sync", accumulate=2)]
 
-# Fabric's DDPStrategy.no_backward_sync refuses modules that are not instances
-# of torch's DDP class (lightning/fabric/strategies/ddp.py, _DDPBackwardSyncControl).
-PENDING = {"no_backward_sync": "needs ddp_ext.DistributedDataParallel to subclass torch's DDP"}
-
-
 def _fit(rank, world_size, c, ext):
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import DDPStrategy
@@ -80,19 +75,12 @@ def _train(rank, world_size, c):
 TABLE = CaseTable(_train, CASES)
 
 
-def _param(c):
-    marks = [pytest.mark.xfail(strict=True, reason=PENDING[c.id])] if c.id in PENDING else []
-    return pytest.param(c, id=c.id, marks=marks)
-
-
-@pytest.mark.parametrize("c", [_param(c) for c in CASES])
+@pytest.mark.parametrize("c", CASES, ids=lambda c: c.id)
 def test_fabric_matches_torch_ddp(c):
     frameworks.assert_parity(TABLE.results(2, c), f"Fabric {c.id}")
 
 
-# DDPStrategy.get_module_state_dict unwraps only instances of torch's DDP class
-# (lightning/fabric/strategies/ddp.py); ours is saved with "module." prefixes.
-@pytest.mark.xfail(strict=True, reason="needs ddp_ext.DistributedDataParallel to subclass torch's DDP")
+# Fabric unwraps instances of torch's DDP class before saving.
 def test_fabric_save_matches_torch_ddp():
     ext_saved, torch_saved = TABLE.results(2, CASES[0])[0]["saved"]
     assert_states_close(ext_saved, torch_saved, "Fabric, fabric.save checkpoint")

@@ -37,23 +37,6 @@ CASES = [
     Case("manual_static_graph", manual=True, ddp=dict(static_graph=True)),
 ]
 
-# Manual optimization runs backward inside the wrapper's forward; Lightning
-# then arms the reducer itself (lightning/pytorch/overrides/distributed.py,
-# prepare_for_backward) and, for static_graph, flushes the learning iteration
-# (DDPStrategy.post_backward). Both only for instances of torch's DDP class.
-PENDING = {
-    "manual": "needs ddp_ext.DistributedDataParallel to subclass torch's DDP, and "
-    "wrapper.reducer._rebuild_buckets() and wrapper.reducer.prepare_for_backward(outputs)",
-    "manual_static_graph": "also needs wrapper.reducer._delay_all_reduce() to reduce the "
-    "learning iteration of static_graph after a backward outside the wrapper's forward",
-}
-
-
-def _param(c):
-    marks = [pytest.mark.xfail(strict=True, reason=PENDING[c.id])] if c.id in PENDING else []
-    return pytest.param(c, id=c.id, marks=marks)
-
-
 def _module_class():
     import lightning.pytorch as pl
 
@@ -123,6 +106,6 @@ def _train(rank, world_size, c):
 TABLE = CaseTable(_train, CASES)
 
 
-@pytest.mark.parametrize("c", [_param(c) for c in CASES])
+@pytest.mark.parametrize("c", CASES, ids=lambda c: c.id)
 def test_lightning_trainer_matches_torch_ddp(c):
     frameworks.assert_parity(TABLE.results(2, c), f"Lightning {c.id}")
