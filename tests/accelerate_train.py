@@ -135,6 +135,22 @@ def case_comm_hook_fp16(ext, out_dir):
     return {"params": frameworks.params(net)}
 
 
+def case_comm_hook_power_sgd(ext, out_dir):
+    """comm_hook=POWER_SGD with comm_state_option: a PowerSGDState on the
+    default group, compressing from the third step on, with error feedback."""
+    from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
+
+    from tests import frameworks
+
+    handler = DistributedDataParallelKwargs(
+        comm_hook=DDPCommunicationHookType.POWER_SGD,
+        comm_state_option=dict(matrix_approximation_rank=1, start_powerSGD_iter=2),
+    )
+    acc, net, model, opt, loader = _setup(ext, kwargs_handlers=[handler])
+    _steps(acc, model, opt, loader)
+    return {"params": frameworks.params(net)}
+
+
 CASES = {name[len("case_"):]: fn for name, fn in list(globals().items()) if name.startswith("case_")}
 
 
