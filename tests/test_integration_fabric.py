@@ -29,6 +29,7 @@ class Case:
 
 CASES = [Case("steps"), Case("no_backward_sync", accumulate=2)]
 
+
 def _fit(rank, world_size, c, ext):
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import DDPStrategy

@@ -37,6 +37,8 @@ CASES = [
     Case("manual_static_graph", manual=True, ddp=dict(static_graph=True)),
 ]
 
+
+# Defined on first use: importing lightning.pytorch takes seconds.
 def _module_class():
     import lightning.pytorch as pl
 

@@ -5,7 +5,9 @@
 ``Accelerator.prepare`` then wraps models in ``ddp_ext.DistributedDataParallel``
 wherever Accelerate would wrap them in torch's, with the same arguments
 (``DistributedDataParallelKwargs``, its ``comm_hook`` included). Launch as
-usual: ``accelerate launch --cpu --num_processes 2 train.py``.
+usual; for CPU ranks, ``Accelerator(cpu=True)`` and
+``accelerate launch --multi_gpu --num_processes 2 train.py`` (without MPI,
+``--cpu`` starts a single process).
 
 Code that builds its Accelerator itself (transformers' Trainer, for one) can
 run inside ``with ddp_ext_as_torch_ddp(): ...`` instead.
