@@ -1,7 +1,7 @@
 """PyTorch Lightning's Trainer trains with ddp_ext's DDP (DDPExtStrategy) to the
 same parameters as with its own DDPStrategy (torch's DDP), on 2 CPU ranks:
-automatic optimization (with and without gradient accumulation, which runs
-under no_sync) and manual optimization (where Lightning arms the reducer
+automatic optimization (with gradient accumulation, which runs under no_sync;
+with a layer that forward never uses; with static_graph) and manual optimization (where Lightning arms the reducer
 itself before manual_backward)."""
 
 import logging
@@ -43,9 +43,11 @@ def _module_class():
     import lightning.pytorch as pl
 
     class Regression(pl.LightningModule):
-        def __init__(self, manual: bool):
+        def __init__(self, manual: bool, unused_layer: bool):
             super().__init__()
             self.net = frameworks.net()
+            # Never called: its parameters get no gradient.
+            self.unused = torch.nn.Linear(2, 2) if unused_layer else None
             self.automatic_optimization = not manual
             self.wrapper = None
 
@@ -76,7 +78,7 @@ def _fit(rank, world_size, c, ext):
 
     frameworks.set_torchrun_env(rank, world_size)
     strategy = (DDPExtStrategy if ext else DDPStrategy)(**c.ddp)
-    model = _module_class()(c.manual)
+    model = _module_class()(c.manual, unused_layer=c.ddp.get("find_unused_parameters", False))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world_size,
