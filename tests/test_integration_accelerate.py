@@ -8,6 +8,7 @@ One launch runs every case (tests/accelerate_train.py); the tests read its
 per-rank results.
 """
 
+import importlib.util
 import os
 import signal
 import socket
@@ -16,13 +17,13 @@ import sys
 import tempfile
 
 import pytest
+import torch
 
-pytest.importorskip("accelerate")
+from tests import frameworks
+from tests.harness import assert_states_close, same_bits
 
-import torch  # noqa: E402
-
-from tests import frameworks  # noqa: E402
-from tests.harness import assert_states_close, same_bits  # noqa: E402
+# Checked without importing it: only the ranks import accelerate.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="needs the test extra")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "accelerate_train.py")

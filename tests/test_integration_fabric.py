@@ -3,6 +3,7 @@ parameters as with its own DDPStrategy (torch's DDP), on 2 CPU ranks: plain
 steps, gradient accumulation under `fabric.no_backward_sync`, and a checkpoint
 saved with `fabric.save` holds the same keys and values."""
 
+import importlib.util
 import logging
 import os
 import tempfile
@@ -10,13 +11,13 @@ import warnings
 from dataclasses import dataclass
 
 import pytest
+import torch
 
-pytest.importorskip("lightning")
+from tests import frameworks
+from tests.harness import CaseTable, assert_states_close
 
-import torch  # noqa: E402
-
-from tests import frameworks  # noqa: E402
-from tests.harness import CaseTable, assert_states_close  # noqa: E402
+# Checked without importing it: only the ranks import lightning.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="needs the test extra")
 
 STEPS = 4
 

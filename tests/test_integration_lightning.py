@@ -1,21 +1,23 @@
 """PyTorch Lightning's Trainer trains with ddp_ext's DDP (DDPExtStrategy) to the
 same parameters as with its own DDPStrategy (torch's DDP), on 2 CPU ranks:
-automatic optimization (with gradient accumulation, which runs under no_sync;
-with a layer that forward never uses; with static_graph) and manual optimization (where Lightning arms the reducer
-itself before manual_backward)."""
+automatic optimization (plain; with gradient accumulation, which runs under
+no_sync; with a layer that forward never uses; with static_graph) and manual
+optimization (where Lightning arms the reducer itself before manual_backward,
+and flushes static_graph's first iteration itself after it)."""
 
+import importlib.util
 import logging
 import warnings
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 
-pytest.importorskip("lightning")
+from tests import frameworks
+from tests.harness import CaseTable
 
-import torch  # noqa: E402
-
-from tests import frameworks  # noqa: E402
-from tests.harness import CaseTable  # noqa: E402
+# Checked without importing it: only the ranks import lightning.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="needs the test extra")
 
 STEPS = 4
 
