@@ -149,14 +149,13 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
             output_device = _device_index(device_ids[0] if output_device is None else output_device)
         else:
             device_ids = None
-        if device_type == "cpu" and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
-            raise ValueError("SyncBatchNorm layers only work with GPU modules")
+        self.device_type = device_type
+        self._passing_sync_batchnorm_handle(module)
 
         self.module = module
         self.process_group = process_group
         self.device_ids = device_ids
         self.output_device = output_device
-        self.device_type = device_type
         self.device = next(iter(devices))
         self.is_multi_device_module = len(devices) > 1
         self.dim = dim
@@ -566,6 +565,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         return logging_data(self)
 
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        """ddp_ext records no runtime timing statistics; the rate is checked
+        as torch checks it and kept, so callers work unchanged."""
         if sample_rate < 1:
             raise ValueError("DDP runtime logging sample rate should be equal or greater than 1")
         self._runtime_logging_sample_rate = sample_rate

@@ -243,3 +243,22 @@ def test_ignored_parameters_and_buffers_stay_out(single_process_group):
     assert "2.weight" not in [n for n, _ in ddp._named_params_for_reducer(module)]
     assert "1.running_mean" not in ddp.named_module_buffers
     assert sum(len(b) for b in ddp.bucket_indices()) == 5
+
+
+def test_remove_autograd_hooks_leaves_no_hook_behind(single_process_group):
+    module = nn.Linear(2, 2)
+    before = [ddp_ext._C.accumulator_post_hook_count(p) for p in module.parameters()]
+    ddp = OursDDP(module)
+    assert [ddp_ext._C.accumulator_post_hook_count(p) for p in module.parameters()] == [n + 1 for n in before]
+    ddp._remove_autograd_hooks()
+    assert [ddp_ext._C.accumulator_post_hook_count(p) for p in module.parameters()] == before
+
+
+def test_will_sync_module_buffers_follows_torch(single_process_group):
+    for wrapper in (TorchDDP, OursDDP):
+        with_buffers = wrapper(nn.BatchNorm1d(2))
+        assert with_buffers.will_sync_module_buffers()
+        with_buffers.require_forward_param_sync = False
+        assert not with_buffers.will_sync_module_buffers()
+        assert not wrapper(nn.Linear(2, 2)).will_sync_module_buffers()
+        assert not wrapper(nn.BatchNorm1d(2), forward_sync_buffers=False).will_sync_module_buffers()
