@@ -123,6 +123,21 @@ def case_trigger_sync(ext, out_dir):
     return {"params": frameworks.params(net)}
 
 
+def case_ddp_kwargs(ext, out_dir):
+    """DistributedDataParallelKwargs' DDP arguments reach the wrapper."""
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    from tests import frameworks
+
+    handler = DistributedDataParallelKwargs(
+        bucket_cap_mb=1, find_unused_parameters=True, check_reduction=True, gradient_as_bucket_view=True
+    )
+    acc, net, model, opt, loader = _setup(ext, kwargs_handlers=[handler])
+    _steps(acc, model, opt, loader)
+    chosen = {k: getattr(model, k) for k in ("bucket_bytes_cap", "find_unused_parameters", "gradient_as_bucket_view")}
+    return {"params": frameworks.params(net), "chosen": chosen}
+
+
 def case_comm_hook_fp16(ext, out_dir):
     """DistributedDataParallelKwargs(comm_hook=FP16): torch's fp16_compress_hook."""
     from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs

@@ -1,8 +1,9 @@
 """HF Accelerate trains with ddp_ext's DDP (ddp_ext.integrations.accelerate.
 Accelerator) to the same parameters as with torch's DDP, on 2 CPU ranks
 started by `accelerate launch`: prepare, accumulate (no_sync), no_sync with
-trigger_sync_in_backward, a DDP comm hook chosen through
-DistributedDataParallelKwargs, unwrap_model, save_state and load_state.
+trigger_sync_in_backward, DDP arguments and comm hooks (FP16, PowerSGD)
+chosen through DistributedDataParallelKwargs, unwrap_model, save_state and
+load_state.
 
 One launch runs every case (tests/accelerate_train.py); the tests read its
 per-rank results.
@@ -99,7 +100,10 @@ def _parity(case_id):
     return results
 
 
-@pytest.mark.parametrize("case_id", ["prepare", "accumulate", "trigger_sync", "comm_hook_fp16", "comm_hook_power_sgd"])
+CASES = ["prepare", "accumulate", "trigger_sync", "ddp_kwargs", "comm_hook_fp16", "comm_hook_power_sgd"]
+
+
+@pytest.mark.parametrize("case_id", CASES)
 def test_accelerate_matches_torch_ddp(case_id):
     results = _parity(case_id)
     if case_id.startswith("comm_hook"):
@@ -107,6 +111,13 @@ def test_accelerate_matches_torch_ddp(case_id):
         plain = _results("prepare")[0]["torch"]["params"]
         hooked = results[0]["torch"]["params"]
         assert any(not torch.allclose(hooked[n], plain[n], rtol=1e-5, atol=1e-6) for n in plain), case_id
+
+
+def test_accelerate_passes_ddp_kwargs():
+    for r in _results("ddp_kwargs"):
+        assert r["ext"]["chosen"] == r["torch"]["chosen"] == dict(
+            bucket_bytes_cap=2**20, find_unused_parameters=True, gradient_as_bucket_view=True
+        ), r["ext"]["chosen"]
 
 
 def test_accelerate_wraps_in_ddp_ext():
