@@ -43,11 +43,12 @@ void bind_reducer(py::module& m) {
       "assign_buckets",
       [](const std::vector<std::tuple<int64_t, at::ScalarType, at::Device>>& tensors,
          int64_t cap_bytes, std::optional<int64_t> first_cap_bytes,
-         std::optional<std::vector<int64_t>> caps) {
+         std::optional<std::vector<int64_t>> caps, std::vector<bool> sparse) {
         std::vector<TensorSpec> specs;
         specs.reserve(tensors.size());
         for (const auto& [nbytes, dtype, device] : tensors) {
-          specs.push_back(TensorSpec{nbytes, dtype, device});
+          const bool is_sparse = specs.size() < sparse.size() && sparse[specs.size()];
+          specs.push_back(TensorSpec{nbytes, dtype, device, is_sparse});
         }
         if (caps) {
           return assign_buckets(specs, *caps);
@@ -55,9 +56,10 @@ void bind_reducer(py::module& m) {
         return assign_buckets(specs, cap_bytes, first_cap_bytes.value_or(cap_bytes));
       },
       py::arg("tensors"), py::arg("cap_bytes"), py::arg("first_cap_bytes") = py::none(),
-      py::arg("caps") = py::none(),
+      py::arg("caps") = py::none(), py::arg("sparse") = std::vector<bool>{},
       "Bucket indices for (nbytes, dtype, device) tuples given in registration "
-      "order; `caps`, if given, caps each bucket in turn (the last repeats). "
+      "order; `caps`, if given, caps each bucket in turn (the last repeats); "
+      "`sparse[i]` gives tensor i a bucket of its own. "
       "See reducer/bucket_assignment.h.");
 
   m.def(
@@ -85,9 +87,10 @@ void bind_reducer(py::module& m) {
       .def(
           py::init<std::vector<at::Tensor>, std::vector<std::string>,
                    const std::vector<std::vector<size_t>>&, ProcessGroupPtr,
-                   ReducerOptions>(),
+                   ReducerOptions, const std::vector<bool>&>(),
           py::arg("params"), py::arg("param_names"), py::arg("buckets"),
-          py::arg("process_group"), py::arg("options"), NoGil())
+          py::arg("process_group"), py::arg("options"),
+          py::arg("sparse_gradients") = std::vector<bool>{}, NoGil())
       .def("prepare_for_forward", &Reducer::prepare_for_forward, NoGil())
       .def("prepare_for_backward", &Reducer::prepare_for_backward,
            py::arg("outputs"), NoGil())

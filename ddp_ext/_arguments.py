@@ -17,6 +17,15 @@ DEFAULT_BUCKET_CAP_MB = 25
 DEFAULT_FIRST_BUCKET_CAP_MB = 1
 
 
+def backend_name(process_group) -> str:
+    """The group's backend ("gloo", "nccl", ...), or "" for a group
+    torch.distributed does not know by name."""
+    try:
+        return dist.get_backend(process_group)
+    except (RuntimeError, ValueError):
+        return ""
+
+
 def resolve_process_group(process_group, device_mesh) -> dist.ProcessGroup:
     """The group to reduce over: `process_group`, the group of a 1-D
     `device_mesh`, or the default group."""

@@ -5,7 +5,8 @@ import os
 from typing import Any, Dict
 
 import torch
-import torch.distributed as dist
+
+from ddp_ext._arguments import backend_name
 
 
 def logging_data(ddp) -> Dict[str, Any]:
@@ -16,7 +17,7 @@ def logging_data(ddp) -> Dict[str, Any]:
         "module_name": type(ddp.module).__name__,
         "rank": group.rank(),
         "world_size": group.size(),
-        "backend_name": _backend_name(group),
+        "backend_name": backend_name(group) or "unknown",
         "device_ids": ", ".join(map(str, ddp.device_ids or [])),
         "output_device": -1 if ddp.output_device is None else ddp.output_device,
         "dtypes": ", ".join(sorted({str(p.dtype).replace("torch.", "") for p in params})),
@@ -48,10 +49,3 @@ def logging_data(ddp) -> Dict[str, Any]:
     if ddp._comm_hooks:
         data["comm_hook"] = ddp._comm_hooks[-1][0]
     return data
-
-
-def _backend_name(group) -> str:
-    try:
-        return dist.get_backend(group)
-    except (RuntimeError, ValueError):
-        return group.name() if hasattr(group, "name") else "unknown"

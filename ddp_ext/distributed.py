@@ -15,7 +15,7 @@ from torch.nn.parallel.distributed import DistributedDataParallel as TorchDistri
 from torch.nn.parallel.scatter_gather import gather as _gather, scatter_kwargs as _scatter_kwargs
 
 from ddp_ext import _C
-from ddp_ext._arguments import resolve_bucket_caps, resolve_buffer_sync, resolve_process_group
+from ddp_ext._arguments import backend_name, resolve_bucket_caps, resolve_buffer_sync, resolve_process_group
 from ddp_ext._comm_hooks import check_comm_hook, hook_name
 from ddp_ext._delayed_all_reduce import DelayedAllReduce
 from ddp_ext._join import DistributedDataParallelJoinHook
@@ -206,8 +206,18 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
     def _build_params_for_reducer(self):
         """torch's contract: (parameters, expect_sparse_gradient)."""
         params = [p for _, p in self._named_params_for_reducer(self.module)]
+        sparse = self._parameters_with_sparse_gradients()
         self._assign_modules_buffers()
-        return params, [False] * len(params)
+        return params, [id(p) in sparse for p in params]
+
+    def _parameters_with_sparse_gradients(self) -> set:
+        """ids of the parameters whose modules produce sparse gradients."""
+        return {
+            id(p)
+            for m in self.module.modules()
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+            for p in m.parameters(recurse=False)
+        }
 
     def _build_debug_param_to_name_mapping(self, parameters) -> Dict[int, str]:
         names = {p: n for n, p in self._named_params_for_reducer(self.module)}
@@ -216,6 +226,13 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
     def _build_reducer(self):
         named_params = self._named_params_for_reducer(self.module)
         params = [p for _, p in named_params]
+        sparse_ids = self._parameters_with_sparse_gradients()
+        sparse = [id(p) in sparse_ids for p in params]
+        if any(sparse) and backend_name(self.process_group) == "nccl":
+            raise ValueError(
+                "NCCL cannot reduce sparse gradients, and this module has an Embedding or "
+                "EmbeddingBag with sparse=True: use sparse=False, or a Gloo process group."
+            )
         reduce_dtype = None
         if self.mixed_precision is not None:
             reduce_dtype = mixed_precision_forward.reduce_dtype_of(self.mixed_precision)
@@ -229,9 +246,10 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         return _C.Reducer(
             params,
             [n for n, _ in named_params],
-            _C.assign_buckets(specs, self.bucket_bytes_cap, caps=self._bucket_caps_bytes),
+            _C.assign_buckets(specs, self.bucket_bytes_cap, caps=self._bucket_caps_bytes, sparse=sparse),
             self.process_group,
             options,
+            sparse,
         )
 
     def _assign_modules_buffers(self) -> None:

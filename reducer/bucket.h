@@ -13,6 +13,11 @@ namespace ddp_ext::reducer {
 // A flat buffer that holds the gradients of several parameters of one device
 // and dtype, reduced with a single collective.
 struct Bucket {
+  // Holds one parameter with sparse gradients, and then no `flat` or
+  // `views`; see Note [Sparse gradients].
+  bool sparse = false;
+  at::Tensor sparse_grad;
+
   // One-dimensional buffer on the parameters' device; every view below
   // aliases a slice of it.
   at::Tensor flat;

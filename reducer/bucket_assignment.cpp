@@ -50,6 +50,10 @@ std::vector<std::vector<size_t>> assign_buckets(
   std::vector<OpenBucket> open;
   for (size_t i = tensors.size(); i-- > 0;) {
     const TensorSpec& spec = tensors[i];
+    if (spec.sparse) {
+      buckets.push_back({i});
+      continue;
+    }
     OpenBucket* target = nullptr;
     for (auto& candidate : open) {
       if (same_kind(candidate.kind, spec)) {

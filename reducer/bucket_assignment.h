@@ -14,6 +14,7 @@ struct TensorSpec {
   int64_t nbytes = 0; // bytes the tensor occupies in a bucket
   c10::ScalarType dtype = c10::ScalarType::Float;
   c10::Device device = c10::Device(c10::DeviceType::CPU);
+  bool sparse = false; // its gradients are sparse: a bucket of its own
 };
 
 // Groups tensors into buckets for collective communication.
@@ -25,7 +26,8 @@ struct TensorSpec {
 // open bucket is closed and a new one started. The first bucket of each kind
 // is capped at `first_cap_bytes`, the others at `cap_bytes`: a small first
 // bucket starts communicating early in the backward pass. A tensor larger
-// than the cap gets a bucket of its own. Buckets never mix devices or dtypes.
+// than the cap gets a bucket of its own, and so does every sparse tensor.
+// Buckets never mix devices or dtypes.
 //
 // Returns the buckets in the order they were opened, each as the indices of
 // its tensors in the order they are laid out in the bucket. Pure: the same

@@ -90,6 +90,16 @@ namespace ddp_ext::reducer {
 // ranks that joined shadow each bucket's reduction with zeros (run_comm_hook
 // on zeros_like_grad_buckets), so the sum is over the ranks with data.
 //
+// Note [Sparse gradients]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// A parameter whose module produces sparse gradients (an Embedding or
+// EmbeddingBag with sparse=True) has a bucket of its own with no flat
+// buffer: when it is ready its gradient is divided by the number of ranks
+// (a division, as torch's DDP does for sparse gradients, so the values are
+// the same) and reduced by the process group's sparse allreduce, whose
+// result becomes .grad. A rank that did not use the parameter contributes an
+// empty sparse tensor. Communication hooks take dense buckets only.
+//
 // Note [Reducer lifetime]
 // ~~~~~~~~~~~~~~~~~~~~~~~~
 // The wrapper (and so the reducer) may be freed while a backward pass it
@@ -144,6 +154,16 @@ at::Tensor view_for(const at::Tensor& flat, int64_t offset, const at::Tensor& pa
 
 constexpr size_t kUnassigned = std::numeric_limits<size_t>::max();
 
+// A sparse gradient of `param`'s shape with no entries (sparse along the
+// first dimension, as an embedding's).
+at::Tensor empty_sparse_like(const at::Tensor& param) {
+  std::vector<int64_t> value_sizes = param.sizes().vec();
+  value_sizes[0] = 0;
+  return at::sparse_coo_tensor(
+      at::empty({1, 0}, param.options().dtype(at::kLong)),
+      at::empty(value_sizes, param.options()), param.sizes());
+}
+
 } // namespace
 
 const char* phase_name(Phase phase) {
@@ -170,7 +190,8 @@ Reducer::Reducer(
     std::vector<std::string> param_names,
     const std::vector<std::vector<size_t>>& buckets,
     c10::intrusive_ptr<c10d::ProcessGroup> process_group,
-    ReducerOptions options)
+    ReducerOptions options,
+    const std::vector<bool>& sparse_gradients)
     : params_(std::move(params)),
       param_names_(std::move(param_names)),
       process_group_(std::move(process_group)),
@@ -194,6 +215,11 @@ Reducer::Reducer(
     TORCH_CHECK(!indices.empty(), "Reducer got an empty bucket");
     const at::Tensor& first = params_.at(indices.front());
     Bucket bucket;
+    bucket.sparse = !sparse_gradients.empty() && sparse_gradients.at(indices.front());
+    TORCH_CHECK(
+        !bucket.sparse || indices.size() == 1, "parameter ",
+        param_names_[indices.front()], " has sparse gradients and must have a "
+        "bucket of its own");
     int64_t numel = 0;
     for (size_t index : indices) {
       TORCH_CHECK(index < n, "bucket holds parameter index ", index,
@@ -213,6 +239,12 @@ Reducer::Reducer(
       slot_of_param_[index] = bucket.param_indices.size();
       bucket.param_indices.push_back(index);
       numel += param.numel();
+    }
+    if (bucket.sparse) {
+      // See Note [Sparse gradients]: no flat buffer, no views.
+      bucket.params.push_back(first);
+      buckets_.push_back(std::move(bucket));
+      continue;
     }
     bucket.flat = at::zeros(
         {numel},
@@ -286,6 +318,7 @@ void Reducer::remove_autograd_hooks_locked() {
 
 void Reducer::set_average_factor(int64_t ranks) {
   TORCH_CHECK(ranks > 0, "cannot average gradients over ", ranks, " ranks");
+  divide_ranks_ = ranks;
   average_factor_ = c10::scalar_to_tensor(at::Scalar(1.0 / ranks));
   average_factor_.unsafeGetTensorImpl()->set_wrapped_number(true);
 }
@@ -340,6 +373,12 @@ void Reducer::register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook) 
       phase_ != Phase::kReducing,
       "a communication hook cannot be registered while gradients are being "
       "reduced; register it between iterations");
+  for (const auto& bucket : buckets_) {
+    TORCH_CHECK(
+        !bucket.sparse, "ddp_ext's communication hooks reduce dense buckets "
+        "only, and parameter ", param_names_[bucket.param_indices.front()],
+        " has sparse gradients (an Embedding with sparse=True)");
+  }
   comm_hook_ = std::move(hook);
 }
 
@@ -380,7 +419,10 @@ std::vector<std::vector<size_t>> Reducer::bucket_indices() const {
 std::vector<int64_t> Reducer::bucket_sizes() const {
   std::vector<int64_t> result;
   for (const auto& bucket : buckets_) {
-    result.push_back(bucket.flat.numel() * bucket.flat.element_size());
+    const at::Tensor& param = bucket.params.front();
+    result.push_back(
+        bucket.sparse ? param.numel() * param.element_size()
+                      : bucket.flat.numel() * bucket.flat.element_size());
   }
   return result;
 }
@@ -602,10 +644,14 @@ void Reducer::copy_into_bucket(size_t index, bool scale) {
   if (gradients_stay_local_) {
     return; // See Note [A world of one rank].
   }
-  const Bucket& bucket = buckets_[bucket_of_param_[index]];
-  const at::Tensor& view = bucket.views[slot_of_param_[index]];
+  Bucket& bucket = buckets_[bucket_of_param_[index]];
   const at::Tensor& grad = params_[index].grad();
   at::NoGradGuard no_grad;
+  if (bucket.sparse) {
+    copy_sparse_gradient(bucket, index, grad);
+    return;
+  }
+  const at::Tensor& view = bucket.views[slot_of_param_[index]];
   if (!grad.defined()) {
     view.zero_();
     return;
@@ -625,6 +671,20 @@ void Reducer::copy_into_bucket(size_t index, bool scale) {
   } else {
     view.copy_(grad);
   }
+}
+
+void Reducer::copy_sparse_gradient(
+    Bucket& bucket, size_t index, const at::Tensor& grad) {
+  // See Note [Sparse gradients].
+  const at::Tensor& param = params_[index];
+  if (!grad.defined()) {
+    bucket.sparse_grad = empty_sparse_like(param);
+    return;
+  }
+  TORCH_CHECK(
+      grad.is_sparse(), "parameter ", param_names_[index], " was expected to "
+      "get a sparse gradient (its module produces them) but got a dense one");
+  bucket.sparse_grad = grad.div(divide_ranks_);
 }
 
 void Reducer::launch_ready_buckets() {
@@ -676,7 +736,7 @@ void Reducer::launch(size_t bucket_index) {
     bucket.future = comm_hook_->runHook(handed);
     return;
   }
-  std::vector<at::Tensor> tensors{bucket.flat};
+  std::vector<at::Tensor> tensors{bucket.sparse ? bucket.sparse_grad : bucket.flat};
   bucket.work = process_group_->allreduce(tensors);
 }
 
@@ -702,7 +762,12 @@ std::vector<c10d::GradBucket> Reducer::zeros_like_grad_buckets() const {
   std::vector<c10d::GradBucket> result;
   result.reserve(buckets_.size());
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    result.push_back(grad_bucket(b, at::zeros_like(buckets_[b].flat)));
+    const Bucket& bucket = buckets_[b];
+    const at::Tensor& param = bucket.params.front();
+    at::Tensor zeros = bucket.sparse
+        ? empty_sparse_like(param)
+        : at::zeros_like(bucket.flat);
+    result.push_back(grad_bucket(b, std::move(zeros)));
   }
   return result;
 }
@@ -735,6 +800,9 @@ void Reducer::wait_for_launched_buckets() {
     Bucket& bucket = buckets_[b];
     if (bucket.work) {
       bucket.work->wait();
+      if (bucket.sparse) {
+        bucket.sparse_grad = bucket.work->result().front();
+      }
       bucket.work.reset();
     }
     if (bucket.future) {
@@ -881,11 +949,16 @@ void Reducer::write_back_gradients(const std::vector<bool>& globally_used) {
     }
   }
   stashed_grads_.clear();
-  for (const auto& bucket : buckets_) {
+  for (auto& bucket : buckets_) {
     for (size_t slot = 0; slot < bucket.param_indices.size(); ++slot) {
       const size_t index = bucket.param_indices[slot];
       if (!globally_used.empty() && !globally_used[index]) {
         continue; // No rank used it: .grad stays as the user left it.
+      }
+      if (bucket.sparse) {
+        params_[index].mutable_grad() = std::move(bucket.sparse_grad);
+        bucket.sparse_grad = at::Tensor();
+        continue;
       }
       const at::Tensor& view = bucket.views[slot];
       at::Tensor& grad = params_[index].mutable_grad();

@@ -67,12 +67,15 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // params[i] is named param_names[i] (used in error messages); buckets lists
   // parameter indices per bucket in launch order (see assign_buckets). Every
   // parameter must require grad and appear in exactly one bucket.
+  // sparse_gradients[i] (empty: none) marks parameters whose gradients are
+  // sparse; each must have a bucket of its own. See Note [Sparse gradients].
   Reducer(
       std::vector<at::Tensor> params,
       std::vector<std::string> param_names,
       const std::vector<std::vector<size_t>>& buckets,
       c10::intrusive_ptr<c10d::ProcessGroup> process_group,
-      ReducerOptions options);
+      ReducerOptions options,
+      const std::vector<bool>& sparse_gradients = {});
 
   // Removes every autograd hook this reducer installed.
   ~Reducer();
@@ -179,6 +182,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void start_reducing();
   void mark_ready(size_t index);
   void copy_into_bucket(size_t index, bool scale);
+  void copy_sparse_gradient(Bucket& bucket, size_t index, const at::Tensor& grad);
   void launch_ready_buckets();
   void launch(size_t bucket_index);
   void launch_all_buckets();
@@ -221,6 +225,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // 1 / world_size as a wrapped scalar, so that the scale is applied like a
   // Python number (no type promotion). See Note [Gradient averaging].
   at::Tensor average_factor_;
+  int64_t divide_ranks_ = 1; // the same as a count, for sparse gradients
 
   // Guards everything below; hooks may run on several autograd threads.
   mutable std::mutex mutex_;

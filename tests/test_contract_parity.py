@@ -12,7 +12,7 @@ import copy
 import dataclasses
 import functools
 import traceback
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import pytest
 import torch
@@ -70,6 +70,9 @@ class Case:
     # None: results allclose. Else the run must raise, with both wrappers, on
     # every rank, an error containing one of these phrases.
     error: Tuple[str, ...] = ()
+    # Where torch's DDP cannot run the case, ddp_ext is compared with
+    # local_reference() instead (torch's DDP is not run).
+    local_reference: Optional[Callable[[], Dict[str, torch.Tensor]]] = None
 
 
 def _params(module: nn.Module) -> Dict[str, torch.Tensor]:
@@ -328,6 +331,48 @@ def _knob(ddp_kwargs, wrapper, rank, model=MLP):
     return _train(wrapper, rank, model=model, ddp_kwargs=ddp_kwargs)
 
 
+class SparseEmbeddingNet(nn.Module):
+    """An embedding with sparse gradients feeding a dense head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(40, 16, sparse=True)
+        self.head = nn.Linear(16, 8)
+
+    def forward(self, x, use_embedding: bool = True):
+        tokens = (x.abs() * 10).long().clamp(max=39)[:, :4]
+        features = self.embedding(tokens).mean(1) if use_embedding else x.detach()
+        return self.head(features)
+
+
+def _sparse_gradients(ddp_kwargs, no_sync, wrapper, rank):
+    def forward(ddp, x, y, step):
+        if no_sync:
+            with ddp.no_sync():
+                F.mse_loss(ddp(x), y).backward()
+        # With find_unused_parameters, rank 1 skips the embedding every other step.
+        use = not (ddp_kwargs.get("find_unused_parameters") and rank == 1 and step % 2 == 1)
+        F.mse_loss(ddp(x, use_embedding=use), y).backward()
+
+    return _train(wrapper, rank, model=SparseEmbeddingNet, ddp_kwargs=ddp_kwargs, forward=forward)
+
+
+def _sparse_unused_local_reference():
+    """What `_sparse_gradients` with find_unused_parameters trains to: the
+    average of both ranks' losses, in one process."""
+    torch.manual_seed(0)
+    module = SparseEmbeddingNet()
+    opt = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
+    for step in range(STEPS):
+        for rank in range(WORLD_SIZE):
+            x, y = _batch(rank, step)
+            use = not (rank == 1 and step % 2 == 1)
+            (F.mse_loss(module(x, use_embedding=use), y) / WORLD_SIZE).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return _params(module)
+
+
 def _fused_optimizer(wrapper, rank):
     torch.manual_seed(0)
     module = MLP()
@@ -374,12 +419,23 @@ CASES = (
         Case("update_process_group", _new_process_group),
         Case("device_mesh", _device_mesh),
         Case("register_fused_optim", _fused_optimizer),
+        Case("sparse-gradients", functools.partial(_sparse_gradients, {}, False)),
+        Case("sparse-gradients-no_sync", functools.partial(_sparse_gradients, {}, True)),
+        Case(
+            "sparse-gradients-unused-on-one-rank",
+            functools.partial(_sparse_gradients, {"find_unused_parameters": True}, False),
+            # torch's DDP raises "Expected sparse gradient to be defined" on the
+            # rank that skipped the embedding and leaves the other waiting.
+            local_reference=_sparse_unused_local_reference,
+        ),
     ]
 )
 
 
 def _both_wrappers(rank: int, world_size: int, c: Case) -> Tuple[Any, Any]:
     results = []
+    if c.local_reference is not None:
+        return None, c.run(_Wrapper(ddp_ext.DistributedDataParallel), rank)
     for wrapper in (TorchDDP, ddp_ext.DistributedDataParallel):
         if not c.error:
             results.append(c.run(_Wrapper(wrapper), rank))
@@ -414,6 +470,12 @@ TABLE = CaseTable(_both_wrappers, CASES, timeout=400)
 @pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
 def test_matches_torch_ddp_with_the_same_feature(c):
     per_rank = TABLE.results(WORLD_SIZE, c)
+    if c.local_reference is not None:
+        expected = c.local_reference()
+        for rank, (_, ours) in enumerate(per_rank):
+            for name in expected:
+                torch.testing.assert_close(ours[name], expected[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"rank {rank} `{n}`: {m}")
+        return
     for rank, (theirs, ours) in enumerate(per_rank):
         if c.error:
             for who, outcome in (("torch", theirs), ("ddp_ext", ours)):
