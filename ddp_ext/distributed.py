@@ -383,11 +383,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
                 self.reducer.prepare_for_local_backward()
         if learning:
             self._static_graph_delay_allreduce_enqueued = True
-            output = sink_outputs(
-                output, on_backward=self.reducer.queue_finish_learning_iteration, clone=self._ddp_sink_clone
-            )
-        elif search_unused and grad_enabled:
-            output = sink_outputs(output, clone=self._ddp_sink_clone)
+        if learning or (search_unused and grad_enabled):
+            output = sink_outputs(output, on_backward=self._at_backward_start(learning), clone=self._ddp_sink_clone)
         self._clear_grad_buffer()
         return output
 
@@ -399,6 +396,26 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
 
     def _delayed_all_reduce_hook(self, grad):
         return self._delayed.start(grad)
+
+    def _at_backward_start(self, learning: bool) -> Callable[[], None]:
+        """What the output sink runs when the backward reaches it. It holds the
+        reducer weakly: a wrapper freed after its forward makes that backward
+        raise, instead of running unsynchronised (torch's DDP raises too)."""
+        reducer_ref = weakref.ref(self.reducer)
+        rank = self.process_group.rank()
+
+        def at_backward_start() -> None:
+            reducer = reducer_ref()
+            if reducer is None:
+                raise RuntimeError(
+                    f"DistributedDataParallel on rank {rank} was destroyed after its forward pass, so "
+                    "this backward pass would not average gradients across ranks. Keep the wrapper "
+                    "alive until backward returns."
+                )
+            if learning:
+                reducer.queue_finish_learning_iteration()
+
+        return at_backward_start
 
     def _clear_grad_buffer(self) -> None:
         if self._delayed is not None:
