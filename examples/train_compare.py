@@ -55,9 +55,13 @@ BENCH_COMMAND = "python -m ddp_ext.bench compare"
 
 
 def largest_difference(ours: nn.Module, theirs: nn.Module):
-    """(max |difference|, name of the tensor where it is) over parameters and buffers."""
+    """(max |difference|, name of the tensor where it is) over parameters and
+    buffers; a NaN counts as an infinite difference."""
     theirs_state = theirs.state_dict()
-    return max(((a - theirs_state[name]).abs().max().item(), name) for name, a in ours.state_dict().items())
+    return max(
+        ((a - theirs_state[name]).abs().nan_to_num(nan=float("inf")).max().item(), name)
+        for name, a in ours.state_dict().items()
+    )
 
 
 def verdict(differences) -> tuple:

@@ -53,12 +53,12 @@ class CaseTable:
         """Every rank's return value for case `c`; fails the test with every
         rank's traceback if the case raised anywhere."""
         if world_size not in self._runs:
-            args = (_run_cases, self.case_fn, self.cases)
             try:
                 if self.isolated:
-                    self._runs[world_size] = run_ranks(args[0], world_size, *args[1:], timeout=self.timeout)
+                    run = run_ranks(_run_cases, world_size, self.case_fn, self.cases, timeout=self.timeout)
                 else:
-                    self._runs[world_size] = shared_world(world_size).run(*args, timeout=self.timeout)
+                    run = shared_world(world_size).run(_run_cases, self.case_fn, self.cases, timeout=self.timeout)
+                self._runs[world_size] = run
             except RanksFailed as failure:
                 self._runs[world_size] = failure
         run = self._runs[world_size]
