@@ -2,6 +2,7 @@
 compiling the same sources with torch.utils.cpp_extension.load; the build says
 what it does, and one killed mid-way does not leave the next import hanging."""
 
+import contextlib
 import os
 import shutil
 import signal
@@ -73,7 +74,8 @@ def _kill_build_midway(checkout, env, torch_lock):
         time.sleep(3)  # the compiler is running now
         assert build.poll() is None, "the build finished before it could be killed"
     finally:
-        os.killpg(build.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # already gone if an assertion above failed
+            os.killpg(build.pid, signal.SIGKILL)
         output, _ = build.communicate(timeout=30)
     return output
 
