@@ -81,9 +81,9 @@ def load_extension(verbose: bool = False):
         building = not _is_built(build_dir)
         if building:
             _say(
-                f"no prebuilt native core (ddp_ext._C), so compiling it now from the {len(sources)} C++ "
-                f"sources in {_REPO_ROOT} ({_build_info.BINDING_SOURCE}, and the others as one unit) "
-                f"with torch.utils.cpp_extension. A first build takes minutes; it is cached in {build_dir}."
+                f"compiling the native core now from the {len(sources)} C++ sources in {_REPO_ROOT} "
+                f"({_build_info.BINDING_SOURCE}, and the others as one unit) with torch.utils.cpp_extension. "
+                f"A first build takes minutes; it is cached in {build_dir}."
             )
         started = time.monotonic()
         module = load(
@@ -114,7 +114,9 @@ def native_module():
     """The prebuilt extension if there is one, else the JIT build."""
     try:
         module = importlib.import_module("ddp_ext._C")
-    except ImportError:
+    except ImportError as error:
+        if not (isinstance(error, ModuleNotFoundError) and error.name == "ddp_ext._C"):
+            _say(f"the prebuilt ddp_ext._C did not load ({error}); building the native core just in time instead")
         module = load_extension()
     _check_torch_version(module)
     return module
