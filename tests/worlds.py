@@ -74,11 +74,11 @@ class World:
         try:
             return collect(self._results, self._procs, timeout, what=f"job {self.jobs_run} of this shared world ")
         except RanksFailed:
-            self.close()
+            self.close(graceful=False)  # ranks may be hung, or disagree about what comes next
             raise
 
-    def close(self) -> None:
-        if self.alive():
+    def close(self, graceful: bool = True) -> None:
+        if graceful and self.alive():
             for jobs in self._jobs:
                 jobs.put(None)
             for p in self._procs:
