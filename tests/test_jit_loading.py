@@ -17,14 +17,18 @@ from ddp_ext._loader import jit_build_directory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Runs in a fresh interpreter inside the copied checkout.
-_PROBE = textwrap.dedent(
+# Run in a fresh interpreter inside the copied checkout.
+_IMPORT_ONLY = textwrap.dedent(
     """
     import os, sys
     # An editable install of another checkout would hand out its prebuilt _C.
     sys.meta_path = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]
-    import torch, torch.distributed as dist
     import ddp_ext
+    """
+)
+_PROBE = _IMPORT_ONLY + textwrap.dedent(
+    """
+    import torch, torch.distributed as dist
     assert ddp_ext._C.__name__ == "ddp_ext_jit", ddp_ext._C.__name__
     assert os.path.dirname(ddp_ext.__file__).startswith(os.getcwd()), ddp_ext.__file__
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -36,7 +40,6 @@ _PROBE = textwrap.dedent(
     print("jit ok", ddp_ext._C.torch_version)
     """
 )
-_IMPORT_ONLY = _PROBE.split("import torch,")[0] + "import ddp_ext\n"
 
 # Bounds, in seconds, for a build under load on a 2-core machine.
 _BUILD_TIMEOUT_S = 900
