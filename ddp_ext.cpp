@@ -4,6 +4,9 @@
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/default_comm_hooks.hpp>
+#include <torch/csrc/distributed/c10d/python_comm_hook.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/headeronly/version.h>
 
@@ -12,6 +15,7 @@
 
 #include "reducer/broadcast_coalesced.h"
 #include "reducer/bucket_assignment.h"
+#include "reducer/builtin_comm_hooks.h"
 #include "reducer/reducer.h"
 
 namespace py = pybind11;
@@ -19,6 +23,17 @@ namespace py = pybind11;
 namespace {
 
 using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
+using FuturePtr = std::shared_ptr<torch::jit::PythonFutureWrapper>;
+using NoGil = py::call_guard<py::gil_scoped_release>;
+
+// A property getter that releases the GIL (def_property takes no call_guard).
+template <typename T>
+auto without_gil(T (ddp_ext::reducer::Reducer::*getter)() const) {
+  return [getter](const ddp_ext::reducer::Reducer& r) {
+    py::gil_scoped_release no_gil;
+    return (r.*getter)();
+  };
+}
 
 void bind_reducer(py::module& m) {
   using namespace ddp_ext::reducer;
@@ -26,17 +41,23 @@ void bind_reducer(py::module& m) {
   m.def(
       "assign_buckets",
       [](const std::vector<std::tuple<int64_t, at::ScalarType, at::Device>>& tensors,
-         int64_t cap_bytes, std::optional<int64_t> first_cap_bytes) {
+         int64_t cap_bytes, std::optional<int64_t> first_cap_bytes,
+         std::optional<std::vector<int64_t>> caps) {
         std::vector<TensorSpec> specs;
         specs.reserve(tensors.size());
         for (const auto& [nbytes, dtype, device] : tensors) {
           specs.push_back(TensorSpec{nbytes, dtype, device});
         }
+        if (caps) {
+          return assign_buckets(specs, *caps);
+        }
         return assign_buckets(specs, cap_bytes, first_cap_bytes.value_or(cap_bytes));
       },
       py::arg("tensors"), py::arg("cap_bytes"), py::arg("first_cap_bytes") = py::none(),
+      py::arg("caps") = py::none(),
       "Bucket indices for (nbytes, dtype, device) tuples given in registration "
-      "order; see reducer/bucket_assignment.h.");
+      "order; `caps`, if given, caps each bucket in turn (the last repeats). "
+      "See reducer/bucket_assignment.h.");
 
   m.def(
       "broadcast_coalesced", &broadcast_coalesced, py::arg("process_group"),
@@ -51,28 +72,92 @@ void bind_reducer(py::module& m) {
       .def_readwrite("find_unused_parameters", &ReducerOptions::find_unused_parameters)
       .def_readwrite("gradient_as_bucket_view", &ReducerOptions::gradient_as_bucket_view)
       .def_readwrite("overlap_with_backward", &ReducerOptions::overlap_with_backward)
-      .def_readwrite("static_graph", &ReducerOptions::static_graph);
+      .def_readwrite("static_graph", &ReducerOptions::static_graph)
+      .def_readwrite("skip_all_reduce_unused_params",
+                     &ReducerOptions::skip_all_reduce_unused_params)
+      .def_readwrite("batched_grad_copy", &ReducerOptions::batched_grad_copy)
+      .def_readwrite("reduce_dtype", &ReducerOptions::reduce_dtype);
 
+  // Methods with a leading underscore carry the names of torch's
+  // torch._C._distributed_c10d.Reducer, which frameworks call.
   py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer")
       .def(
           py::init<std::vector<at::Tensor>, std::vector<std::string>,
                    const std::vector<std::vector<size_t>>&, ProcessGroupPtr,
                    ReducerOptions>(),
           py::arg("params"), py::arg("param_names"), py::arg("buckets"),
-          py::arg("process_group"), py::arg("options"),
-          py::call_guard<py::gil_scoped_release>())
-      .def("prepare_for_forward", &Reducer::prepare_for_forward,
-           py::call_guard<py::gil_scoped_release>())
+          py::arg("process_group"), py::arg("options"), NoGil())
+      .def("prepare_for_forward", &Reducer::prepare_for_forward, NoGil())
       .def("prepare_for_backward", &Reducer::prepare_for_backward,
-           py::arg("outputs"), py::call_guard<py::gil_scoped_release>())
-      .def("prepare_for_local_backward", &Reducer::prepare_for_local_backward)
-      .def("bucket_indices", &Reducer::bucket_indices)
-      .def_property_readonly("learning_static_graph", &Reducer::learning_static_graph)
-      .def("queue_finish_learning_iteration", &Reducer::queue_finish_learning_iteration)
+           py::arg("outputs"), NoGil())
+      .def("prepare_for_local_backward", &Reducer::prepare_for_local_backward, NoGil())
+      .def("allow_local_accumulation", &Reducer::allow_local_accumulation, NoGil())
+      .def("bucket_indices", &Reducer::bucket_indices, NoGil())
+      .def("bucket_sizes", &Reducer::bucket_sizes, NoGil())
+      .def_property_readonly("iterations", without_gil(&Reducer::iterations))
+      .def_property_readonly("learning_static_graph",
+                             without_gil(&Reducer::learning_static_graph))
+      .def_property_readonly("has_comm_hook", without_gil(&Reducer::has_comm_hook))
+      .def_property_readonly("unused_parameters_stable",
+                             without_gil(&Reducer::unused_parameters_stable))
+      .def("queue_finish_learning_iteration", &Reducer::queue_finish_learning_iteration,
+           NoGil())
       .def("set_overlap_with_backward", &Reducer::set_overlap_with_backward,
-           py::arg("overlap"))
-      .def_property_readonly(
-          "phase", [](const Reducer& r) { return phase_name(r.phase()); });
+           py::arg("overlap"), NoGil())
+      .def_property_readonly("phase", [](const Reducer& r) {
+        py::gil_scoped_release no_gil;
+        return std::string(phase_name(r.phase()));
+      })
+      .def(
+          "_register_comm_hook",
+          [](Reducer& r, py::object state, py::object hook) {
+            auto python_hook = std::make_unique<c10d::PythonCommHook>(
+                std::move(state), std::move(hook));
+            py::gil_scoped_release no_gil;
+            r.register_comm_hook(std::move(python_hook));
+          },
+          py::arg("state"), py::arg("hook"))
+      .def(
+          "_register_builtin_comm_hook",
+          [](Reducer& r, c10d::BuiltinCommHookType type, ProcessGroupPtr group) {
+            r.register_comm_hook(
+                make_builtin_comm_hook(static_cast<int>(type), std::move(group)));
+          },
+          py::arg("comm_hook_type"), py::arg("process_group"), NoGil())
+      .def(
+          "_run_comm_hook",
+          [](Reducer& r, c10d::GradBucket& bucket) -> FuturePtr {
+            return std::make_shared<torch::jit::PythonFutureWrapper>(
+                r.run_comm_hook(bucket));
+          },
+          py::arg("bucket"), NoGil())
+      .def(
+          "_run_allreduce_hook",
+          [](Reducer& r, c10d::GradBucket& bucket) -> FuturePtr {
+            return std::make_shared<torch::jit::PythonFutureWrapper>(
+                r.run_allreduce(bucket));
+          },
+          py::arg("bucket"), NoGil())
+      .def("_get_zeros_like_grad_buckets", &Reducer::zeros_like_grad_buckets, NoGil())
+      .def("_get_local_used_map", &Reducer::local_used_map, NoGil())
+      .def("_set_forward_pass_work_handle", &Reducer::set_forward_pass_work,
+           py::arg("work"), py::arg("divide_by_initial_world_size"), NoGil())
+      .def("_set_static_graph", &Reducer::set_static_graph, NoGil())
+      .def("_delay_all_reduce", &Reducer::finish_learning_iteration, NoGil())
+      .def("_check_reducer_finalized", &Reducer::check_finalized, NoGil())
+      .def(
+          "_rebuild_buckets",
+          [](Reducer& r) {
+            // Buckets keep their construction-time layout; like torch's, the
+            // call first checks that the last reduction finished.
+            r.check_finalized();
+            return false;
+          },
+          NoGil())
+      .def("_push_all_rebuilt_params", [](Reducer&) {})
+      .def("_remove_autograd_hooks", &Reducer::remove_autograd_hooks, NoGil())
+      .def("_update_process_group", &Reducer::update_process_group,
+           py::arg("new_process_group"), NoGil());
 }
 
 void bind_process_groups(py::module& m) {

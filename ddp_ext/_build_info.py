@@ -14,6 +14,7 @@ SOURCES = [
     "process_groups/round_robin_backend.cpp",
     "reducer/bucket_assignment.cpp",
     "reducer/broadcast_coalesced.cpp",
+    "reducer/builtin_comm_hooks.cpp",
     "reducer/reducer.cpp",
     "reducer/unused_parameters.cpp",
 ]

@@ -21,17 +21,18 @@ import torch
 
 class _OutputSink(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, on_backward, *tensors):
+    def forward(ctx, on_backward, clone, *tensors):
         ctx.set_materialize_grads(False)
         ctx.on_backward = on_backward
-        # Clones, not views: callers may modify outputs in place.
-        return tuple(t.clone() for t in tensors)
+        # Clones, not views, unless told otherwise: callers may modify outputs
+        # in place.
+        return tuple(t.clone() for t in tensors) if clone else tensors
 
     @staticmethod
     def backward(ctx, *grads):
         if ctx.on_backward is not None:
             ctx.on_backward()
-        return (None, *grads)
+        return (None, None, *grads)
 
 
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
@@ -70,11 +71,11 @@ def find_tensors(obj: Any) -> List[torch.Tensor]:
     return found
 
 
-def sink_outputs(output: Any, on_backward: Optional[Callable[[], None]] = None) -> Any:
+def sink_outputs(output: Any, on_backward: Optional[Callable[[], None]] = None, clone: bool = True) -> Any:
     """`output` with each tensor that requires grad routed through one _OutputSink
     node, whose backward first calls `on_backward` (if given)."""
     tracked = [t for t in find_tensors(output) if t.requires_grad and t.grad_fn is not None]
     if not tracked:
         return output
-    passed = dict(zip(map(id, tracked), _OutputSink.apply(on_backward, *tracked)))
+    passed = dict(zip(map(id, tracked), _OutputSink.apply(on_backward, clone, *tracked)))
     return _map_tensors(output, lambda t: passed.get(id(t), t))

@@ -2,6 +2,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
+#include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <cstddef>
@@ -28,8 +29,18 @@ struct Bucket {
   // start of every synchronising backward.
   size_t pending = 0;
 
-  // The allreduce in flight for this bucket, if launched this iteration.
+  // Where each parameter's gradient lies in `flat`, and its shape: what a
+  // communication hook's GradBucket describes.
+  std::vector<size_t> offsets;
+  std::vector<size_t> lengths;
+  std::vector<c10::IntArrayRef> sizes;
+  std::vector<at::Tensor> params;
+
+  // The default allreduce in flight for this bucket, if launched this
+  // iteration...
   c10::intrusive_ptr<c10d::Work> work;
+  // ... or, with a communication hook, the future it returned.
+  c10::intrusive_ptr<c10::ivalue::Future> future;
 };
 
 } // namespace ddp_ext::reducer

@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <utility>
 
 namespace ddp_ext::reducer {
@@ -12,7 +13,7 @@ struct OpenBucket {
   TensorSpec kind; // device and dtype shared by every member
   size_t position = 0; // index of this bucket in the result
   int64_t nbytes = 0;
-  bool is_first = true; // the first bucket of its kind
+  size_t ordinal = 0; // how many buckets of its kind came before it
 };
 
 bool same_kind(const TensorSpec& a, const TensorSpec& b) {
@@ -29,6 +30,20 @@ std::vector<std::vector<size_t>> assign_buckets(
       cap_bytes > 0 && first_cap_bytes > 0,
       "bucket caps must be positive, got ", first_cap_bytes, " bytes for the "
       "first bucket and ", cap_bytes, " for the others");
+  return assign_buckets(tensors, std::vector<int64_t>{first_cap_bytes, cap_bytes});
+}
+
+std::vector<std::vector<size_t>> assign_buckets(
+    const std::vector<TensorSpec>& tensors,
+    const std::vector<int64_t>& caps) {
+  TORCH_CHECK(!caps.empty(), "assign_buckets needs at least one bucket cap");
+  for (size_t k = 0; k < caps.size(); ++k) {
+    TORCH_CHECK(caps[k] > 0, "bucket caps must be positive, got ", caps[k],
+                " bytes for bucket ", k);
+  }
+  const auto cap_of = [&caps](size_t ordinal) {
+    return caps[std::min(ordinal, caps.size() - 1)];
+  };
   std::vector<std::vector<size_t>> buckets;
   // Few kinds exist in practice (one or two dtypes per device): a linear
   // scan beats a map.
@@ -44,15 +59,15 @@ std::vector<std::vector<size_t>> assign_buckets(
     }
     const bool fits = target != nullptr &&
         target->nbytes + spec.nbytes <=
-            (target->is_first ? first_cap_bytes : cap_bytes);
+            cap_of(target->ordinal);
     if (!fits) {
       if (target == nullptr) {
-        open.push_back(OpenBucket{spec, buckets.size(), 0, true});
+        open.push_back(OpenBucket{spec, buckets.size(), 0, 0});
         target = &open.back();
       } else {
         target->position = buckets.size();
         target->nbytes = 0;
-        target->is_first = false;
+        ++target->ordinal;
       }
       buckets.emplace_back();
     }

@@ -35,4 +35,11 @@ std::vector<std::vector<size_t>> assign_buckets(
     int64_t cap_bytes,
     int64_t first_cap_bytes);
 
+// The same with a cap per bucket: the k-th bucket of each kind is capped at
+// caps[k], and every bucket past the end of `caps` at its last entry (so
+// {first, cap} is the two-cap form above, and {cap} one cap for all).
+std::vector<std::vector<size_t>> assign_buckets(
+    const std::vector<TensorSpec>& tensors,
+    const std::vector<int64_t>& caps);
+
 } // namespace ddp_ext::reducer

@@ -6,6 +6,8 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
+#include <cmath>
 #include <limits>
 #include <sstream>
 #include <utility>
@@ -32,16 +34,19 @@ namespace ddp_ext::reducer {
 // With static_graph the set of parameters that get a gradient is the same in
 // every iteration, so it is learned once instead of searched for each time.
 // The first synchronising backward is the learning iteration: hooks record
-// which parameters got a gradient but launch nothing, and the forward routes
-// its outputs through the output sink, whose backward (the first node of the
-// outer backward pass) queues finish_learning_iteration() on the engine. That
-// runs after the whole backward, nested reentrant passes included: it marks
-// the parameters that got nothing ready, reduces every bucket and the used
-// bitmap, and remembers both. Later iterations mark the locally unused
-// parameters ready at their first hook, overlap as usual, and leave the
-// .grad of globally unused parameters alone, with no graph search and no
-// bitmap allreduce. Because nothing is searched from the outputs, gradients
-// produced by reentrant activation checkpointing are fine.
+// which parameters got a gradient and how often each accumulator ran (a block
+// checkpointed reentrantly runs its accumulators once per recomputation), but
+// mark nothing ready and launch nothing. The forward routes its outputs
+// through the output sink, whose backward (the first node of the outer
+// backward pass) queues finish_learning_iteration() on the engine. That runs
+// after the whole backward, nested reentrant passes included: it marks every
+// parameter ready (its accumulated .grad goes into the bucket), reduces every
+// bucket and the used bitmap, and remembers the bitmap and the firing counts.
+// Later iterations mark the locally unused parameters ready at their first
+// hook and every other parameter at its last expected firing, overlap as
+// usual, and leave the .grad of globally unused parameters alone, with no
+// graph search and no bitmap allreduce. Because nothing is searched from the
+// outputs, gradients produced by reentrant activation checkpointing are fine.
 //
 // Note [A world of one rank]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -57,7 +62,52 @@ namespace ddp_ext::reducer {
 // Each gradient is multiplied by 1/world_size while it is copied into its
 // bucket (one pass instead of a copy and a scale), and the buckets are then
 // summed. Scaling before summing, as torch's DDP does, keeps low-precision
-// sums in range and gives the same rounding as torch's DDP.
+// sums in range and gives the same rounding as torch's DDP. With
+// batched_grad_copy the copies wait until the bucket is launched and the
+// whole bucket is scaled at once: the same products, so the same bits.
+//
+// Note [Communication hooks]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A communication hook replaces the default averaging allreduce of a bucket
+// (torch's contract, paper section 6.2.3). Gradients are copied into the
+// bucket without the 1/world_size scale; when the bucket is launched, the
+// hook receives a c10d::GradBucket (index, the flat buffer, per-parameter
+// offsets and shapes, the parameters) and returns a future. At the end of
+// the backward pass each future is awaited and its value, the reduced
+// buffer, is copied into the bucket if it is another tensor, then written
+// back to .grad like an allreduced bucket. Python hooks run through torch's
+// c10d::PythonCommHook (it takes the GIL); built-in hooks are plain C++
+// (reducer/builtin_comm_hooks.h). A hook that raises, or returns no future,
+// raises from the backward pass on the rank where it did.
+//
+// Note [Join and the divide factor]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Under torch.distributed.algorithms.join.Join, every forward of a rank that
+// still has data starts an allreduce of 1 (ranks that ran out of data add 0),
+// and ddp_ext/_join.py hands its work to set_forward_pass_work. With
+// divide_by_initial_world_size=False the first gradient of the backward waits
+// for it and averages over that many ranks instead of the world size; the
+// ranks that joined shadow each bucket's reduction with zeros (run_comm_hook
+// on zeros_like_grad_buckets), so the sum is over the ranks with data.
+//
+// Note [Reducer lifetime]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// The wrapper (and so the reducer) may be freed while a backward pass it
+// prepared is running, by a hook for example. The destructor removes the
+// autograd hooks, so no later gradient reaches it; the callbacks queued on
+// the autograd engine hold only a weak reference, and raise instead of
+// touching a destroyed reducer.
+//
+// Note [Unprepared backward]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A gradient that arrives while the reducer is idle belongs to a backward
+// pass nobody prepared it for: its outputs did not come through the
+// wrapper's forward (a backward inside forward, as in manual optimization),
+// or the iteration's gradients were already reduced (a second backward over
+// the same graph). Left alone it would stay unaveraged on this rank and the
+// replicas would drift apart without a word, so the hook raises instead.
+// Accumulating locally is said explicitly: a forward inside no_sync, or
+// entering no_sync, moves the reducer to kAccumulating.
 
 namespace {
 
@@ -100,6 +150,8 @@ const char* phase_name(Phase phase) {
   switch (phase) {
     case Phase::kIdle:
       return "idle";
+    case Phase::kAccumulating:
+      return "accumulating";
     case Phase::kExpectingGradients:
       return "expecting gradients";
     case Phase::kReducing:
@@ -123,19 +175,16 @@ Reducer::Reducer(
       param_names_(std::move(param_names)),
       process_group_(std::move(process_group)),
       options_(options),
-      gradients_stay_local_(
-          process_group_ && process_group_->getSize() == 1 &&
-          !options.gradient_as_bucket_view) {
+      gradients_stay_local_(false) {
   const size_t n = params_.size();
   TORCH_CHECK(n > 0, "Reducer needs at least one parameter");
   TORCH_CHECK(
       param_names_.size() == n, "Reducer got ", n, " parameters but ",
       param_names_.size(), " names");
   TORCH_CHECK(process_group_, "Reducer needs a process group");
-
-  average_factor_ =
-      c10::scalar_to_tensor(at::Scalar(1.0 / process_group_->getSize()));
-  average_factor_.unsafeGetTensorImpl()->set_wrapped_number(true);
+  gradients_stay_local_ =
+      process_group_->getSize() == 1 && !options_.gradient_as_bucket_view;
+  set_average_factor(process_group_->getSize());
 
   at::NoGradGuard no_grad;
   bucket_of_param_.assign(n, kUnassigned);
@@ -165,13 +214,26 @@ Reducer::Reducer(
       bucket.param_indices.push_back(index);
       numel += param.numel();
     }
-    bucket.flat = at::zeros({numel}, first.options());
+    bucket.flat = at::zeros(
+        {numel},
+        first.options().dtype(options_.reduce_dtype.value_or(first.scalar_type())));
     int64_t offset = 0;
     for (size_t index : indices) {
       const at::Tensor& param = params_[index];
       at::Tensor view = view_for(bucket.flat, offset, param);
+      bucket.offsets.push_back(static_cast<size_t>(offset));
+      bucket.lengths.push_back(static_cast<size_t>(param.numel()));
+      bucket.sizes.push_back(param.sizes());
+      bucket.params.push_back(param);
       offset += param.numel();
       at::Tensor& grad = param.mutable_grad();
+      TORCH_CHECK(
+          !options_.gradient_as_bucket_view ||
+              view.scalar_type() == param.scalar_type(),
+          "gradient_as_bucket_view needs buckets of the parameters' dtype, but "
+          "parameter ", param_names_[index], " is ", param.scalar_type(),
+          " and its bucket ", view.scalar_type(), " (a reduce dtype of mixed "
+          "precision); turn one of them off");
       if (options_.gradient_as_bucket_view && grad.defined()) {
         view.copy_(grad);
         grad = view;
@@ -206,9 +268,26 @@ Reducer::Reducer(
 
 Reducer::~Reducer() {
   std::lock_guard<std::mutex> lock(mutex_);
+  remove_autograd_hooks_locked();
+}
+
+void Reducer::remove_autograd_hooks() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  remove_autograd_hooks_locked();
+}
+
+void Reducer::remove_autograd_hooks_locked() {
   for (size_t i = 0; i < accumulators_.size(); ++i) {
     accumulators_[i]->del_post_hook(hook_keys_[i]);
   }
+  accumulators_.clear();
+  hook_keys_.clear();
+}
+
+void Reducer::set_average_factor(int64_t ranks) {
+  TORCH_CHECK(ranks > 0, "cannot average gradients over ", ranks, " ranks");
+  average_factor_ = c10::scalar_to_tensor(at::Scalar(1.0 / ranks));
+  average_factor_.unsafeGetTensorImpl()->set_wrapped_number(true);
 }
 
 void Reducer::enter(Phase from, Phase to) {
@@ -224,12 +303,49 @@ Phase Reducer::phase() const {
   return phase_;
 }
 
+int64_t Reducer::iterations() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return iterations_;
+}
+
+bool Reducer::unused_parameters_stable() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return unused_stable_;
+}
+
 void Reducer::set_overlap_with_backward(bool overlap) {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(
       phase_ != Phase::kReducing,
       "overlap_with_backward cannot change while gradients are being reduced");
   options_.overlap_with_backward = overlap;
+}
+
+void Reducer::set_static_graph() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(
+      iterations_ == 0,
+      "set_static_graph() should be called before training loop starts and "
+      "after DistributedDataParallel is constructed.");
+  options_.static_graph = true;
+}
+
+void Reducer::register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(hook, "register_comm_hook needs a hook");
+  TORCH_CHECK(
+      comm_hook_ == nullptr,
+      "register_comm_hook or register_builtin_comm_hook can only be called once.");
+  TORCH_CHECK(
+      phase_ != Phase::kReducing,
+      "a communication hook cannot be registered while gradients are being "
+      "reduced; register it between iterations");
+  comm_hook_ = std::move(hook);
+}
+
+bool Reducer::has_comm_hook() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return comm_hook_ != nullptr;
 }
 
 bool Reducer::learning_static_graph() const {
@@ -249,6 +365,10 @@ bool Reducer::may_be_globally_unused(size_t index) const {
   return tracks_usage() && local_used_.data_ptr<int32_t>()[index] == 0;
 }
 
+bool Reducer::unused_locally(size_t index) const {
+  return !is_unused_.empty() && is_unused_[index];
+}
+
 std::vector<std::vector<size_t>> Reducer::bucket_indices() const {
   std::vector<std::vector<size_t>> result;
   for (const auto& bucket : buckets_) {
@@ -257,18 +377,17 @@ std::vector<std::vector<size_t>> Reducer::bucket_indices() const {
   return result;
 }
 
-void Reducer::prepare_for_forward() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (phase_ != Phase::kReducing) {
-    return;
+std::vector<int64_t> Reducer::bucket_sizes() const {
+  std::vector<int64_t> result;
+  for (const auto& bucket : buckets_) {
+    result.push_back(bucket.flat.numel() * bucket.flat.element_size());
   }
+  return result;
+}
+
+std::string Reducer::unfinished_reduction_message() const {
   const std::string missing = names_of_parameters_not_ready();
   const bool all_arrived = next_bucket_ == buckets_.size();
-  // Raise without waiting for the buckets already launched: when ranks
-  // skipped different parameters, some of those allreduces have no partner
-  // and waiting would hang this rank instead of telling its user. A caller
-  // that catches this and goes on waits for them in prepare_for_backward.
-  enter(Phase::kReducing, Phase::kIdle);
   std::ostringstream message;
   message << "Expected to have finished reduction in the prior iteration "
              "before starting a new one. On rank "
@@ -294,15 +413,38 @@ void Reducer::prepare_for_forward() {
                "find_unused_parameters=True to DistributedDataParallel; "
                "otherwise make sure every parameter takes part in the loss.";
   }
-  TORCH_CHECK(false, message.str());
+  return message.str();
+}
+
+void Reducer::prepare_for_forward() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (phase_ != Phase::kReducing) {
+    return;
+  }
+  const std::string message = unfinished_reduction_message();
+  // Raise without waiting for the buckets already launched: when ranks
+  // skipped different parameters, some of those allreduces have no partner
+  // and waiting would hang this rank instead of telling its user. A caller
+  // that catches this and goes on waits for them in prepare_for_backward.
+  enter(Phase::kReducing, Phase::kIdle);
+  TORCH_CHECK(false, message);
+}
+
+void Reducer::check_finalized() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(phase_ != Phase::kReducing, unfinished_reduction_message());
 }
 
 void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_INTERNAL_ASSERT(
-      phase_ != Phase::kReducing,
-      "prepare_for_forward must run before prepare_for_backward");
+  if (phase_ == Phase::kReducing) {
+    // Only reachable when a framework prepares a backward itself.
+    const std::string message = unfinished_reduction_message();
+    enter(Phase::kReducing, Phase::kIdle);
+    TORCH_CHECK(false, message);
+  }
   enter(phase_, Phase::kExpectingGradients);
+  ++iterations_;
   wait_for_launched_buckets(); // left over from an unfinished iteration
   std::fill(ready_.begin(), ready_.end(), false);
   next_bucket_ = 0;
@@ -311,12 +453,25 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   }
   used_work_.reset();
   stashed_grads_.clear();
+  std::vector<size_t> previously_unused = std::move(unused_);
   unused_.clear();
   learning_iteration_ = options_.static_graph && !graph_learned_;
+  if (learning_iteration_) {
+    firings_.assign(params_.size(), 0);
+  } else if (options_.static_graph) {
+    firings_ = firings_expected_;
+  }
   if (options_.static_graph) {
     unused_ = static_unused_locally_;
   } else if (options_.find_unused_parameters) {
     unused_ = find_unreached_accumulators(outputs, accumulators_);
+  }
+  if (iterations_ > 1 && unused_ != previously_unused) {
+    unused_stable_ = false;
+  }
+  is_unused_.assign(params_.size(), false);
+  for (size_t index : unused_) {
+    is_unused_[index] = true;
   }
 }
 
@@ -325,7 +480,42 @@ void Reducer::prepare_for_local_backward() {
   TORCH_INTERNAL_ASSERT(
       phase_ != Phase::kReducing,
       "prepare_for_forward must run before prepare_for_local_backward");
-  enter(phase_, Phase::kIdle);
+  enter(phase_, Phase::kAccumulating);
+}
+
+void Reducer::allow_local_accumulation() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (phase_ == Phase::kIdle) {
+    enter(Phase::kIdle, Phase::kAccumulating);
+  }
+}
+
+void Reducer::set_forward_pass_work(
+    c10::intrusive_ptr<c10d::Work> work, bool divide_by_initial_world_size) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  forward_pass_work_ = std::move(work);
+  divide_by_initial_world_size_ = divide_by_initial_world_size;
+}
+
+void Reducer::take_divide_factor() {
+  // See Note [Join and the divide factor].
+  int64_t ranks = process_group_->getSize();
+  if (forward_pass_work_ && !divide_by_initial_world_size_) {
+    forward_pass_work_->wait();
+    const auto counted = forward_pass_work_->result();
+    TORCH_INTERNAL_ASSERT(!counted.empty());
+    ranks = std::llround(counted.front().cpu().item<double>());
+  }
+  forward_pass_work_.reset();
+  set_average_factor(ranks);
+}
+
+void Reducer::start_reducing() {
+  enter(Phase::kExpectingGradients, Phase::kReducing);
+  take_divide_factor();
+  for (size_t unused : unused_) {
+    mark_ready(unused);
+  }
 }
 
 void Reducer::on_gradient_ready(size_t index, bool gradient_arrived) {
@@ -333,13 +523,53 @@ void Reducer::on_gradient_ready(size_t index, bool gradient_arrived) {
   if (gradient_arrived && tracks_usage()) {
     local_used_.data_ptr<int32_t>()[index] = 1;
   }
-  if (phase_ == Phase::kIdle) {
-    return; // See Note [Reducer phases]: no_sync or no synchronising forward.
+  switch (phase_) {
+    case Phase::kAccumulating:
+      return; // See Note [Reducer phases]: no_sync.
+    case Phase::kIdle:
+      // See Note [Unprepared backward].
+      TORCH_CHECK(
+          !gradient_arrived,
+          "DistributedDataParallel on rank ", process_group_->getRank(),
+          " got a gradient for parameter ", param_names_[index],
+          " in a backward pass it was not prepared for, so it would not be "
+          "averaged across ranks. This happens when backward runs on outputs "
+          "that did not come from the wrapper's forward (a backward inside "
+          "forward, as in manual optimization: call "
+          "ddp_model.reducer.prepare_for_backward(outputs) before it), or "
+          "when a second backward runs after the gradients were already "
+          "reduced. To accumulate gradients locally on purpose, run forward "
+          "and backward inside ddp_model.no_sync().");
+      return;
+    case Phase::kExpectingGradients:
+      start_reducing();
+      break;
+    case Phase::kReducing:
+      break;
   }
-  if (phase_ == Phase::kExpectingGradients) {
-    enter(Phase::kExpectingGradients, Phase::kReducing);
-    for (size_t unused : unused_) {
-      mark_ready(unused);
+  if (learning_iteration_) {
+    ++firings_[index]; // See Note [Static graph]: marked at the end.
+    return;
+  }
+  if (options_.static_graph) {
+    if (unused_locally(index)) {
+      TORCH_CHECK(
+          !gradient_arrived, "static_graph=True, but parameter ",
+          param_names_[index], " got a gradient on rank ",
+          process_group_->getRank(), " although it got none in the first "
+          "iteration: the set of parameters used must not change. Use "
+          "find_unused_parameters=True instead of static_graph for such models.");
+      return;
+    }
+    TORCH_CHECK(
+        firings_[index] > 0,
+        "Expected to mark a variable ready only once. On rank ",
+        process_group_->getRank(), ", parameter ", param_names_[index],
+        " received more gradients in this backward pass than in the first "
+        "iteration, which static_graph=True requires to be the same in "
+        "every iteration.");
+    if (--firings_[index] > 0) {
+      return;
     }
   }
   mark_ready(index);
@@ -355,34 +585,45 @@ void Reducer::mark_ready(size_t index) {
       "accumulator twice in one backward (reentrant activation checkpointing, "
       "torch.utils.checkpoint with use_reentrant=True, or a backward that "
       "runs inside another), or when find_unused_parameters=True did not see "
-      "the parameter from the forward's outputs, or when static_graph=True "
-      "and the set of parameters used changed after the first iteration. Use "
+      "the parameter from the forward's outputs. Use "
       "torch.utils.checkpoint(..., use_reentrant=False) or static_graph=True, "
       "and return from forward every tensor that depends on the parameter.");
   ready_[index] = true;
+  if (!options_.batched_grad_copy) {
+    copy_into_bucket(index, /*scale=*/comm_hook_ == nullptr);
+  }
   Bucket& bucket = buckets_[bucket_of_param_[index]];
+  if (--bucket.pending == 0) {
+    launch_ready_buckets();
+  }
+}
+
+void Reducer::copy_into_bucket(size_t index, bool scale) {
+  if (gradients_stay_local_) {
+    return; // See Note [A world of one rank].
+  }
+  const Bucket& bucket = buckets_[bucket_of_param_[index]];
   const at::Tensor& view = bucket.views[slot_of_param_[index]];
   const at::Tensor& grad = params_[index].grad();
   at::NoGradGuard no_grad;
-  if (gradients_stay_local_) {
-    // See Note [A world of one rank].
-  } else if (!grad.defined()) {
+  if (!grad.defined()) {
     view.zero_();
-  } else {
-    TORCH_CHECK(!grad.is_sparse(), "parameter ", param_names_[index],
-                " has a sparse gradient; ddp_ext reduces dense gradients only");
-    if (grad.is_alias_of(view)) {
-      if (may_be_globally_unused(index)) {
-        stashed_grads_.emplace_back(index, grad.clone());
-      }
-      view.mul_(average_factor_);
-    } else {
-      at::Tensor out = view;
-      at::mul_out(out, grad, average_factor_);
-    }
+    return;
   }
-  if (--bucket.pending == 0) {
-    launch_ready_buckets();
+  TORCH_CHECK(!grad.is_sparse(), "parameter ", param_names_[index],
+              " has a sparse gradient; ddp_ext reduces dense gradients only");
+  if (grad.is_alias_of(view)) {
+    if (may_be_globally_unused(index)) {
+      stashed_grads_.emplace_back(index, grad.clone());
+    }
+    if (scale) {
+      view.mul_(average_factor_);
+    }
+  } else if (scale) {
+    at::Tensor out = view;
+    at::mul_out(out, grad, average_factor_);
+  } else {
+    view.copy_(grad);
   }
 }
 
@@ -390,7 +631,7 @@ void Reducer::launch_ready_buckets() {
   while (next_bucket_ < buckets_.size() &&
          buckets_[next_bucket_].pending == 0) {
     if (options_.overlap_with_backward && !learning_iteration_) {
-      launch(buckets_[next_bucket_]);
+      launch(next_bucket_);
     }
     ++next_bucket_;
   }
@@ -400,21 +641,81 @@ void Reducer::launch_ready_buckets() {
   if (options_.find_unused_parameters && !options_.static_graph) {
     launch_used_bitmap_allreduce();
   }
-  torch::autograd::Engine::get_default_engine().queue_callback(
-      [this] { finalize_backward(); });
+  queue_at_end_of_backward(&Reducer::finalize_backward);
 }
 
-void Reducer::launch(Bucket& bucket) {
+c10d::GradBucket Reducer::grad_bucket(size_t bucket_index, at::Tensor buffer) const {
+  const Bucket& bucket = buckets_[bucket_index];
+  return c10d::GradBucket(
+      bucket_index, buckets_.size(), std::move(buffer), bucket.offsets,
+      bucket.lengths, bucket.sizes, bucket.params, std::nullopt);
+}
+
+void Reducer::launch(size_t bucket_index) {
   if (gradients_stay_local_) {
     return; // See Note [A world of one rank].
+  }
+  Bucket& bucket = buckets_[bucket_index];
+  if (options_.batched_grad_copy) {
+    for (size_t index : bucket.param_indices) {
+      copy_into_bucket(index, /*scale=*/false);
+    }
+    if (comm_hook_ == nullptr) {
+      at::NoGradGuard no_grad;
+      bucket.flat.mul_(average_factor_);
+    }
+  }
+  if (options_.skip_all_reduce_unused_params &&
+      std::all_of(
+          bucket.param_indices.begin(), bucket.param_indices.end(),
+          [this](size_t index) { return unused_locally(index); })) {
+    return; // Unused on every rank too, by the option's contract.
+  }
+  if (comm_hook_ != nullptr) {
+    c10d::GradBucket handed = grad_bucket(bucket_index, bucket.flat);
+    bucket.future = comm_hook_->runHook(handed);
+    return;
   }
   std::vector<at::Tensor> tensors{bucket.flat};
   bucket.work = process_group_->allreduce(tensors);
 }
 
+c10::intrusive_ptr<c10::ivalue::Future> Reducer::run_comm_hook(
+    c10d::GradBucket& bucket) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (comm_hook_ != nullptr) {
+    return comm_hook_->runHook(bucket);
+  }
+  std::vector<at::Tensor> tensors{bucket.getBufferRef()};
+  return process_group_->allreduce(tensors)->getFuture();
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> Reducer::run_allreduce(
+    c10d::GradBucket& bucket) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<at::Tensor> tensors{bucket.getBufferRef()};
+  return process_group_->allreduce(tensors)->getFuture();
+}
+
+std::vector<c10d::GradBucket> Reducer::zeros_like_grad_buckets() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<c10d::GradBucket> result;
+  result.reserve(buckets_.size());
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    result.push_back(grad_bucket(b, at::zeros_like(buckets_[b].flat)));
+  }
+  return result;
+}
+
+at::Tensor Reducer::local_used_map() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return local_used_.to(used_for_allreduce_.device(), /*non_blocking=*/false,
+                        /*copy=*/true);
+}
+
 void Reducer::launch_all_buckets() {
-  for (auto& bucket : buckets_) {
-    launch(bucket);
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    launch(b);
   }
 }
 
@@ -431,9 +732,26 @@ void Reducer::launch_used_bitmap_allreduce() {
 
 void Reducer::wait_for_launched_buckets() {
   for (size_t b = 0; b < next_bucket_; ++b) {
-    if (buckets_[b].work) {
-      buckets_[b].work->wait();
-      buckets_[b].work.reset();
+    Bucket& bucket = buckets_[b];
+    if (bucket.work) {
+      bucket.work->wait();
+      bucket.work.reset();
+    }
+    if (bucket.future) {
+      // See Note [Communication hooks].
+      auto future = std::move(bucket.future);
+      bucket.future.reset();
+      future->wait();
+      const at::Tensor reduced = comm_hook_->parseHookResult(future->value());
+      if (!reduced.is_same(bucket.flat)) {
+        TORCH_CHECK(
+            reduced.numel() == bucket.flat.numel(),
+            "the communication hook's future for bucket ", b, " holds ",
+            reduced.numel(), " elements, but the bucket has ",
+            bucket.flat.numel(), ": return the reduced bucket.buffer()");
+        at::NoGradGuard no_grad;
+        bucket.flat.copy_(reduced.reshape({-1}));
+      }
     }
   }
 }
@@ -472,6 +790,21 @@ void Reducer::finalize_backward() {
   enter(Phase::kReducing, Phase::kIdle);
 }
 
+void Reducer::queue_at_end_of_backward(void (Reducer::*step)()) {
+  // See Note [Reducer lifetime].
+  const int rank = process_group_->getRank();
+  torch::autograd::Engine::get_default_engine().queue_callback(
+      [weak = weak_from_this(), step, rank] {
+        const std::shared_ptr<Reducer> self = weak.lock();
+        TORCH_CHECK(
+            self, "DistributedDataParallel on rank ", rank,
+            " was destroyed during its backward pass, so this iteration's "
+            "gradients were not averaged across ranks. Keep the wrapper alive "
+            "until backward returns.");
+        ((*self).*step)();
+      });
+}
+
 void Reducer::queue_finish_learning_iteration() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -479,17 +812,20 @@ void Reducer::queue_finish_learning_iteration() {
       return;
     }
   }
-  torch::autograd::Engine::get_default_engine().queue_callback(
-      [this] { finish_learning_iteration(); });
+  queue_at_end_of_backward(&Reducer::finish_learning_iteration);
 }
 
 void Reducer::finish_learning_iteration() {
   std::lock_guard<std::mutex> lock(mutex_);
+  finish_learning_iteration_locked();
+}
+
+void Reducer::finish_learning_iteration_locked() {
   if (!learning_iteration_) {
     return; // Another output sink of the same iteration finished it.
   }
   if (phase_ == Phase::kExpectingGradients) {
-    enter(Phase::kExpectingGradients, Phase::kReducing);
+    start_reducing();
   }
   TORCH_INTERNAL_ASSERT(phase_ == Phase::kReducing);
   static_unused_locally_.clear();
@@ -501,6 +837,7 @@ void Reducer::finish_learning_iteration() {
       mark_ready(i);
     }
   }
+  firings_expected_ = firings_;
   launch_all_buckets();
   launch_used_bitmap_allreduce();
   wait_for_launched_buckets();
@@ -509,6 +846,28 @@ void Reducer::finish_learning_iteration() {
   learning_iteration_ = false;
   write_back_gradients(static_used_globally_);
   enter(Phase::kReducing, Phase::kIdle);
+}
+
+void Reducer::update_process_group(
+    c10::intrusive_ptr<c10d::ProcessGroup> process_group) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(process_group, "update_process_group needs a process group");
+  // Work on the old group is dropped, not awaited: it may never complete.
+  for (auto& bucket : buckets_) {
+    bucket.work.reset();
+    bucket.future.reset();
+  }
+  used_work_.reset();
+  forward_pass_work_.reset();
+  stashed_grads_.clear();
+  std::fill(ready_.begin(), ready_.end(), false);
+  next_bucket_ = 0;
+  learning_iteration_ = false;
+  phase_ = Phase::kIdle;
+  process_group_ = std::move(process_group);
+  gradients_stay_local_ =
+      process_group_->getSize() == 1 && !options_.gradient_as_bucket_view;
+  set_average_factor(process_group_->getSize());
 }
 
 void Reducer::write_back_gradients(const std::vector<bool>& globally_used) {
@@ -535,7 +894,8 @@ void Reducer::write_back_gradients(const std::vector<bool>& globally_used) {
           grad = view;
         }
       } else if (!grad.defined()) {
-        grad = view.clone();
+        grad = at::empty_like(params_[index]);
+        grad.copy_(view);
       } else {
         grad.copy_(view);
       }

@@ -4,8 +4,10 @@
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/comm.hpp>
 
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -22,11 +24,17 @@ namespace ddp_ext::reducer {
 //   kIdle ──prepare_for_backward──▶ kExpectingGradients ──first gradient──▶
 //   kReducing ──last bucket launched, end of backward: finalize──▶ kIdle
 //
-//   kExpectingGradients ──prepare_for_local_backward (no_sync forward)──▶ kIdle
+//   any phase but kReducing ──prepare_for_local_backward──▶ kAccumulating
+//   kAccumulating ──prepare_for_backward──▶ kExpectingGradients
 //
-// kIdle: no synchronising backward is expected (before the first forward,
-//   inside no_sync, under torch.no_grad, after a finished reduction). Hooks
-//   only record which parameters got a gradient.
+// kIdle: no backward is expected (before the first forward, after a
+//   finished reduction, under torch.no_grad). A gradient that arrives now
+//   came from a backward the reducer was never told about (a backward that
+//   runs inside the wrapper's forward, a second backward over the same
+//   graph): it is an error, never a silently unsynchronised gradient. See
+//   Note [Unprepared backward].
+// kAccumulating: the last forward ran inside no_sync (or no_sync was entered
+//   with nothing armed): backward passes only accumulate into .grad.
 // kExpectingGradients: a synchronising forward ran. A forward may start again
 //   from here (a forward without backward is legal) and simply re-arms.
 // kReducing: gradients are being copied into buckets and allreduced. A
@@ -40,7 +48,7 @@ namespace ddp_ext::reducer {
 //
 // Every transition goes through Reducer::enter(), which asserts where it
 // comes from.
-enum class Phase { kIdle, kExpectingGradients, kReducing };
+enum class Phase { kIdle, kAccumulating, kExpectingGradients, kReducing };
 
 const char* phase_name(Phase phase);
 
@@ -49,10 +57,12 @@ const char* phase_name(Phase phase);
 size_t accumulator_post_hook_count(const at::Tensor& param);
 
 // The gradient reducer of paper section 3.2 (Algorithm 1): copies gradients
-// into buckets as autograd produces them, allreduces each bucket as soon as it
+// into buckets as autograd produces them, reduces each bucket as soon as it
 // is full, in the same bucket order on every rank, and writes the averages
 // back to .grad at the end of the backward pass.
-class Reducer {
+// Always owned by a std::shared_ptr (the Python binding's holder); see Note
+// [Reducer lifetime].
+class Reducer : public std::enable_shared_from_this<Reducer> {
  public:
   // params[i] is named param_names[i] (used in error messages); buckets lists
   // parameter indices per bucket in launch order (see assign_buckets). Every
@@ -74,7 +84,8 @@ class Reducer {
   // synchronising backward left gradients unreduced.
   void prepare_for_forward();
 
-  // Called at the end of a forward whose backward must synchronise gradients.
+  // Called at the end of a forward whose backward must synchronise gradients
+  // (or by frameworks before a backward that runs inside the forward).
   // `outputs` are the forward's output tensors; with find_unused_parameters
   // the autograd graph is searched from them. See Note [Unused parameters].
   void prepare_for_backward(const std::vector<at::Tensor>& outputs);
@@ -88,13 +99,70 @@ class Reducer {
   // backward pass (nested ones included) has finished.
   void queue_finish_learning_iteration();
 
+  // Ends the learning iteration of a static graph now, if one is under way
+  // (torch's Reducer::_delay_all_reduce). Call after its backward finished.
+  void finish_learning_iteration();
+
   // Called at the end of a forward inside no_sync: its backward only
   // accumulates, even if an earlier forward without backward expected
   // gradients.
   void prepare_for_local_backward();
 
+  // Called when no_sync is entered: a backward with nothing armed only
+  // accumulates instead of being refused. See Note [Unprepared backward].
+  void allow_local_accumulation();
+
+  // Makes the graph static: only before the first synchronising backward.
+  void set_static_graph();
+
+  // Replaces the default bucket allreduce. Once only, and not in the middle
+  // of an iteration. See Note [Communication hooks].
+  void register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook);
+  bool has_comm_hook() const;
+
+  // Reduces `bucket` as a bucket of this reducer would be: through the
+  // registered hook, or else a summing allreduce. For ranks that shadow
+  // collectives after running out of data (Join).
+  c10::intrusive_ptr<c10::ivalue::Future> run_comm_hook(c10d::GradBucket& bucket);
+
+  // A summing allreduce of `bucket` (torch's _run_allreduce_hook).
+  c10::intrusive_ptr<c10::ivalue::Future> run_allreduce(c10d::GradBucket& bucket);
+
+  // GradBuckets shaped like this reducer's, filled with zeros, in launch order.
+  std::vector<c10d::GradBucket> zeros_like_grad_buckets() const;
+
+  // The per-parameter usage bitmap as it would be allreduced (a copy on the
+  // parameters' device). See Note [Unused parameters].
+  at::Tensor local_used_map();
+
+  // See Note [Join and the divide factor]: `work` is this iteration's
+  // allreduce counting the ranks that still have data.
+  void set_forward_pass_work(
+      c10::intrusive_ptr<c10d::Work> work, bool divide_by_initial_world_size);
+
+  // Raises, as prepare_for_forward would, if the last synchronising backward
+  // did not finish reducing.
+  void check_finalized() const;
+
+  // Removes the autograd hooks now (the destructor does it otherwise).
+  void remove_autograd_hooks();
+
+  // Forgets the iteration under way and communicates on `process_group`
+  // from now on.
+  void update_process_group(c10::intrusive_ptr<c10d::ProcessGroup> process_group);
+
   // The bucket layout, as parameter indices per bucket in launch order.
   std::vector<std::vector<size_t>> bucket_indices() const;
+
+  // Bytes of each bucket, in launch order.
+  std::vector<int64_t> bucket_sizes() const;
+
+  // Synchronising backward passes begun so far.
+  int64_t iterations() const;
+
+  // Whether every synchronising iteration so far left the same parameters
+  // unused (what static_graph requires).
+  bool unused_parameters_stable() const;
 
   Phase phase() const;
 
@@ -108,26 +176,37 @@ class Reducer {
 
  private:
   void enter(Phase from, Phase to);
+  void start_reducing();
   void mark_ready(size_t index);
+  void copy_into_bucket(size_t index, bool scale);
   void launch_ready_buckets();
-  void launch(Bucket& bucket);
+  void launch(size_t bucket_index);
   void launch_all_buckets();
   void launch_used_bitmap_allreduce();
   std::vector<bool> wait_for_used_bitmap();
   bool tracks_usage() const;
   bool may_be_globally_unused(size_t index) const;
+  bool unused_locally(size_t index) const;
   void finalize_backward();
-  void finish_learning_iteration();
+  void queue_at_end_of_backward(void (Reducer::*step)());
+  void finish_learning_iteration_locked();
   void write_back_gradients(const std::vector<bool>& globally_used);
   void wait_for_launched_buckets();
+  void take_divide_factor();
+  void set_average_factor(int64_t ranks);
+  c10d::GradBucket grad_bucket(size_t bucket_index, at::Tensor buffer) const;
   std::string names_of_parameters_not_ready() const;
+  std::string unfinished_reduction_message() const;
+  void remove_autograd_hooks_locked();
 
   const std::vector<at::Tensor> params_;
   const std::vector<std::string> param_names_;
-  const c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
-  ReducerOptions options_; // only overlap_with_backward ever changes
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
+  ReducerOptions options_; // overlap_with_backward and static_graph change
   // See Note [A world of one rank].
-  const bool gradients_stay_local_;
+  bool gradients_stay_local_;
+  // See Note [Communication hooks]; null: the default averaging allreduce.
+  std::unique_ptr<c10d::CommHookInterface> comm_hook_;
 
   // The gradient accumulator of each parameter, held so that autograd keeps
   // using the node our hook is installed on, and the key to remove the hook.
@@ -146,15 +225,25 @@ class Reducer {
   // Guards everything below; hooks may run on several autograd threads.
   mutable std::mutex mutex_;
   Phase phase_ = Phase::kIdle;
+  int64_t iterations_ = 0;
   std::vector<bool> ready_; // per parameter, this iteration
   size_t next_bucket_ = 0; // first bucket not yet launched
   std::vector<size_t> unused_; // params marked ready by the first hook
+  std::vector<bool> is_unused_; // the same, per parameter
+  bool unused_stable_ = true; // see unused_parameters_stable()
+
+  // See Note [Join and the divide factor].
+  c10::intrusive_ptr<c10d::Work> forward_pass_work_;
+  bool divide_by_initial_world_size_ = true;
 
   // See Note [Static graph].
   bool learning_iteration_ = false;
   bool graph_learned_ = false;
   std::vector<size_t> static_unused_locally_;
   std::vector<bool> static_used_globally_;
+  // Hook firings per parameter: counted while learning, then expected.
+  std::vector<int> firings_;
+  std::vector<int> firings_expected_;
 
   // See Note [Unused parameters]: per-parameter usage since the last
   // synchronisation (int32 on CPU), and its copy on the parameters' device for

@@ -1,5 +1,9 @@
 #pragma once
 
+#include <c10/core/ScalarType.h>
+
+#include <optional>
+
 namespace ddp_ext::reducer {
 
 // Knobs of one Reducer. Bucket sizes are decided before construction (see
@@ -28,6 +32,23 @@ struct ReducerOptions {
   // iterations with Reducer::set_overlap_with_backward.
   // See Note [Overlap and bucket order]. Default: true.
   bool overlap_with_backward = true;
+
+  // With find_unused_parameters, do not allreduce a bucket whose parameters
+  // all went unused on this rank. Only correct when every rank leaves the
+  // same parameters unused in every iteration (torch's
+  // skip_all_reduce_unused_params). Default: false.
+  bool skip_all_reduce_unused_params = false;
+
+  // Copy gradients into their bucket only when the bucket's last gradient
+  // has arrived (one pass over the bucket, then one scaling of the whole
+  // bucket) instead of one fused copy-and-scale per gradient (torch's
+  // batched_grad_copy). Same values either way. Default: false.
+  bool batched_grad_copy = false;
+
+  // dtype of the buckets, and so of the reduction (mixed precision's
+  // reduce_dtype); gradients are cast on their way in and out. Unset: each
+  // bucket has its parameters' dtype. Default: unset.
+  std::optional<c10::ScalarType> reduce_dtype;
 };
 
 } // namespace ddp_ext::reducer

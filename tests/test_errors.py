@@ -8,6 +8,7 @@ constructor arguments raise ValueError or TypeError naming the argument.
 
 import dataclasses
 import datetime
+import warnings
 from typing import Optional, Tuple
 
 import pytest
@@ -250,11 +251,10 @@ def test_error_on_every_rank(c, world_size):
 
 # (id, constructor keyword arguments, exception type, argument the message must name)
 BAD_ARGUMENTS = [
-    ("bucket_cap_mb_zero", dict(bucket_cap_mb=0), ValueError, "bucket_cap_mb"),
-    ("bucket_cap_mb_negative", dict(bucket_cap_mb=-1.0), ValueError, "bucket_cap_mb"),
     ("bucket_cap_mb_nan", dict(bucket_cap_mb=float("nan")), ValueError, "bucket_cap_mb"),
-    ("bucket_cap_mb_bool", dict(bucket_cap_mb=True), (ValueError, TypeError), "bucket_cap_mb"),
+    ("bucket_cap_mb_inf", dict(bucket_cap_mb=float("inf")), ValueError, "bucket_cap_mb"),
     ("bucket_cap_mb_str", dict(bucket_cap_mb="25"), (ValueError, TypeError), "bucket_cap_mb"),
+    ("bucket_cap_mb_list_str", dict(bucket_cap_mb_list=[1, "2"]), (ValueError, TypeError), "bucket_cap_mb_list"),
     ("device_ids_cpu_module", dict(device_ids=[0]), ValueError, "device_ids"),
     ("output_device_cpu_module", dict(output_device=0), ValueError, "output_device"),
     ("process_group_object", dict(process_group=object()), TypeError, "process_group"),
@@ -273,6 +273,20 @@ def test_invalid_argument_names_it(single_process_group, kwargs, error, argument
 def test_module_must_be_a_module(single_process_group):
     with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
         reference.ext_ddp(lambda x: x)
+
+
+@pytest.mark.parametrize("cap, warns", [(0, False), (-1.0, True), (True, True)], ids=["zero", "negative", "bool"])
+def test_odd_bucket_caps_torch_accepts_are_accepted(single_process_group, cap, warns):
+    """As torch's DDP: accepted; 0 and negatives mean a bucket per parameter,
+    a bool is read as MiB; the nonsense ones warn."""
+    module = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ddp = reference.ext_ddp(module, bucket_cap_mb=cap)
+    assert any("bucket_cap_mb" in str(w.message) for w in caught) == warns
+    expected = [[3, 2, 1, 0]] if cap is True else [[3], [2], [1], [0]]
+    assert ddp.bucket_indices() == expected
+    ddp(torch.randn(1, 2)).sum().backward()
 
 
 def test_valid_arguments_construct(single_process_group):

@@ -1,0 +1,114 @@
+"""Resolution of torch 2.13's DistributedDataParallel constructor arguments
+that need more than a line: the process group, buffer synchronisation, and
+the bucket caps."""
+
+import math
+import numbers
+import warnings
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch.distributed as dist
+
+MIB = 1024 * 1024
+DEFAULT_BUCKET_CAP_MB = 25
+# With the default cap, the first bucket of each dtype is smaller, so that its
+# allreduce starts early in the backward pass (torch's DDP does the same).
+DEFAULT_FIRST_BUCKET_CAP_MB = 1
+
+
+def resolve_process_group(process_group, device_mesh) -> dist.ProcessGroup:
+    """The group to reduce over: `process_group`, the group of a 1-D
+    `device_mesh`, or the default group."""
+    if process_group is not None and device_mesh is not None:
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+    if device_mesh is not None:
+        if device_mesh.ndim != 1:
+            raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+        if device_mesh._get_root_mesh() != device_mesh:
+            raise NotImplementedError(
+                "ddp_ext.DistributedDataParallel takes a 1-D device_mesh that is its own "
+                "root mesh; a mesh sliced out of a larger one (DDP combined with tensor "
+                "parallelism) is not supported. Pass process_group=mesh.get_group() instead "
+                "if the module needs no tensor-parallel transform."
+            )
+        return device_mesh.get_group(mesh_dim=0)
+    if process_group is None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "Default process group has not been initialized, please make sure to "
+                "call init_process_group (or pass process_group=...)."
+            )
+        return dist.distributed_c10d._get_default_group()
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            f"process_group must be a torch.distributed.ProcessGroup, got {type(process_group).__name__}"
+        )
+    return process_group
+
+
+@dataclass(frozen=True)
+class BufferSync:
+    forward: bool  # broadcast buffers before each synchronising forward
+    at_init: bool  # broadcast buffers at construction
+
+
+def resolve_buffer_sync(broadcast_buffers: Optional[bool], forward_sync_buffers: Optional[bool]) -> BufferSync:
+    """torch 2.13's rules: `forward_sync_buffers` wins and always syncs at
+    construction; the deprecated `broadcast_buffers` governs both."""
+    if broadcast_buffers is not None:
+        if forward_sync_buffers is not None:
+            message = (
+                "Both `broadcast_buffers` and `forward_sync_buffers` were specified. "
+                "`broadcast_buffers` is deprecated and its value is ignored when "
+                "`forward_sync_buffers` is provided."
+            )
+        else:
+            message = (
+                "`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead. "
+                "IMPORTANT: unlike `broadcast_buffers=False`, `forward_sync_buffers=False` "
+                "still syncs buffers at init. If you rely on buffers NOT being synced at "
+                "init (e.g. rank-local buffers), keep using `broadcast_buffers=False`."
+            )
+        warnings.warn(message, FutureWarning, stacklevel=3)
+    if forward_sync_buffers is not None:
+        return BufferSync(forward=bool(forward_sync_buffers), at_init=True)
+    effective = True if broadcast_buffers is None else bool(broadcast_buffers)
+    return BufferSync(forward=effective, at_init=effective)
+
+
+def _cap_bytes(name: str, value) -> int:
+    """A cap in MiB as bytes, with torch's leniency: 0 (or anything that
+    rounds to no bytes) puts every parameter in a bucket of its own;
+    negatives and bools, which torch also accepts, do so with a warning."""
+    if isinstance(value, bool):
+        warnings.warn(f"{name}={value!r} is a bool; read as {int(value)} MiB, as torch's DDP does", stacklevel=4)
+        value = int(value)
+    if not isinstance(value, numbers.Real) or math.isnan(value) or math.isinf(value):
+        raise ValueError(f"{name} must be a finite number of MiB, got {value!r}")
+    if value < 0:
+        warnings.warn(
+            f"{name}={value!r} is negative; every parameter gets a bucket of its own, as with 0", stacklevel=4
+        )
+    return max(1, int(value * MIB))
+
+
+@dataclass(frozen=True)
+class BucketCaps:
+    bucket_bytes_cap: int  # torch's attribute of the same name
+    caps_bytes: List[int]  # cap of the 1st, 2nd, ... bucket of each kind; the last repeats
+    custom_list: bool  # bucket_cap_mb_list was given
+
+
+def resolve_bucket_caps(bucket_cap_mb, bucket_cap_mb_list: Optional[Sequence[float]]) -> BucketCaps:
+    """Caps per bucket, in bytes. A list caps each bucket in turn and wins over
+    `bucket_cap_mb`; with neither, the first bucket is capped at 1 MiB and the
+    others at 25 MiB, as in torch's DDP. See _cap_bytes for odd values."""
+    if bucket_cap_mb_list:
+        caps = [_cap_bytes(f"bucket_cap_mb_list[{i}]", cap) for i, cap in enumerate(bucket_cap_mb_list)]
+        return BucketCaps(max(caps), caps, True)
+    if bucket_cap_mb is None:
+        cap = DEFAULT_BUCKET_CAP_MB * MIB
+        return BucketCaps(cap, [DEFAULT_FIRST_BUCKET_CAP_MB * MIB, cap], False)
+    cap = _cap_bytes("bucket_cap_mb", bucket_cap_mb)
+    return BucketCaps(cap, [cap], False)

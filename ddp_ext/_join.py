@@ -1,0 +1,41 @@
+"""Uneven inputs: the Join hook of ddp_ext's DistributedDataParallel.
+
+A rank that runs out of data leaves its training loop and enters the Join
+context's shadow loop, which calls `main_hook` once for every iteration that
+the other ranks still run. The hook issues, in the same order, every
+collective those ranks' forward and backward issue:
+
+1. the buffer broadcast of a synchronising forward (after agreeing on the
+   rank to broadcast from),
+2. the allreduce telling joined ranks whether this iteration synchronises
+   gradients,
+3. one reduction per bucket, of zeros, through the same communication hook,
+4. the unused-parameter bitmap allreduce, with find_unused_parameters.
+
+When every rank has joined, `post_hook` broadcasts the final model from the
+last rank to join. See Note [Join and the divide factor] in
+reducer/reducer.cpp for how the ranks with data average.
+"""
+
+from torch.distributed.algorithms.join import JoinHook
+
+
+class DistributedDataParallelJoinHook(JoinHook):
+    def __init__(self, ddp, divide_by_initial_world_size: bool):
+        self.ddp = ddp
+        ddp._divide_by_initial_world_size = divide_by_initial_world_size
+
+    def main_hook(self) -> None:
+        ddp = self.ddp
+        ddp._check_and_sync_module_buffers()
+        should_sync = ddp._check_global_requires_backward_grad_sync(is_joined_rank=True)
+        # The next forward syncs buffers only after a synchronising one.
+        ddp.require_forward_param_sync = should_sync
+        if not should_sync:
+            return
+        ddp._match_all_reduce_for_bwd_pass()
+        if ddp.find_unused_parameters and not ddp.static_graph:
+            ddp._match_unused_params_allreduce()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.ddp._sync_final_model(is_last_joiner)

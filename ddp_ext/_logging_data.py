@@ -1,0 +1,57 @@
+"""`_get_ddp_logging_data()`: the keys torch's DDP logger reports that
+describe the configuration and progress, filled from ddp_ext's own state."""
+
+import os
+from typing import Any, Dict
+
+import torch
+import torch.distributed as dist
+
+
+def logging_data(ddp) -> Dict[str, Any]:
+    params = [p for p in ddp._module_parameters if p.requires_grad]
+    reducer = ddp.reducer
+    group = ddp.process_group
+    data: Dict[str, Any] = {
+        "module_name": type(ddp.module).__name__,
+        "rank": group.rank(),
+        "world_size": group.size(),
+        "backend_name": _backend_name(group),
+        "device_ids": ", ".join(map(str, ddp.device_ids or [])),
+        "output_device": -1 if ddp.output_device is None else ddp.output_device,
+        "dtypes": ", ".join(sorted({str(p.dtype).replace("torch.", "") for p in params})),
+        "broadcast_buffers": int(ddp.forward_sync_buffers),
+        "bucket_cap_bytes": ddp.bucket_bytes_cap,
+        "find_unused_parameters": int(ddp.find_unused_parameters),
+        "gradient_as_bucket_view": int(ddp.gradient_as_bucket_view),
+        "static_graph": int(ddp.static_graph),
+        "is_multi_device_module": int(ddp.is_multi_device_module),
+        "num_parameter_tensors": len(params),
+        "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in params),
+        "has_sync_bn": int(any(isinstance(m, torch.nn.SyncBatchNorm) for m in ddp.module.modules())),
+        "has_rebuilt_buckets": 0,
+        "master_addr": os.environ.get("MASTER_ADDR", "N/A"),
+        "master_port": os.environ.get("MASTER_PORT", "N/A"),
+    }
+    if reducer is not None:
+        iterations = reducer.iterations
+        data.update(
+            {
+                "bucket_sizes": ", ".join(map(str, reducer.bucket_sizes())),
+                "num_buckets_reduced": len(reducer.bucket_sizes()),
+                "iteration": iterations,
+                # Static graph needs the same parameters used in every
+                # iteration; ddp_ext tracks whether that held so far.
+                "can_set_static_graph": int(iterations > 0 and reducer.unused_parameters_stable),
+            }
+        )
+    if ddp._comm_hooks:
+        data["comm_hook"] = ddp._comm_hooks[-1][0]
+    return data
+
+
+def _backend_name(group) -> str:
+    try:
+        return dist.get_backend(group)
+    except (RuntimeError, ValueError):
+        return group.name() if hasattr(group, "name") else "unknown"

@@ -1,0 +1,51 @@
+#pragma once
+
+#include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+
+#include <memory>
+
+namespace ddp_ext::reducer {
+
+// Communication hooks written in C++, so that they run without the GIL.
+// Each follows torch's hook contract (see Note [Communication hooks] in
+// reducer/reducer.cpp): the bucket holds gradients not yet divided by the
+// world size, and the returned future's value is the reduced buffer.
+
+// Divides the bucket by the world size and allreduces it in place.
+class AllreduceCommHook : public c10d::CommHookInterface {
+ public:
+  explicit AllreduceCommHook(c10::intrusive_ptr<c10d::ProcessGroup> group)
+      : group_(std::move(group)) {}
+
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(
+      c10d::GradBucket& bucket) override;
+  at::Tensor parseHookResult(const c10::IValue& result) override;
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+};
+
+// Casts the bucket to float16, divides it by the world size, allreduces the
+// half-precision copy (half the bytes on the wire) and writes the result
+// back into the bucket in its own dtype.
+class Fp16CompressCommHook : public c10d::CommHookInterface {
+ public:
+  explicit Fp16CompressCommHook(c10::intrusive_ptr<c10d::ProcessGroup> group)
+      : group_(std::move(group)) {}
+
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(
+      c10d::GradBucket& bucket) override;
+  at::Tensor parseHookResult(const c10::IValue& result) override;
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+};
+
+// The hook for `type`: 1 is allreduce, 2 is float16 compression (the values
+// of torch.distributed.BuiltinCommHookType).
+std::unique_ptr<c10d::CommHookInterface> make_builtin_comm_hook(
+    int type, c10::intrusive_ptr<c10d::ProcessGroup> group);
+
+} // namespace ddp_ext::reducer
