@@ -3,7 +3,6 @@
 
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
-#include <torch/extension.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/default_comm_hooks.hpp>
 #include <torch/csrc/distributed/c10d/python_comm_hook.h>

@@ -12,6 +12,13 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 BUILD_INFO = runpy.run_path(os.path.join(ROOT, "ddp_ext", "_build_info.py"))
+UNITS = runpy.run_path(os.path.join(ROOT, "ddp_ext", "_units.py"))
+
+# Two translation units: the bindings, and every other source as one unit
+# (see ddp_ext/_units.py), written under build/.
+sources = UNITS["translation_units"](
+    ROOT, BUILD_INFO["SOURCES"], BUILD_INFO["BINDING_SOURCE"], os.path.join(ROOT, "build", "units")
+)
 
 setup(
     version=BUILD_INFO["VERSION"],
@@ -19,7 +26,7 @@ setup(
     ext_modules=[
         CppExtension(
             name="ddp_ext._C",
-            sources=BUILD_INFO["SOURCES"],
+            sources=[os.path.relpath(s, ROOT) for s in sources],
             include_dirs=[os.path.join(ROOT, d) for d in BUILD_INFO["INCLUDE_DIRS"]],
             extra_compile_args={"cxx": BUILD_INFO["CXX_FLAGS"]},
         )

@@ -19,6 +19,10 @@ SOURCES = [
     "reducer/unused_parameters.cpp",
 ]
 
+# The pybind11 entry point, compiled on its own; every other source is
+# compiled as one generated unit (see ddp_ext/_units.py).
+BINDING_SOURCE = "ddp_ext.cpp"
+
 # Includes are rooted at the repository: `#include "reducer/reducer.h"`.
 INCLUDE_DIRS = ["."]
 

@@ -1,12 +1,14 @@
-"""Runs a table of cases in one spawned run per world size, and the checks the
+"""Runs a table of cases in one job per world size, and the checks the
 parity tests share.
 
 Starting ranks is expensive (each imports torch), so a test module runs all
-its cases for one world size inside a single `run_ranks` call: every rank
-loops over the cases, recording each case's return value or traceback, and
-the parametrized tests then look their case up. A case that fails on every
-rank alike (an exception) does not disturb the others; a hang fails the
-whole run, with every rank's traceback, when run_ranks' time limit expires.
+its cases for one world size as a single job on the session's shared world
+(tests/worlds.py), or on fresh ranks (`run_ranks`) for tables whose cases
+must not share a world with other modules: every rank loops over the cases,
+recording each case's return value or traceback, and the parametrized tests
+then look their case up. A case that fails on every rank alike (an
+exception) does not disturb the others; a hang fails the whole job, with
+every rank's traceback, when its time limit expires.
 """
 
 import io
@@ -16,6 +18,7 @@ from typing import Any, Callable, Dict, List, Sequence
 import torch
 
 from tests.spawn import RanksFailed, run_ranks
+from tests.worlds import shared_world
 
 
 def _run_cases(rank: int, world_size: int, case_fn: Callable, cases: Sequence[Any]) -> Dict[str, Any]:
@@ -32,14 +35,18 @@ def _run_cases(rank: int, world_size: int, case_fn: Callable, cases: Sequence[An
 
 class CaseTable:
     """`case_fn(rank, world_size, case)` over `cases`, run lazily once per world
-    size. case_fn must be a module-level function; cases need an `id`."""
+    size. case_fn must be a module-level function; cases need an `id`.
+    `isolated=True` runs them on fresh ranks instead of the shared world (for
+    cases that time out process groups on purpose, or may leave ranks
+    disagreeing)."""
 
-    def __init__(self, case_fn: Callable, cases: Sequence[Any], timeout: float = 240.0):
+    def __init__(self, case_fn: Callable, cases: Sequence[Any], timeout: float = 240.0, isolated: bool = False):
         ids = [c.id for c in cases]
         assert len(set(ids)) == len(ids), f"duplicate case ids in {ids}"
         self.case_fn = case_fn
         self.cases = list(cases)
         self.timeout = timeout
+        self.isolated = isolated
         self._runs: Dict[int, Any] = {}
 
     def results(self, world_size: int, c: Any) -> List[Any]:
@@ -47,14 +54,16 @@ class CaseTable:
         rank's traceback if the case raised anywhere."""
         if world_size not in self._runs:
             try:
-                self._runs[world_size] = run_ranks(
-                    _run_cases, world_size, self.case_fn, self.cases, timeout=self.timeout
-                )
+                if self.isolated:
+                    run = run_ranks(_run_cases, world_size, self.case_fn, self.cases, timeout=self.timeout)
+                else:
+                    run = shared_world(world_size).run(_run_cases, self.case_fn, self.cases, timeout=self.timeout)
+                self._runs[world_size] = run
             except RanksFailed as failure:
                 self._runs[world_size] = failure
         run = self._runs[world_size]
         if isinstance(run, RanksFailed):
-            raise RanksFailed(f"the spawned run of all cases at world size {world_size} failed:\n{run}")
+            raise RanksFailed(f"the job of all cases at world size {world_size} failed:\n{run}")
         per_rank = [by_case[c.id] for by_case in run]
         failed = [f"--- rank {r} ---\n{value}" for r, (ok, value) in enumerate(per_rank) if not ok]
         if failed:

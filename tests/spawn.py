@@ -42,11 +42,56 @@ class RanksFailed(AssertionError):
     pass
 
 
+def collect(results, procs, timeout: float, what: str = "") -> List[Any]:
+    """Waits for one (rank, ok, value) per process on `results` and returns the
+    values by rank; raises RanksFailed with every rank's traceback if a rank
+    failed, died or did not answer within `timeout` seconds."""
+    world_size = len(procs)
+    outcomes = {}
+    deadline = time.monotonic() + timeout
+    while len(outcomes) < world_size:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            rank, ok, value = results.get(timeout=min(left, 1.0))
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outcomes]
+            if dead:
+                # Give the queue a moment: a dying rank may still be flushing.
+                time.sleep(0.5)
+                if results.empty():
+                    for r in dead:
+                        outcomes[r] = (False, f"rank {r} died with exit code {procs[r].exitcode}")
+            continue
+        outcomes[rank] = (ok, pickle.loads(value) if ok else value)
+        if not ok:
+            # One rank failed; give the others a few seconds to report theirs.
+            deadline = min(deadline, time.monotonic() + 10.0)
+    failures = [f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(outcomes.items()) if not ok]
+    missing = [r for r in range(world_size) if r not in outcomes]
+    if failures or missing:
+        message = "\n".join(failures)
+        if missing:
+            message += f"\nranks {missing} did not finish {what}within {timeout:.0f} s (hang?)"
+        raise RanksFailed(message)
+    return [outcomes[r][1] for r in range(world_size)]
+
+
+def stop(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=10)
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S) -> List[Any]:
-    """Runs fn on `world_size` ranks and returns their return values by rank.
+    """Runs fn on `world_size` fresh ranks and returns their return values by rank.
 
     fn must be defined at module level (it is pickled by reference) and its
-    return value must be picklable.
+    return value must be picklable. See tests/worlds.py for ranks that are
+    started once and shared.
     """
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
@@ -58,39 +103,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         ]
         for p in procs:
             p.start()
-        outcomes = {}
-        deadline = time.monotonic() + timeout
         try:
-            while len(outcomes) < world_size:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                try:
-                    rank, ok, value = results.get(timeout=min(left, 1.0))
-                except queue.Empty:
-                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outcomes]
-                    if dead:
-                        # Give the queue a moment: a dying rank may still be flushing.
-                        time.sleep(0.5)
-                        if results.empty():
-                            for r in dead:
-                                outcomes[r] = (False, f"rank {r} died with exit code {procs[r].exitcode}")
-                    continue
-                outcomes[rank] = (ok, pickle.loads(value) if ok else value)
-                if not ok:
-                    # One rank failed; give the others a few seconds to report theirs.
-                    deadline = min(deadline, time.monotonic() + 10.0)
+            return collect(results, procs, timeout)
         finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-            for p in procs:
-                p.join(timeout=10)
-    failures = [f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(outcomes.items()) if not ok]
-    missing = [r for r in range(world_size) if r not in outcomes]
-    if failures or missing:
-        message = "\n".join(failures)
-        if missing:
-            message += f"\nranks {missing} did not finish within {timeout:.0f} s (hang?)"
-        raise RanksFailed(message)
-    return [outcomes[r][1] for r in range(world_size)]
+            stop(procs)

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 import ddp_ext
-from tests.spawn import run_ranks
+from tests.worlds import shared_world
 
 LAYERS = 10
 
@@ -21,7 +21,7 @@ def _construct_under_profiler(rank, world_size):
 
 
 def test_construction_broadcasts_rank0_state_in_one_chunk_per_dtype():
-    results = run_ranks(_construct_under_profiler, 3)
+    results = shared_world(3).run(_construct_under_profiler)
     tensors = 4 * LAYERS + 3 * LAYERS  # weights, biases, BN affine; BN buffers
     for rank, (broadcasts, _) in enumerate(results):
         # float32 (parameters and running stats) and int64 (num_batches_tracked)

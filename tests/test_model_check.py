@@ -97,7 +97,8 @@ def _run(rank, world_size, c):
     return _construct(rank, world_size, c) if isinstance(c, Mismatch) else _start_from_other_values(rank, world_size, c)
 
 
-TABLE = CaseTable(_run, MISMATCHES + DIVERGENT + [NOTHING_TO_TRAIN], timeout=120)
+# Isolated: cases time out their own process groups on purpose.
+TABLE = CaseTable(_run, MISMATCHES + DIVERGENT + [NOTHING_TO_TRAIN], timeout=120, isolated=True)
 
 
 

@@ -3,7 +3,7 @@
 Every collective is run through torch.distributed's public API on the default
 (plain Gloo) group and on round-robin groups of 1, 3 and 5 Gloo children, with
 the same inputs; results (or the fact that the call raised) must be equal.
-One spawned run per world size covers every collective, dtype and child count.
+One job per world size covers every collective, dtype and child count.
 """
 
 import os
@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tests.spawn import run_ranks
+from tests.worlds import shared_world
 
 CHILD_COUNTS = [1, 3, 5]
 DTYPES = [torch.float32, torch.float64, torch.int32, torch.int64]
@@ -213,7 +214,7 @@ def _collectives_match_gloo(rank, world_size):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_collectives_match_plain_gloo(world_size):
-    refused_by_gloo = run_ranks(_collectives_match_gloo, world_size)[0]
+    refused_by_gloo = shared_world(world_size).run(_collectives_match_gloo)[0]
     # AVG is the one reduction Gloo may refuse; anything else it refuses
     # would leave the comparison toothless.
     assert all("AVG" in name for name in refused_by_gloo), refused_by_gloo

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.spawn import run_ranks
+from tests.worlds import shared_world
 
 CHILD_COUNTS = [1, 3, 5]
 STEPS = 3
@@ -77,7 +77,7 @@ def _training_matches_gloo(rank, world_size):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_training_over_round_robin_matches_plain_gloo(world_size):
-    turns = run_ranks(_training_matches_gloo, world_size)
+    turns = shared_world(world_size).run(_training_matches_gloo)
     assert all(t == turns[0] for t in turns), f"ranks made different numbers of collective calls: {turns}"
     # Each run issued many more collectives than there are children, so every
     # child took part.

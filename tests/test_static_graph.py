@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import ddp_ext
-from tests.spawn import run_ranks
+from tests.worlds import shared_world
 
 BATCH_PER_RANK = 4
 STEPS = 4
@@ -62,8 +62,8 @@ def _static_graph_runs(rank, world_size, wrapper_name):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_static_graph_with_reentrant_checkpointing_matches_local_and_torch(world_size):
-    ours = run_ranks(_static_graph_runs, world_size, "ddp_ext")
-    theirs = run_ranks(_static_graph_runs, world_size, "torch")
+    ours = shared_world(world_size).run(_static_graph_runs, "ddp_ext")
+    theirs = shared_world(world_size).run(_static_graph_runs, "torch")
 
     torch.manual_seed(0)
     local = CheckpointedNet()

@@ -4,7 +4,8 @@ import argparse
 import shlex
 import sys
 
-from ddp_ext.bench.experiments import EXPERIMENTS
+from ddp_ext.bench import extra
+from ddp_ext.bench.experiment_names import NAMES
 from ddp_ext.bench.options import BenchOptions, quick_lengths
 from ddp_ext.bench.round_robin import RoundRobinUnavailable
 from ddp_ext.bench.workloads import MODELS, PRESETS
@@ -18,9 +19,10 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m ddp_ext.bench",
         description="Benchmarks of ddp_ext against torch's DDP, after section 5 of the PyTorch Distributed "
                     "paper. Starts its own ranks over Gloo and writes OUT/<experiment>.json, .png and .md. "
-                    "`all` runs every experiment; `report` renders docs/BENCHMARKS.md from OUT's JSON files.",
+                    "`all` runs every experiment; `report` renders docs/BENCHMARKS.md from OUT's JSON files. "
+                    f"Needs the `bench` extra: {extra.INSTALL_COMMAND}.",
     )
-    p.add_argument("experiment", choices=[*EXPERIMENTS, "all", "report"])
+    p.add_argument("experiment", choices=[*NAMES, "all", "report"])
     p.add_argument("--preset", choices=PRESETS, default=defaults.preset)
     p.add_argument("--world-size", type=int, default=defaults.world_size, help="ranks per run (default 2)")
     p.add_argument("--bucket-cap-mb", type=float, nargs="+", default=None,
@@ -53,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _options(args, experiment: str) -> BenchOptions:
+    from ddp_ext.bench.experiments import EXPERIMENTS
+
     # Run lengths: given on the command line, else --quick's, else the experiment's own defaults.
     lengths = quick_lengths() if args.quick else dict(getattr(EXPERIMENTS[experiment], "RUN_LENGTHS", {}))
     for name in ("warmup", "blocks", "block_iterations", "discard_per_block"):
@@ -72,6 +76,10 @@ def _options(args, experiment: str) -> BenchOptions:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
+    missing = extra.missing()
+    if missing:
+        print(extra.missing_message(missing), file=sys.stderr)
+        return 2
     if args.experiment == "report":
         from ddp_ext.bench.reporting.document import update_document
 
@@ -79,7 +87,7 @@ def main(argv=None) -> int:
         return 0
     from ddp_ext.bench.runner import run_experiment
 
-    names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
+    names = list(NAMES) if args.experiment == "all" else [args.experiment]
     unavailable = []
     for name in names:
         # The command that reruns this one experiment alone.

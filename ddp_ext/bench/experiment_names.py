@@ -1,0 +1,6 @@
+"""The experiments' names, in the order docs/BENCHMARKS.md presents them.
+
+Apart from the experiment modules, so that the command line (and --help) can
+list them without importing what the experiments need (the `bench` extra)."""
+
+NAMES = ("compare", "allreduce", "breakdown", "bucket", "scale", "nosync", "roundrobin")
