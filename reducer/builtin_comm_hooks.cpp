@@ -7,13 +7,9 @@
 
 namespace ddp_ext::reducer {
 
-namespace {
-
-at::Tensor first_tensor(const c10::IValue& result) {
+at::Tensor GroupCommHook::parseHookResult(const c10::IValue& result) {
   return c10d::detail::parseCppCommHookResult(result);
 }
-
-} // namespace
 
 c10::intrusive_ptr<c10::ivalue::Future> AllreduceCommHook::runHook(
     c10d::GradBucket& bucket) {
@@ -21,10 +17,6 @@ c10::intrusive_ptr<c10::ivalue::Future> AllreduceCommHook::runHook(
   buffer.div_(group_->getSize());
   std::vector<at::Tensor> tensors{buffer};
   return group_->allreduce(tensors)->getFuture();
-}
-
-at::Tensor AllreduceCommHook::parseHookResult(const c10::IValue& result) {
-  return first_tensor(result);
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> Fp16CompressCommHook::runHook(
@@ -40,10 +32,6 @@ c10::intrusive_ptr<c10::ivalue::Future> Fp16CompressCommHook::runHook(
         return c10::IValue(buffer);
       },
       c10::TensorType::get());
-}
-
-at::Tensor Fp16CompressCommHook::parseHookResult(const c10::IValue& result) {
-  return first_tensor(result);
 }
 
 std::unique_ptr<c10d::CommHookInterface> make_builtin_comm_hook(

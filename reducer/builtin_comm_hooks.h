@@ -13,34 +13,35 @@ namespace ddp_ext::reducer {
 // reducer/reducer.cpp): the bucket holds gradients not yet divided by the
 // world size, and the returned future's value is the reduced buffer.
 
-// Divides the bucket by the world size and allreduces it in place.
-class AllreduceCommHook : public c10d::CommHookInterface {
+// What both built-in hooks share: the group they reduce over, and a result
+// that is a tensor or a list holding one.
+class GroupCommHook : public c10d::CommHookInterface {
  public:
-  explicit AllreduceCommHook(c10::intrusive_ptr<c10d::ProcessGroup> group)
+  explicit GroupCommHook(c10::intrusive_ptr<c10d::ProcessGroup> group)
       : group_(std::move(group)) {}
 
-  c10::intrusive_ptr<c10::ivalue::Future> runHook(
-      c10d::GradBucket& bucket) override;
   at::Tensor parseHookResult(const c10::IValue& result) override;
 
- private:
+ protected:
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
+};
+
+// Divides the bucket by the world size and allreduces it in place.
+class AllreduceCommHook : public GroupCommHook {
+ public:
+  using GroupCommHook::GroupCommHook;
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(
+      c10d::GradBucket& bucket) override;
 };
 
 // Casts the bucket to float16, divides it by the world size, allreduces the
 // half-precision copy (half the bytes on the wire) and writes the result
 // back into the bucket in its own dtype.
-class Fp16CompressCommHook : public c10d::CommHookInterface {
+class Fp16CompressCommHook : public GroupCommHook {
  public:
-  explicit Fp16CompressCommHook(c10::intrusive_ptr<c10d::ProcessGroup> group)
-      : group_(std::move(group)) {}
-
+  using GroupCommHook::GroupCommHook;
   c10::intrusive_ptr<c10::ivalue::Future> runHook(
       c10d::GradBucket& bucket) override;
-  at::Tensor parseHookResult(const c10::IValue& result) override;
-
- private:
-  c10::intrusive_ptr<c10d::ProcessGroup> group_;
 };
 
 // The hook for `type`: 1 is allreduce, 2 is float16 compression (the values
