@@ -28,11 +28,16 @@ class Case:
     param_dtype: Optional[torch.dtype]
     reduce_dtype: Optional[torch.dtype]
     no_sync: bool = False
+    compiled: bool = False  # torch.compile(ddp) (dynamo's "eager" backend)
 
     @property
     def id(self) -> str:
         name = lambda d: str(d).replace("torch.", "")  # noqa: E731
-        return f"param={name(self.param_dtype)}-reduce={name(self.reduce_dtype)}" + ("-no_sync" if self.no_sync else "")
+        return (
+            f"param={name(self.param_dtype)}-reduce={name(self.reduce_dtype)}"
+            + ("-no_sync" if self.no_sync else "")
+            + ("-compiled" if self.compiled else "")
+        )
 
 
 CASES = [
@@ -40,6 +45,7 @@ CASES = [
     Case(torch.bfloat16, None),
     Case(None, torch.bfloat16),
     Case(torch.bfloat16, torch.float32, no_sync=True),
+    Case(torch.bfloat16, torch.float32, compiled=True),
 ]
 
 
@@ -60,6 +66,9 @@ def _micro_batches(c):
 def _ddp_ext_run(rank, world_size, c: Case):
     module = _model()
     ddp = ddp_ext.DistributedDataParallel(module, mixed_precision=_MixedPrecision(param_dtype=c.param_dtype, reduce_dtype=c.reduce_dtype))
+    if c.compiled:
+        torch._dynamo.reset()
+        ddp = torch.compile(ddp, backend="eager")
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
     for step in range(STEPS):
         for micro in range(_micro_batches(c)):
