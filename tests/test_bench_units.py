@@ -1,10 +1,13 @@
 """Single-process checks of the benchmark suite's pure pieces (no ranks, no timing)."""
 
+import subprocess
+
 import pytest
 
 from ddp_ext.bench import stats
 from ddp_ext.bench.experiments.allreduce import splits
 from ddp_ext.bench.interleave import merge_ranks, rotated
+from ddp_ext.bench.machine import git_commit
 from ddp_ext.bench.options import ONE_PARAMETER_PER_BUCKET_MB, effective_bucket_cap_mb
 from ddp_ext.bench.reporting.document import replace_block
 
@@ -71,3 +74,22 @@ def test_replace_block_keeps_text_outside_markers():
 def test_replace_block_appends_unknown_results():
     updated = replace_block("intro\n", "compare-ws1", "table")
     assert updated.endswith("<!-- BEGIN GENERATED: compare-ws1 -->\ntable\n<!-- END GENERATED: compare-ws1 -->\n")
+
+
+def _git(repo, *args):
+    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+
+
+def test_commit_is_dirty_for_source_changes_only(tmp_path):
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "docs" / "bench").mkdir(parents=True)
+    (tmp_path / "docs" / "bench" / "compare.json").write_text("{}\n")
+    (tmp_path / "reducer.cpp").write_text("int x;\n")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "init")
+    assert not git_commit(str(tmp_path)).endswith("+dirty")
+    (tmp_path / "docs" / "bench" / "compare.json").write_text('{"new": 1}\n')  # a result rewritten in place
+    (tmp_path / "notes.txt").write_text("untracked\n")
+    assert not git_commit(str(tmp_path)).endswith("+dirty")
+    (tmp_path / "reducer.cpp").write_text("int y;\n")
+    assert git_commit(str(tmp_path)).endswith("+dirty")

@@ -29,14 +29,26 @@ def _memory_gib() -> float:
         return -1.0
 
 
-def _git_commit() -> str:
-    here = os.path.dirname(os.path.abspath(__file__))
+# Changes under docs/ leave a commit clean: documentation and the published
+# results there do not change what is measured, and `--out docs/bench` rewrites
+# tracked result files while `all` is still running its next experiment.
+NOT_MEASURED = "docs"
+
+
+def git_commit(directory: str = None) -> str:
+    """HEAD's short hash of the checkout holding `directory` (default: this package), with "+dirty"
+    when tracked files outside docs/ have uncommitted changes ("+unknown" when git cannot tell);
+    "unknown" outside a checkout."""
+    here = directory or os.path.dirname(os.path.abspath(__file__))
     try:
         out = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no", "--",
+                                ":(top)", f":(top,exclude){NOT_MEASURED}"],
                                capture_output=True, text=True, timeout=10)
         commit = out.stdout.strip() or "unknown"
+        if commit != "unknown" and dirty.returncode != 0:
+            return commit + "+unknown"
         return commit + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -68,7 +80,7 @@ def describe_machine(backend: str, threads_per_rank: int) -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "ddp_ext": ddp_ext.__version__,
-        "ddp_ext_commit": _git_commit(),
+        "ddp_ext_commit": git_commit(),
         "backend": backend,
         "threads_per_rank": threads_per_rank,
         "load_average_at_start": load_average(),
