@@ -100,7 +100,6 @@ void bind_reducer(py::module& m) {
       .def_property_readonly("iterations", without_gil(&Reducer::iterations))
       .def_property_readonly("learning_static_graph",
                              without_gil(&Reducer::learning_static_graph))
-      .def_property_readonly("has_comm_hook", without_gil(&Reducer::has_comm_hook))
       .def_property_readonly("unused_parameters_stable",
                              without_gil(&Reducer::unused_parameters_stable))
       .def("queue_finish_learning_iteration", &Reducer::queue_finish_learning_iteration,

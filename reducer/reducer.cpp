@@ -382,11 +382,6 @@ void Reducer::register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook) 
   comm_hook_ = std::move(hook);
 }
 
-bool Reducer::has_comm_hook() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return comm_hook_ != nullptr;
-}
-
 bool Reducer::learning_static_graph() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return learning_iteration_;

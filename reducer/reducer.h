@@ -121,7 +121,6 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Replaces the default bucket allreduce. Once only, and not in the middle
   // of an iteration. See Note [Communication hooks].
   void register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook);
-  bool has_comm_hook() const;
 
   // Reduces `bucket` as a bucket of this reducer would be: through the
   // registered hook, or else a summing allreduce. For ranks that shadow

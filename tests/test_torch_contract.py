@@ -262,3 +262,23 @@ def test_will_sync_module_buffers_follows_torch(single_process_group):
         assert not with_buffers.will_sync_module_buffers()
         assert not wrapper(nn.Linear(2, 2)).will_sync_module_buffers()
         assert not wrapper(nn.BatchNorm1d(2), forward_sync_buffers=False).will_sync_module_buffers()
+
+
+def test_hook_registered_after_training_started_is_used(single_process_group):
+    """torch's DDP accepts a hook between iterations, not only before the
+    first; so does ddp_ext, and the next backward goes through it."""
+    calls = []
+
+    def counting_hook(state, bucket):
+        calls.append(bucket.index())
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    for wrapper in (TorchDDP, OursDDP):
+        calls.clear()
+        ddp = wrapper(nn.Linear(2, 2))
+        ddp(torch.randn(3, 2)).sum().backward()
+        ddp.register_comm_hook(None, counting_hook)
+        ddp(torch.randn(3, 2)).sum().backward()
+        assert calls == [0], wrapper
