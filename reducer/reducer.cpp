@@ -51,9 +51,10 @@ namespace ddp_ext::reducer {
 // Note [A world of one rank]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~
 // With a single rank the average of each gradient is the gradient itself,
-// so, unless .grad must be a bucket view, the reducer leaves gradients where
-// autograd put them: hooks keep their bookkeeping (so every error is raised
-// as with more ranks) but copy nothing, no collective is launched, and
+// so the reducer leaves gradients where autograd put them, unless .grad must
+// be a bucket view, a communication hook must see them, or they must be
+// rounded to a reduce dtype: hooks keep their bookkeeping (so every error is
+// raised as with more ranks) but copy nothing, no collective is launched, and
 // nothing is written back. Parameters that got no gradient keep their .grad,
 // which is what "used by no rank" means in a world of one.
 //
@@ -203,8 +204,7 @@ Reducer::Reducer(
       param_names_.size() == n, "Reducer got ", n, " parameters but ",
       param_names_.size(), " names");
   TORCH_CHECK(process_group_, "Reducer needs a process group");
-  gradients_stay_local_ =
-      process_group_->getSize() == 1 && !options_.gradient_as_bucket_view;
+  gradients_stay_local_ = stays_local();
   set_average_factor(process_group_->getSize());
 
   at::NoGradGuard no_grad;
@@ -380,6 +380,13 @@ void Reducer::register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook) 
         " has sparse gradients (an Embedding with sparse=True)");
   }
   comm_hook_ = std::move(hook);
+  gradients_stay_local_ = stays_local();
+}
+
+bool Reducer::stays_local() const {
+  // See Note [A world of one rank].
+  return process_group_->getSize() == 1 && !options_.gradient_as_bucket_view &&
+      !options_.reduce_dtype && comm_hook_ == nullptr;
 }
 
 bool Reducer::learning_static_graph() const {
@@ -928,8 +935,7 @@ void Reducer::update_process_group(
   learning_iteration_ = false;
   phase_ = Phase::kIdle;
   process_group_ = std::move(process_group);
-  gradients_stay_local_ =
-      process_group_->getSize() == 1 && !options_.gradient_as_bucket_view;
+  gradients_stay_local_ = stays_local();
   set_average_factor(process_group_->getSize());
 }
 

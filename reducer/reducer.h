@@ -197,6 +197,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void wait_for_launched_buckets();
   void take_divide_factor();
   void set_average_factor(int64_t ranks);
+  bool stays_local() const;
   c10d::GradBucket grad_bucket(size_t bucket_index, at::Tensor buffer) const;
   std::string names_of_parameters_not_ready() const;
   std::string unfinished_reduction_message() const;
