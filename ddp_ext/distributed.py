@@ -23,6 +23,7 @@ from ddp_ext._logging_data import logging_data
 from ddp_ext import _mixed_precision as mixed_precision_forward
 from ddp_ext._model_check import verify_same_model
 from ddp_ext._output_sink import _map_tensors, find_tensors, sink_outputs
+from ddp_ext._parameter_watch import ParameterWatch
 from ddp_ext._unsupported import UnsupportedTorchInternals
 
 # Chunk size for broadcasting parameters and buffers, as torch's DDP uses.
@@ -193,6 +194,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
             self._register_delay_all_reduce_hook(bucket_cap_mb, param_to_hook_all_reduce, device_ids)
         self._delay_all_reduce_all_params = not named_params
         self.reducer = None if self._delay_all_reduce_all_params else self._build_reducer()
+        self._parameter_watch = ParameterWatch(module, self.parameters_to_ignore)
         if static_graph:
             self._set_static_graph()
 
@@ -323,6 +325,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         if self._delay_all_reduce_all_params:
             return inputs, kwargs
         if torch.is_grad_enabled():
+            self._parameter_watch.check(self.module, self.process_group)
             self.reducer.prepare_for_forward()
         work = Join.notify_join_context(self)
         if work:
@@ -692,5 +695,6 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         self._delayed = None
         self._delay_all_reduce_all_params = not self._named_params_for_reducer(self.module)
         self.reducer = None if self._delay_all_reduce_all_params else self._build_reducer()
+        self._parameter_watch = ParameterWatch(self.module, self.parameters_to_ignore)
         if self.static_graph:
             self.reducer._set_static_graph()
