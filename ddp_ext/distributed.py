@@ -405,13 +405,13 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         reducer weakly: a wrapper freed after its forward makes that backward
         raise, instead of running unsynchronised (torch's DDP raises too)."""
         reducer_ref = weakref.ref(self.reducer)
-        rank = self.process_group.rank()
+        group = self.process_group
 
         def at_backward_start() -> None:
             reducer = reducer_ref()
             if reducer is None:
                 raise RuntimeError(
-                    f"DistributedDataParallel on rank {rank} was destroyed after its forward pass, so "
+                    f"DistributedDataParallel on rank {group.rank()} was destroyed after its forward pass, so "
                     "this backward pass would not average gradients across ranks. Keep the wrapper "
                     "alive until backward returns."
                 )

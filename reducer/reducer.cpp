@@ -318,6 +318,9 @@ void Reducer::remove_autograd_hooks_locked() {
 
 void Reducer::set_average_factor(int64_t ranks) {
   TORCH_CHECK(ranks > 0, "cannot average gradients over ", ranks, " ranks");
+  if (average_factor_.defined() && ranks == divide_ranks_) {
+    return; // Called every iteration: no new scalar unless Join changed it.
+  }
   divide_ranks_ = ranks;
   average_factor_ = c10::scalar_to_tensor(at::Scalar(1.0 / ranks));
   average_factor_.unsafeGetTensorImpl()->set_wrapped_number(true);
@@ -744,12 +747,13 @@ void Reducer::launch(size_t bucket_index) {
 
 c10::intrusive_ptr<c10::ivalue::Future> Reducer::run_comm_hook(
     c10d::GradBucket& bucket) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (comm_hook_ != nullptr) {
-    return comm_hook_->runHook(bucket);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (comm_hook_ != nullptr) {
+      return comm_hook_->runHook(bucket);
+    }
   }
-  std::vector<at::Tensor> tensors{bucket.getBufferRef()};
-  return process_group_->allreduce(tensors)->getFuture();
+  return run_allreduce(bucket);
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> Reducer::run_allreduce(
