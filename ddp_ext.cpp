@@ -16,6 +16,7 @@
 #include "reducer/broadcast_coalesced.h"
 #include "reducer/bucket_assignment.h"
 #include "reducer/builtin_comm_hooks.h"
+#include "reducer/gradient_order.h"
 #include "reducer/reducer.h"
 
 namespace py = pybind11;
@@ -62,12 +63,63 @@ void bind_reducer(py::module& m) {
       "See reducer/bucket_assignment.h.");
 
   m.def(
+      "assign_buckets_in_order",
+      [](const std::vector<std::tuple<int64_t, at::ScalarType, at::Device>>& tensors,
+         const std::vector<size_t>& order, const std::vector<int64_t>& caps,
+         std::vector<bool> sparse) {
+        std::vector<TensorSpec> specs;
+        specs.reserve(tensors.size());
+        for (const auto& [nbytes, dtype, device] : tensors) {
+          const bool is_sparse = specs.size() < sparse.size() && sparse[specs.size()];
+          specs.push_back(TensorSpec{nbytes, dtype, device, is_sparse});
+        }
+        return assign_buckets_in_order(specs, order, caps);
+      },
+      py::arg("tensors"), py::arg("order"), py::arg("caps"),
+      py::arg("sparse") = std::vector<bool>{},
+      "Bucket indices for (nbytes, dtype, device) tuples visited in `order` "
+      "(first-ready first), buckets in the order they fill. See "
+      "reducer/bucket_assignment.h.");
+
+  m.def(
+      "order_cost",
+      [](const std::vector<std::vector<size_t>>& buckets,
+         const std::vector<size_t>& order, const std::vector<int64_t>& bytes) {
+        const OrderCost cost =
+            order_cost(bucket_of_params(buckets, bytes.size()), buckets.size(), order, bytes);
+        return std::make_pair(cost.wait, cost.overlap_fraction);
+      },
+      py::arg("buckets"), py::arg("order"), py::arg("bytes"),
+      "(wait, overlap_fraction) of a bucket layout for an observed order; see "
+      "Note [Gradient order prediction] in reducer/gradient_order.h.");
+
+  m.def(
+      "watch_step",
+      [](int streak, double current, double candidate, double fresh, int patience,
+         double min_gain) {
+        const WatchStep step = watch_step(
+            streak, current, candidate, fresh, RebuildPolicy{patience, min_gain});
+        return std::make_tuple(step.streak, step.adopt_fresh, step.vote);
+      },
+      py::arg("streak"), py::arg("current"), py::arg("candidate"), py::arg("fresh"),
+      py::arg("patience") = RebuildPolicy{}.patience,
+      py::arg("min_gain") = RebuildPolicy{}.min_gain,
+      "One iteration of the rebuild watch: (streak, adopt_fresh, vote).");
+
+  m.def("rebuild_agreed", &rebuild_agreed, py::arg("summed_votes"), py::arg("ranks"));
+
+  m.def(
       "broadcast_coalesced", &broadcast_coalesced, py::arg("process_group"),
       py::arg("tensors"), py::arg("chunk_bytes"), py::arg("root") = 0,
       py::call_guard<py::gil_scoped_release>());
 
   m.def("accumulator_post_hook_count", &accumulator_post_hook_count,
         py::arg("param"));
+
+  py::enum_<BucketRebuild>(m, "BucketRebuild")
+      .value("never", BucketRebuild::kNever)
+      .value("once", BucketRebuild::kOnce)
+      .value("continuous", BucketRebuild::kContinuous);
 
   py::class_<ReducerOptions>(m, "ReducerOptions")
       .def(py::init<>())
@@ -78,7 +130,9 @@ void bind_reducer(py::module& m) {
       .def_readwrite("skip_all_reduce_unused_params",
                      &ReducerOptions::skip_all_reduce_unused_params)
       .def_readwrite("batched_grad_copy", &ReducerOptions::batched_grad_copy)
-      .def_readwrite("reduce_dtype", &ReducerOptions::reduce_dtype);
+      .def_readwrite("reduce_dtype", &ReducerOptions::reduce_dtype)
+      .def_readwrite("rebuild_buckets", &ReducerOptions::rebuild_buckets)
+      .def_readwrite("bucket_caps", &ReducerOptions::bucket_caps);
 
   // Methods with a leading underscore carry the names of torch's
   // torch._C._distributed_c10d.Reducer, which frameworks call.
@@ -98,6 +152,12 @@ void bind_reducer(py::module& m) {
       .def("bucket_indices", &Reducer::bucket_indices, NoGil())
       .def("bucket_sizes", &Reducer::bucket_sizes, NoGil())
       .def_property_readonly("iterations", without_gil(&Reducer::iterations))
+      .def_property_readonly("has_rebuilt_buckets",
+                             without_gil(&Reducer::has_rebuilt_buckets))
+      .def_property_readonly("rebuilds", without_gil(&Reducer::rebuilds))
+      .def_property_readonly("overlap_fraction", without_gil(&Reducer::overlap_fraction))
+      .def("observed_order", &Reducer::observed_order, NoGil())
+      .def("_shadow_order_vote", &Reducer::shadow_order_vote, NoGil())
       .def_property_readonly("learning_static_graph",
                              without_gil(&Reducer::learning_static_graph))
       .def_property_readonly("unused_parameters_stable",
@@ -123,7 +183,8 @@ void bind_reducer(py::module& m) {
           "_register_builtin_comm_hook",
           [](Reducer& r, c10d::BuiltinCommHookType type, ProcessGroupPtr group) {
             r.register_comm_hook(
-                make_builtin_comm_hook(static_cast<int>(type), std::move(group)));
+                make_builtin_comm_hook(static_cast<int>(type), std::move(group)),
+                /*stateless=*/true);
           },
           py::arg("comm_hook_type"), py::arg("process_group"), NoGil())
       .def(
@@ -150,8 +211,9 @@ void bind_reducer(py::module& m) {
       .def(
           "_rebuild_buckets",
           [](Reducer& r) {
-            // Buckets keep their construction-time layout; like torch's, the
-            // call first checks that the last reduction finished.
+            // Rebuilds happen at the end of the backward pass that agrees on
+            // them (Note [Gradient order prediction]); this call rebuilds
+            // nothing. Like torch's, it checks that the last reduction finished.
             r.check_finalized();
             return false;
           },

@@ -121,3 +121,15 @@ def resolve_bucket_caps(bucket_cap_mb, bucket_cap_mb_list: Optional[Sequence[flo
         return BucketCaps(cap, [DEFAULT_FIRST_BUCKET_CAP_MB * MIB, cap], False)
     cap = _cap_bytes("bucket_cap_mb", bucket_cap_mb)
     return BucketCaps(cap, [cap], False)
+
+
+# ddp_ext's `rebuild_buckets` keyword: when buckets are laid out again in the
+# order gradients arrive (see Note [Gradient order prediction] in
+# reducer/gradient_order.h).
+REBUILD_BUCKETS_MODES = ("continuous", "once", "never")
+
+
+def resolve_rebuild_buckets(value) -> str:
+    if value not in REBUILD_BUCKETS_MODES:
+        raise ValueError(f"rebuild_buckets must be one of {', '.join(map(repr, REBUILD_BUCKETS_MODES))}, got {value!r}")
+    return value

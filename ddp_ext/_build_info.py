@@ -13,8 +13,10 @@ SOURCES = [
     "process_groups/recording_backend.cpp",
     "process_groups/round_robin_backend.cpp",
     "reducer/bucket_assignment.cpp",
+    "reducer/bucket_layout.cpp",
     "reducer/broadcast_coalesced.cpp",
     "reducer/builtin_comm_hooks.cpp",
+    "reducer/gradient_order.cpp",
     "reducer/reducer.cpp",
     "reducer/unused_parameters.cpp",
 ]

@@ -9,8 +9,11 @@ collective those ranks' forward and backward issue:
    rank to broadcast from),
 2. the allreduce telling joined ranks whether this iteration synchronises
    gradients,
-3. one reduction per bucket, of zeros, through the same communication hook,
-4. the unused-parameter bitmap allreduce, with find_unused_parameters.
+3. the vote on rebuilding buckets, voting no (see Note [Gradient order
+   prediction] in reducer/gradient_order.h), so no rebuild happens while a
+   rank has joined,
+4. one reduction per bucket, of zeros, through the same communication hook,
+5. the unused-parameter bitmap allreduce, with find_unused_parameters.
 
 When every rank has joined, `post_hook` broadcasts the final model from the
 last rank to join. See Note [Join and the divide factor] in
@@ -33,6 +36,7 @@ class DistributedDataParallelJoinHook(JoinHook):
         ddp.require_forward_param_sync = should_sync
         if not should_sync:
             return
+        ddp.reducer._shadow_order_vote()
         ddp._match_all_reduce_for_bwd_pass()
         if ddp.find_unused_parameters and not ddp.static_graph:
             ddp._match_unused_params_allreduce()

@@ -44,8 +44,22 @@ def logging_data(ddp) -> Dict[str, Any]:
                 # Static graph needs the same parameters used in every
                 # iteration; ddp_ext tracks whether that held so far.
                 "can_set_static_graph": int(iterations > 0 and reducer.unused_parameters_stable),
+                "has_rebuilt_buckets": int(reducer.has_rebuilt_buckets),
+                # ddp_ext's own: the knob, and how many rebuilds changed the layout.
+                "rebuild_buckets": ddp.rebuild_buckets,
+                "bucket_rebuilds": reducer.rebuilds,
             }
         )
+        order = reducer.observed_order()
+        if order:
+            data["prev_iteration_grad_ready_order_indices"] = ", ".join(map(str, order))
+            # ddp_ext's own: see Note [Gradient order prediction].
+            data["overlap_fraction"] = reducer.overlap_fraction
+        if reducer.has_rebuilt_buckets:
+            data["rebuilt_bucket_sizes"] = ", ".join(map(str, reducer.bucket_sizes()))
+            data["rebuilt_per_bucket_param_indices"] = ", ".join(
+                " ".join(map(str, bucket)) for bucket in reducer.bucket_indices()
+            )
     if ddp._comm_hooks:
         data["comm_hook"] = ddp._comm_hooks[-1][0]
     return data

@@ -15,7 +15,13 @@ from torch.nn.parallel.distributed import DistributedDataParallel as TorchDistri
 from torch.nn.parallel.scatter_gather import gather as _gather, scatter_kwargs as _scatter_kwargs
 
 from ddp_ext import _C
-from ddp_ext._arguments import backend_name, resolve_bucket_caps, resolve_buffer_sync, resolve_process_group
+from ddp_ext._arguments import (
+    backend_name,
+    resolve_bucket_caps,
+    resolve_buffer_sync,
+    resolve_process_group,
+    resolve_rebuild_buckets,
+)
 from ddp_ext._comm_hooks import check_comm_hook, hook_name
 from ddp_ext._delayed_all_reduce import DelayedAllReduce
 from ddp_ext._join import DistributedDataParallelJoinHook
@@ -55,6 +61,13 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
     each gets a gradient, in the first iteration (and then supports reentrant
     activation checkpointing); it takes precedence over
     ``find_unused_parameters``.
+
+    ``rebuild_buckets`` (keyword only, ddp_ext's addition) says when buckets
+    are laid out again in the order gradients become ready: ``"once"`` after
+    the first iteration, as torch's DDP does; ``"continuous"`` (default) also
+    later, whenever the observed order keeps costing overlap for several
+    iterations and every rank agrees; ``"never"`` keeps the construction
+    layout (reverse registration order). Results do not depend on it.
     """
 
     def __init__(
@@ -79,6 +92,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         bucket_cap_mb_list: Optional[List[float]] = None,
         batched_grad_copy: bool = False,
         forward_sync_buffers: Optional[bool] = None,
+        *,
+        rebuild_buckets: str = "continuous",
     ):
         # torch's DDP __init__ is deliberately not called: it would build
         # torch's reducer. See ddp_ext/_unsupported.py.
@@ -165,6 +180,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.batched_grad_copy = batched_grad_copy
+        self.rebuild_buckets = resolve_rebuild_buckets(rebuild_buckets)
         self.mixed_precision = mixed_precision
         self.static_graph = False
         self.require_backward_grad_sync = True
@@ -176,7 +192,6 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         self._bucket_caps_bytes = caps.caps_bytes
         self._use_python_reducer = False
         self._lazy_init_ran = False
-        self._has_rebuilt_buckets = False
         self._static_graph_delay_allreduce_enqueued = False
         self._ddp_sink_clone = True
         self._divide_by_initial_world_size = True
@@ -245,6 +260,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         options.gradient_as_bucket_view = self.gradient_as_bucket_view
         options.skip_all_reduce_unused_params = self.skip_all_reduce_unused_params
         options.batched_grad_copy = self.batched_grad_copy
+        options.rebuild_buckets = getattr(_C.BucketRebuild, self.rebuild_buckets)
+        options.bucket_caps = self._bucket_caps_bytes
         return _C.Reducer(
             params,
             [n for n, _ in named_params],
@@ -642,7 +659,6 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         """Reduce over `new_process_group` from now on (shrinking or growing
         the world without re-wrapping). Communication hooks keep the groups
         they were given."""
-        self._has_rebuilt_buckets = False
         if not dist.distributed_c10d._rank_not_in_group(new_process_group):
             self.process_group = new_process_group
             self.reducer._update_process_group(new_process_group)
@@ -657,6 +673,12 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         """ddp_ext only. Parameter indices (among those that require grad and
         are not ignored) per bucket, in launch order."""
         return self.reducer.bucket_indices()
+
+    @property
+    def _has_rebuilt_buckets(self) -> bool:
+        """torch's flag (ZeRO's DDP hooks read it): whether the buckets were
+        rebuilt in the observed gradient order after the first iteration."""
+        return self.reducer is not None and self.reducer.has_rebuilt_buckets
 
     # --- pickling -----------------------------------------------------------
 
@@ -692,6 +714,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         nn.Module.__setstate__(self, state)
         self.__dict__.setdefault("require_forward_param_sync", True)
         self.__dict__.setdefault("require_backward_grad_sync", True)
+        self.__dict__.setdefault("rebuild_buckets", "continuous")
         self._delayed = None
         self._delay_all_reduce_all_params = not self._named_params_for_reducer(self.module)
         self.reducer = None if self._delay_all_reduce_all_params else self._build_reducer()

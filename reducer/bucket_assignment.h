@@ -44,4 +44,14 @@ std::vector<std::vector<size_t>> assign_buckets(
     const std::vector<TensorSpec>& tensors,
     const std::vector<int64_t>& caps);
 
+// Bucket assignment for an observed gradient order (a rebuild, see Note
+// [Gradient order prediction]): tensors are visited in `order` (a
+// permutation of their indices, first-ready first) and grouped with the
+// same rules and caps as above. Buckets are returned in the order their last
+// tensor becomes ready, so that each can launch as soon as it is full. Pure.
+std::vector<std::vector<size_t>> assign_buckets_in_order(
+    const std::vector<TensorSpec>& tensors,
+    const std::vector<size_t>& order,
+    const std::vector<int64_t>& caps);
+
 } // namespace ddp_ext::reducer

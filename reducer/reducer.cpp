@@ -12,6 +12,7 @@
 #include <sstream>
 #include <utility>
 
+#include "reducer/bucket_assignment.h"
 #include "reducer/unused_parameters.h"
 
 namespace ddp_ext::reducer {
@@ -142,17 +143,6 @@ class GradientReadyHook : public torch::autograd::FunctionPostHook {
   size_t index_;
 };
 
-// The slice of `flat` starting at `offset` elements, strided like `param`
-// when that is possible, so that a .grad pointing at it keeps the parameter's
-// memory layout.
-at::Tensor view_for(const at::Tensor& flat, int64_t offset, const at::Tensor& param) {
-  if (param.is_non_overlapping_and_dense()) {
-    return flat.as_strided(
-        param.sizes(), param.strides(), flat.storage_offset() + offset);
-  }
-  return flat.narrow(0, offset, param.numel()).view(param.sizes());
-}
-
 constexpr size_t kUnassigned = std::numeric_limits<size_t>::max();
 
 // A sparse gradient of `param`'s shape with no entries (sparse along the
@@ -163,6 +153,23 @@ at::Tensor empty_sparse_like(const at::Tensor& param) {
   return at::sparse_coo_tensor(
       at::empty({1, 0}, param.options().dtype(at::kLong)),
       at::empty(value_sizes, param.options()), param.sizes());
+}
+
+// What bucket assignment needs to know about each parameter, for rebuilds.
+std::vector<TensorSpec> tensor_specs(
+    const std::vector<at::Tensor>& params,
+    std::optional<c10::ScalarType> reduce_dtype,
+    const std::vector<bool>& sparse) {
+  std::vector<TensorSpec> specs;
+  specs.reserve(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& param = params[i];
+    const auto bucket_dtype = reduce_dtype.value_or(param.scalar_type());
+    specs.push_back(TensorSpec{
+        param.numel() * static_cast<int64_t>(c10::elementSize(bucket_dtype)),
+        param.scalar_type(), param.device(), !sparse.empty() && sparse.at(i)});
+  }
+  return specs;
 }
 
 } // namespace
@@ -197,7 +204,12 @@ Reducer::Reducer(
       param_names_(std::move(param_names)),
       process_group_(std::move(process_group)),
       options_(options),
-      gradients_stay_local_(false) {
+      gradients_stay_local_(false),
+      sparse_gradients_(sparse_gradients),
+      gradient_order_(
+          tensor_specs(params_, options.reduce_dtype, sparse_gradients),
+          options.bucket_caps,
+          options.rebuild_buckets) {
   const size_t n = params_.size();
   TORCH_CHECK(n > 0, "Reducer needs at least one parameter");
   TORCH_CHECK(
@@ -206,77 +218,22 @@ Reducer::Reducer(
   TORCH_CHECK(process_group_, "Reducer needs a process group");
   gradients_stay_local_ = stays_local();
   set_average_factor(process_group_->getSize());
+  gradient_order_.set_first_rebuild(
+      !options_.find_unused_parameters || options_.static_graph);
 
-  at::NoGradGuard no_grad;
-  bucket_of_param_.assign(n, kUnassigned);
-  slot_of_param_.assign(n, kUnassigned);
-  buckets_.reserve(buckets.size());
-  for (const auto& indices : buckets) {
-    TORCH_CHECK(!indices.empty(), "Reducer got an empty bucket");
-    const at::Tensor& first = params_.at(indices.front());
-    Bucket bucket;
-    bucket.sparse = !sparse_gradients.empty() && sparse_gradients.at(indices.front());
-    TORCH_CHECK(
-        !bucket.sparse || indices.size() == 1, "parameter ",
-        param_names_[indices.front()], " has sparse gradients and must have a "
-        "bucket of its own");
-    int64_t numel = 0;
-    for (size_t index : indices) {
-      TORCH_CHECK(index < n, "bucket holds parameter index ", index,
-                  " but there are only ", n, " parameters");
-      TORCH_CHECK(bucket_of_param_[index] == kUnassigned, "parameter ",
-                  param_names_[index], " is in two buckets");
-      const at::Tensor& param = params_[index];
-      TORCH_CHECK(param.is_leaf() && param.requires_grad(), "parameter ",
-                  param_names_[index], " must be a leaf that requires grad");
-      TORCH_CHECK(
-          param.scalar_type() == first.scalar_type() &&
-              param.device() == first.device(),
-          "bucket mixes ", first.scalar_type(), " on ", first.device(),
-          " with parameter ", param_names_[index], " (",
-          param.scalar_type(), " on ", param.device(), ")");
-      bucket_of_param_[index] = buckets_.size();
-      slot_of_param_[index] = bucket.param_indices.size();
-      bucket.param_indices.push_back(index);
-      numel += param.numel();
-    }
-    if (bucket.sparse) {
-      // See Note [Sparse gradients]: no flat buffer, no views.
-      bucket.params.push_back(first);
-      buckets_.push_back(std::move(bucket));
-      continue;
-    }
-    bucket.flat = at::zeros(
-        {numel},
-        first.options().dtype(options_.reduce_dtype.value_or(first.scalar_type())));
-    int64_t offset = 0;
-    for (size_t index : indices) {
-      const at::Tensor& param = params_[index];
-      at::Tensor view = view_for(bucket.flat, offset, param);
-      bucket.offsets.push_back(static_cast<size_t>(offset));
-      bucket.lengths.push_back(static_cast<size_t>(param.numel()));
-      bucket.sizes.push_back(param.sizes());
-      bucket.params.push_back(param);
-      offset += param.numel();
-      at::Tensor& grad = param.mutable_grad();
-      TORCH_CHECK(
-          !options_.gradient_as_bucket_view ||
-              view.scalar_type() == param.scalar_type(),
-          "gradient_as_bucket_view needs buckets of the parameters' dtype, but "
-          "parameter ", param_names_[index], " is ", param.scalar_type(),
-          " and its bucket ", view.scalar_type(), " (a reduce dtype of mixed "
-          "precision); turn one of them off");
-      if (options_.gradient_as_bucket_view && grad.defined()) {
+  buckets_ = lay_out_buckets(layout_inputs(), buckets, arenas_);
+  index_buckets();
+  if (options_.gradient_as_bucket_view) {
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < n; ++i) {
+      at::Tensor& grad = params_[i].mutable_grad();
+      const Bucket& bucket = buckets_[bucket_of_param_[i]];
+      if (grad.defined() && !bucket.sparse) {
+        const at::Tensor& view = bucket.views[slot_of_param_[i]];
         view.copy_(grad);
         grad = view;
       }
-      bucket.views.push_back(std::move(view));
     }
-    buckets_.push_back(std::move(bucket));
-  }
-  for (size_t i = 0; i < n; ++i) {
-    TORCH_CHECK(bucket_of_param_[i] != kUnassigned, "parameter ",
-                param_names_[i], " is in no bucket");
   }
 
   ready_.assign(n, false);
@@ -285,6 +242,7 @@ Reducer::Reducer(
   used_for_allreduce_ = device.is_cpu()
       ? local_used_
       : at::zeros({static_cast<int64_t>(n)}, at::TensorOptions(at::kInt).device(device));
+  order_votes_ = at::zeros({1}, at::TensorOptions(at::kLong).device(device));
 
   accumulators_.reserve(n);
   hook_keys_.reserve(n);
@@ -295,6 +253,29 @@ Reducer::Reducer(
     hook_keys_.push_back(accumulator->add_post_hook(
         std::make_unique<GradientReadyHook>(this, i)));
     accumulators_.push_back(std::move(accumulator));
+  }
+}
+
+LayoutInputs Reducer::layout_inputs() const {
+  return LayoutInputs{
+      params_, param_names_, sparse_gradients_, options_.reduce_dtype,
+      options_.gradient_as_bucket_view};
+}
+
+void Reducer::index_buckets() {
+  const size_t n = params_.size();
+  bucket_of_param_.assign(n, kUnassigned);
+  slot_of_param_.assign(n, kUnassigned);
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const auto& indices = buckets_[b].param_indices;
+    for (size_t slot = 0; slot < indices.size(); ++slot) {
+      bucket_of_param_[indices[slot]] = b;
+      slot_of_param_[indices[slot]] = slot;
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    TORCH_CHECK(bucket_of_param_[i] != kUnassigned, "parameter ",
+                param_names_[i], " is in no bucket");
   }
 }
 
@@ -364,9 +345,11 @@ void Reducer::set_static_graph() {
       "set_static_graph() should be called before training loop starts and "
       "after DistributedDataParallel is constructed.");
   options_.static_graph = true;
+  gradient_order_.set_first_rebuild(true);
 }
 
-void Reducer::register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook) {
+void Reducer::register_comm_hook(
+    std::unique_ptr<c10d::CommHookInterface> hook, bool stateless) {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(hook, "register_comm_hook needs a hook");
   TORCH_CHECK(
@@ -384,6 +367,9 @@ void Reducer::register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook) 
   }
   comm_hook_ = std::move(hook);
   gradients_stay_local_ = stays_local();
+  if (!stateless) {
+    gradient_order_.allow_continuous(false);
+  }
 }
 
 bool Reducer::stays_local() const {
@@ -414,6 +400,7 @@ bool Reducer::unused_locally(size_t index) const {
 }
 
 std::vector<std::vector<size_t>> Reducer::bucket_indices() const {
+  std::lock_guard<std::mutex> lock(mutex_); // a rebuild may replace buckets_
   std::vector<std::vector<size_t>> result;
   for (const auto& bucket : buckets_) {
     result.push_back(bucket.param_indices);
@@ -422,6 +409,7 @@ std::vector<std::vector<size_t>> Reducer::bucket_indices() const {
 }
 
 std::vector<int64_t> Reducer::bucket_sizes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
   std::vector<int64_t> result;
   for (const auto& bucket : buckets_) {
     const at::Tensor& param = bucket.params.front();
@@ -493,6 +481,12 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   enter(phase_, Phase::kExpectingGradients);
   ++iterations_;
   wait_for_launched_buckets(); // left over from an unfinished iteration
+  if (order_vote_work_) {
+    order_vote_work_->wait(); // likewise; an unfinished iteration decides nothing
+    order_vote_work_.reset();
+  }
+  order_vote_cast_ = false;
+  gradient_order_.begin_iteration();
   std::fill(ready_.begin(), ready_.end(), false);
   next_bucket_ = 0;
   for (auto& bucket : buckets_) {
@@ -560,6 +554,7 @@ void Reducer::take_divide_factor() {
 void Reducer::start_reducing() {
   enter(Phase::kExpectingGradients, Phase::kReducing);
   take_divide_factor();
+  launch_order_vote(); // before any bucket: Join's shadow matches this order
   for (size_t unused : unused_) {
     mark_ready(unused);
   }
@@ -596,6 +591,7 @@ void Reducer::on_gradient_ready(size_t index, bool gradient_arrived) {
   }
   if (learning_iteration_) {
     ++firings_[index]; // See Note [Static graph]: marked at the end.
+    gradient_order_.record(index); // the last firing counts
     return;
   }
   if (options_.static_graph) {
@@ -636,6 +632,9 @@ void Reducer::mark_ready(size_t index) {
       "torch.utils.checkpoint(..., use_reentrant=False) or static_graph=True, "
       "and return from forward every tensor that depends on the parameter.");
   ready_[index] = true;
+  if (!learning_iteration_) {
+    gradient_order_.record(index); // See Note [Gradient order prediction].
+  }
   if (!options_.batched_grad_copy) {
     copy_into_bucket(index, /*scale=*/comm_hook_ == nullptr);
   }
@@ -663,7 +662,7 @@ void Reducer::copy_into_bucket(size_t index, bool scale) {
   }
   TORCH_CHECK(!grad.is_sparse(), "parameter ", param_names_[index],
               " has a sparse gradient; ddp_ext reduces dense gradients only");
-  if (grad.is_alias_of(view)) {
+  if (is_bucket_view(grad, view)) {
     if (may_be_globally_unused(index)) {
       stashed_grads_.emplace_back(index, grad.clone());
     }
@@ -861,6 +860,7 @@ void Reducer::finalize_backward() {
     globally_used = wait_for_used_bitmap();
   }
   write_back_gradients(globally_used);
+  conclude_gradient_order(/*launched_at_end=*/!options_.overlap_with_backward);
   enter(Phase::kReducing, Phase::kIdle);
 }
 
@@ -919,6 +919,7 @@ void Reducer::finish_learning_iteration_locked() {
   graph_learned_ = true;
   learning_iteration_ = false;
   write_back_gradients(static_used_globally_);
+  conclude_gradient_order(/*launched_at_end=*/true);
   enter(Phase::kReducing, Phase::kIdle);
 }
 
@@ -933,6 +934,9 @@ void Reducer::update_process_group(
   }
   used_work_.reset();
   forward_pass_work_.reset();
+  order_vote_work_.reset();
+  order_vote_cast_ = false;
+  gradient_order_.restart();
   stashed_grads_.clear();
   std::fill(ready_.begin(), ready_.end(), false);
   next_bucket_ = 0;
@@ -941,6 +945,135 @@ void Reducer::update_process_group(
   process_group_ = std::move(process_group);
   gradients_stay_local_ = stays_local();
   set_average_factor(process_group_->getSize());
+}
+
+bool Reducer::has_rebuilt_buckets() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return gradient_order_.has_rebuilt();
+}
+
+int64_t Reducer::rebuilds() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return gradient_order_.rebuilds();
+}
+
+std::vector<size_t> Reducer::observed_order() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return gradient_order_.last_order();
+}
+
+std::optional<double> Reducer::overlap_fraction() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (gradient_order_.observed_iterations() == 0) {
+    return std::nullopt;
+  }
+  return gradient_order_.overlap_fraction();
+}
+
+void Reducer::launch_order_vote() {
+  // See Note [Gradient order prediction]: the consensus.
+  order_vote_cast_ = gradient_order_.consulting();
+  if (!order_vote_cast_) {
+    return;
+  }
+  own_order_vote_ = gradient_order_.vote();
+  if (process_group_->getSize() == 1) {
+    return;
+  }
+  order_votes_.fill_(own_order_vote_);
+  std::vector<at::Tensor> tensors{order_votes_};
+  order_vote_work_ = process_group_->allreduce(tensors);
+}
+
+void Reducer::shadow_order_vote() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!gradient_order_.consulting() || process_group_->getSize() == 1) {
+    return;
+  }
+  order_votes_.zero_();
+  std::vector<at::Tensor> tensors{order_votes_};
+  process_group_->allreduce(tensors)->wait();
+}
+
+void Reducer::conclude_gradient_order(bool launched_at_end) {
+  gradient_order_.observe(bucket_of_param_, buckets_.size(), launched_at_end);
+  if (order_vote_cast_) {
+    order_vote_cast_ = false;
+    int64_t votes = own_order_vote_;
+    if (order_vote_work_) {
+      order_vote_work_->wait();
+      order_vote_work_.reset();
+      votes = order_votes_.cpu().item<int64_t>();
+    }
+    if (rebuild_agreed(votes, process_group_->getSize())) {
+      const auto layout = gradient_order_.layout_for(agreed_order());
+      const bool changed = !std::equal(
+          layout.begin(), layout.end(), buckets_.begin(), buckets_.end(),
+          [](const std::vector<size_t>& indices, const Bucket& bucket) {
+            return indices == bucket.param_indices;
+          });
+      if (changed) {
+        rebuild_buckets(layout);
+      }
+      gradient_order_.rebuilt(changed);
+    }
+  }
+  gradient_order_.update_vote(bucket_of_param_, buckets_.size());
+}
+
+std::vector<size_t> Reducer::agreed_order() {
+  // Every rank voted, so every rank has an order; rank 0's is the one.
+  const auto& mine = gradient_order_.voted_order();
+  TORCH_INTERNAL_ASSERT(mine.size() == params_.size());
+  at::Tensor order = at::empty({static_cast<int64_t>(mine.size())}, at::kLong);
+  int64_t* values = order.data_ptr<int64_t>();
+  for (size_t k = 0; k < mine.size(); ++k) {
+    values[k] = static_cast<int64_t>(mine[k]);
+  }
+  if (process_group_->getSize() > 1) {
+    std::vector<at::Tensor> tensors{order.to(order_votes_.device())};
+    c10d::BroadcastOptions from_rank_0;
+    from_rank_0.rootRank = 0;
+    process_group_->broadcast(tensors, from_rank_0)->wait();
+    order = tensors.front().cpu();
+    values = order.data_ptr<int64_t>();
+  }
+  std::vector<size_t> agreed(mine.size());
+  for (size_t k = 0; k < agreed.size(); ++k) {
+    TORCH_CHECK(values[k] >= 0, "the broadcast gradient order holds ", values[k]);
+    agreed[k] = static_cast<size_t>(values[k]);
+  }
+  return agreed;
+}
+
+void Reducer::rebuild_buckets(const std::vector<std::vector<size_t>>& layout) {
+  // See Note [Gradient order prediction] for why this point is safe, and
+  // Note [Bucket memory] for where the buckets' memory comes from.
+  std::vector<Bucket> old = std::move(buckets_);
+  if (!options_.gradient_as_bucket_view) {
+    buckets_ = lay_out_buckets(layout_inputs(), layout, arenas_);
+    index_buckets();
+    next_bucket_ = 0;
+    return;
+  }
+  std::vector<at::Tensor> arenas;
+  buckets_ = lay_out_buckets(layout_inputs(), layout, arenas);
+  index_buckets();
+  next_bucket_ = 0;
+  at::NoGradGuard no_grad;
+  for (const Bucket& bucket : old) {
+    for (size_t slot = 0; slot < bucket.views.size(); ++slot) {
+      const size_t index = bucket.param_indices[slot];
+      at::Tensor& grad = params_[index].mutable_grad();
+      if (!grad.defined() || !is_bucket_view(grad, bucket.views[slot])) {
+        continue; // not in the bucket: .grad stays as the user left it
+      }
+      const at::Tensor& view = buckets_[bucket_of_param_[index]].views[slot_of_param_[index]];
+      view.copy_(grad);
+      grad = view;
+    }
+  }
+  arenas_ = std::move(arenas);
 }
 
 void Reducer::write_back_gradients(const std::vector<bool>& globally_used) {
@@ -968,7 +1101,7 @@ void Reducer::write_back_gradients(const std::vector<bool>& globally_used) {
       const at::Tensor& view = bucket.views[slot];
       at::Tensor& grad = params_[index].mutable_grad();
       if (options_.gradient_as_bucket_view) {
-        if (!grad.defined() || !grad.is_alias_of(view)) {
+        if (!grad.defined() || !is_bucket_view(grad, view)) {
           grad = view;
         }
       } else if (!grad.defined()) {

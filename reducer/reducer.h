@@ -9,10 +9,13 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "reducer/bucket.h"
+#include "reducer/bucket_layout.h"
+#include "reducer/gradient_order.h"
 #include "reducer/reducer_options.h"
 
 namespace ddp_ext::reducer {
@@ -119,8 +122,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void set_static_graph();
 
   // Replaces the default bucket allreduce. Once only, and not in the middle
-  // of an iteration. See Note [Communication hooks].
-  void register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook);
+  // of an iteration. See Note [Communication hooks]. A hook that keeps no
+  // state per bucket (`stateless`) lets continuous rebuilding go on; see
+  // Note [Gradient order prediction].
+  void register_comm_hook(
+      std::unique_ptr<c10d::CommHookInterface> hook, bool stateless = false);
 
   // Reduces `bucket` as a bucket of this reducer would be: through the
   // registered hook, or else a summing allreduce. For ranks that shadow
@@ -162,6 +168,20 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Synchronising backward passes begun so far.
   int64_t iterations() const;
 
+  // See Note [Gradient order prediction]: whether the first rebuild has
+  // happened (torch's has_rebuilt_buckets), how many rebuilds changed the
+  // layout, the order gradients became ready in the last synchronising
+  // backward (empty before one finished), and that backward's overlap
+  // fraction (unset before one finished).
+  bool has_rebuilt_buckets() const;
+  int64_t rebuilds() const;
+  std::vector<size_t> observed_order() const;
+  std::optional<double> overlap_fraction() const;
+
+  // For a rank that joined (Join): takes part in this iteration's vote on a
+  // rebuild, voting no, as the ranks with data do in their backward.
+  void shadow_order_vote();
+
   // Whether every synchronising iteration so far left the same parameters
   // unused (what static_graph requires).
   bool unused_parameters_stable() const;
@@ -202,6 +222,12 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::string names_of_parameters_not_ready() const;
   std::string unfinished_reduction_message() const;
   void remove_autograd_hooks_locked();
+  void index_buckets();
+  void launch_order_vote();
+  void conclude_gradient_order(bool launched_at_end);
+  std::vector<size_t> agreed_order();
+  void rebuild_buckets(const std::vector<std::vector<size_t>>& layout);
+  LayoutInputs layout_inputs() const;
 
   const std::vector<at::Tensor> params_;
   const std::vector<std::string> param_names_;
@@ -221,6 +247,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Where each parameter lives: bucket index and position within it.
   std::vector<size_t> bucket_of_param_;
   std::vector<size_t> slot_of_param_;
+  const std::vector<bool> sparse_gradients_;
+  // The flat tensors every bucket is a slice of; see Note [Bucket memory].
+  std::vector<at::Tensor> arenas_;
 
   // 1 / world_size as a wrapped scalar, so that the scale is applied like a
   // Python number (no type promotion). See Note [Gradient averaging].
@@ -259,6 +288,15 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // .grad values of locally unused parameters whose .grad is a bucket view,
   // kept so a globally unused parameter's .grad can be restored untouched.
   std::vector<std::pair<size_t, at::Tensor>> stashed_grads_;
+
+  // See Note [Gradient order prediction]: the observed order and the watch,
+  // and this iteration's vote: whether one was cast, this rank's, and the
+  // allreduce summing everyone's (int64, on the parameters' device).
+  GradientOrder gradient_order_;
+  bool order_vote_cast_ = false;
+  int64_t own_order_vote_ = 0;
+  at::Tensor order_votes_;
+  c10::intrusive_ptr<c10d::Work> order_vote_work_;
 };
 
 } // namespace ddp_ext::reducer

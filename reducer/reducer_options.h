@@ -2,7 +2,11 @@
 
 #include <c10/core/ScalarType.h>
 
+#include <cstdint>
 #include <optional>
+#include <vector>
+
+#include "reducer/gradient_order.h"
 
 namespace ddp_ext::reducer {
 
@@ -49,6 +53,16 @@ struct ReducerOptions {
   // reduce_dtype); gradients are cast on their way in and out. Unset: each
   // bucket has its parameters' dtype. Default: unset.
   std::optional<c10::ScalarType> reduce_dtype;
+
+  // When to lay the buckets out again in the order gradients arrive; see
+  // Note [Gradient order prediction]. Default: kNever (the Python wrapper's
+  // default is continuous).
+  BucketRebuild rebuild_buckets = BucketRebuild::kNever;
+
+  // The caps a rebuild assigns buckets with (the k-th bucket of each kind
+  // capped at bucket_caps[k], the last repeating; see assign_buckets).
+  // Needed unless rebuild_buckets is kNever.
+  std::vector<int64_t> bucket_caps;
 };
 
 } // namespace ddp_ext::reducer

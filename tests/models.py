@@ -269,6 +269,50 @@ def _multi_output_loss(output, target):
     return F.mse_loss(_main_output(output), target)
 
 
+# --- Models of gradient order prediction --------------------------------------
+
+STACK_BLOCKS = 8
+# Steps per phase of the models whose order (or branch) switches.
+SWITCH_EVERY = 5
+FORWARD = tuple(range(STACK_BLOCKS))
+BACKWARD = tuple(reversed(FORWARD))
+
+
+class Stack(nn.Module):
+    """STACK_BLOCKS equal layers, applied in the order forward is given: with
+    FORWARD, gradients arrive in reverse registration order (the
+    construction guess); with BACKWARD, in registration order."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(STACK_BLOCKS))
+
+    def forward(self, x, order):
+        for i in order:
+            x = torch.tanh(self.blocks[i](x))
+        return x
+
+
+def phase(step: int, every: int = SWITCH_EVERY) -> int:
+    """0 or 1, switching every `every` steps."""
+    return (step // every) % 2
+
+
+class SwitchingBranches(nn.Module):
+    """A trunk and two branches of three layers; forward takes the branch it
+    is told, so the other one gets no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(6, 8)
+        self.branches = nn.ModuleList(
+            nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)) for _ in range(2)
+        )
+
+    def forward(self, x, branch):
+        return self.branches[branch](torch.tanh(self.trunk(x)))
+
+
 MODELS: Dict[str, ModelSpec] = {
     "mlp": ModelSpec(MLP, _regression(6, 3), _mse),
     "conv": ModelSpec(ConvNet, _conv_data, _mse),
@@ -286,6 +330,22 @@ MODELS: Dict[str, ModelSpec] = {
     "outputs_dataclass": ModelSpec(lambda: MultiOutput("dataclass"), _regression(6, 3), _multi_output_loss),
     "checkpoint_reentrant": ModelSpec(lambda: Checkpointed(True), _regression(6, 3), _mse),
     "checkpoint_nonreentrant": ModelSpec(lambda: Checkpointed(False), _regression(6, 3), _mse),
+    # Registration order the reverse of use.
+    "stack_reversed": ModelSpec(Stack, _regression(8, 8), _mse, extra_args=lambda r, s, m: (BACKWARD,)),
+    # Order of use reversed every SWITCH_EVERY steps.
+    "stack_switching": ModelSpec(
+        Stack, _regression(8, 8), _mse, extra_args=lambda r, s, m: ((FORWARD, BACKWARD)[phase(s)],)
+    ),
+    # Order of use reversed every step.
+    "stack_alternating": ModelSpec(
+        Stack, _regression(8, 8), _mse, extra_args=lambda r, s, m: ((FORWARD, BACKWARD)[phase(s, 1)],)
+    ),
+    # Rank 0 uses the layers in reverse, the others in registration order.
+    "stack_per_rank": ModelSpec(
+        Stack, _regression(8, 8), _mse, extra_args=lambda r, s, m: (BACKWARD if r == 0 else FORWARD,)
+    ),
+    # The branch used switches every SWITCH_EVERY steps.
+    "branches_switching": ModelSpec(SwitchingBranches, _regression(6, 3), _mse, extra_args=lambda r, s, m: (phase(s),)),
 }
 
 MODEL_SEED = 1234

@@ -155,7 +155,9 @@ def run_steps(ddp, optimizer, c: Case, rank: int, world_size: int, steps, on_ste
     return grad_none
 
 
-def train_local(c: Case, world_size: int, concat: bool) -> Dict[str, Any]:
+def train_local(
+    c: Case, world_size: int, concat: bool, on_step: Optional[Callable[[nn.Module], None]] = None
+) -> Dict[str, Any]:
     """The same training in one process, without any DDP.
 
     concat=True: one forward per micro-batch over the global batch (the
@@ -163,7 +165,8 @@ def train_local(c: Case, world_size: int, concat: bool) -> Dict[str, Any]:
     concat=False: every rank's loss computed separately with its own forward
     arguments, and their average backpropagated (for models whose forward
     differs between ranks, or uneven micro-batch counts).
-    Either way the gradient equals the average DDP computes.
+    Either way the gradient equals the average DDP computes. on_step(module)
+    runs after each step's backward passes, before the optimizer.
     """
     spec = models.MODELS[c.model]
     module = models.build(c.model)
@@ -183,6 +186,8 @@ def train_local(c: Case, world_size: int, concat: bool) -> Dict[str, Any]:
                     args, target = models.rank_batch(c.model, step, micro, rank, world_size, c.per_rank)
                     (spec.loss(module(*args), target) / world_size).backward()
         grad_none.append(none_grads(module))
+        if on_step is not None:
+            on_step(module)
         optimizer.step()
         optimizer.zero_grad(set_to_none=c.set_to_none)
     return trace_of(module, grad_none)

@@ -8,8 +8,15 @@ and 3).
   one extra allreduce (the int32 "used" bitmap), after the buckets.
 - no_sync: nothing at all, except the buffer broadcast before a forward that
   follows a synchronising one (paper section 4.1).
+- Rebuilding buckets in the observed gradient order: each synchronising
+  backward that votes on it carries one int64 allreduce before the buckets;
+  an agreed rebuild adds one broadcast of the order (int64, one per
+  parameter) at the end of that backward; buckets then follow the new
+  layout. The scenarios above fix the layout (rebuild_buckets="never") to
+  see the buckets alone.
 """
 
+import contextlib
 import dataclasses
 import itertools
 from collections import Counter
@@ -75,7 +82,7 @@ def _bucket_order(rank, world_size, ddp_kwargs, overlap=True):
     pg = _group()
     torch.manual_seed(0)
     order = list(itertools.permutations(range(len(SIZES))))[rank * 7 % 24]
-    ddp = reference.ext_ddp(Scales(order), process_group=pg, **ddp_kwargs)
+    ddp = reference.ext_ddp(Scales(order), process_group=pg, rebuild_buckets="never", **ddp_kwargs)
     ddp.set_overlap_with_backward(overlap)
     pg.take()
     logs = _iterate(ddp, pg, [torch.randn(3, 2) for _ in range(3)])
@@ -87,7 +94,7 @@ def _no_sync(rank, world_size, model, find_unused):
     micro-batches then 1 synchronising one, twice."""
     pg = _group()
     module = models.build(model)
-    ddp = reference.ext_ddp(module, process_group=pg, find_unused_parameters=find_unused)
+    ddp = reference.ext_ddp(module, process_group=pg, find_unused_parameters=find_unused, rebuild_buckets="never")
     pg.take()
     spec = models.MODELS[model]
     log = []
@@ -122,6 +129,27 @@ def _no_sync_after_forward_without_backward(rank, world_size):
     return pg.take()
 
 
+def _rebuild(rank, world_size, mode):
+    """stack_reversed (registered in reverse of use), 4 steps of a no_sync
+    micro-batch then a synchronising one. Per pass: (synchronising?, the
+    layout it ran with, calls)."""
+    pg = _group()
+    module = models.build("stack_reversed")
+    ddp = reference.ext_ddp(module, process_group=pg, rebuild_buckets=mode, bucket_cap_mb=600 / 2**20)
+    pg.take()
+    spec = models.MODELS["stack_reversed"]
+    log = []
+    for step in range(4):
+        for micro in range(2):
+            args, target = models.rank_batch("stack_reversed", step, micro, rank, world_size, 4)
+            layout = ddp.bucket_indices()
+            with ddp.no_sync() if micro == 0 else contextlib.nullcontext():
+                spec.loss(ddp(*args), target).backward()
+            log.append((micro == 1, layout, pg.take()))
+    sizes = [p.numel() for p in module.parameters()]
+    return log, sizes, ddp.bucket_indices()
+
+
 SCENARIOS = {
     "construction_mlp": lambda r, w: _construction(r, w, "mlp"),
     "construction_batchnorm": lambda r, w: _construction(r, w, "batchnorm"),
@@ -134,6 +162,9 @@ SCENARIOS = {
     "no_sync_batchnorm": lambda r, w: _no_sync(r, w, "batchnorm", False),
     "no_sync_branches_find_unused": lambda r, w: _no_sync(r, w, "branches", True),
     "no_sync_after_forward_without_backward": _no_sync_after_forward_without_backward,
+    "rebuild_continuous": lambda r, w: _rebuild(r, w, "continuous"),
+    "rebuild_once": lambda r, w: _rebuild(r, w, "once"),
+    "rebuild_never": lambda r, w: _rebuild(r, w, "never"),
 }
 
 
@@ -215,3 +246,30 @@ def test_no_sync_communicates_nothing_and_find_unused_adds_one_bitmap(name, worl
 def test_no_sync_after_forward_without_backward_communicates_nothing(world_size):
     for rank, calls in enumerate(TABLE.results(world_size, _scenario("no_sync_after_forward_without_backward"))):
         assert calls == [], f"rank {rank}: collectives inside no_sync: {calls}"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("mode", ["continuous", "once", "never"])
+def test_rebuild_votes_then_broadcasts_the_order_once(mode, world_size):
+    results = TABLE.results(world_size, _scenario(f"rebuild_{mode}"))
+    for rank, (log, sizes, final) in enumerate(results):
+        synced = 0
+        for i, (sync, layout, calls) in enumerate(log):
+            where = f"rank {rank}, pass {i}: {calls}"
+            if not sync:
+                assert calls == [], f"{where}: collectives inside no_sync"
+                continue
+            synced += 1
+            votes = mode == "continuous" or (mode == "once" and synced <= 2)
+            expected = [("allreduce", [("int64", 1)])] if votes else []
+            expected += [("allreduce", [("float32", sum(sizes[j] for j in b))]) for b in layout]
+            # Voted for after the first backward, agreed in the second.
+            if mode != "never" and synced == 2:
+                expected.append(("broadcast", [("int64", len(sizes))]))
+            assert calls == expected, where
+        n = len(sizes)
+        if mode == "never":
+            assert final == [list(range(n - 1, -1, -1))[k : k + 4] for k in range(0, n, 4)]
+        else:
+            # Stack layers are used in reverse: gradients arrive layer 0 first, bias before weight.
+            assert final == [[k + 1, k, k + 3, k + 2] for k in range(0, n, 4)], f"rank {rank}: {final}"

@@ -90,7 +90,9 @@ def test_destroying_the_wrapper_removes_its_hooks(lc, world_size):
         else:
             assert not r["error"], f"rank {rank}: {r['error']}"
             assert r["same_as_local"], f"rank {rank}: gradients after destruction are not the local ones"
-        allreduces = [c for c in r["rewrapped"] if c[0] == "allreduce"]
+        # (Not counting the int64 vote on rebuilding buckets each iteration
+        # carries: Note [Gradient order prediction] in reducer/gradient_order.h.)
+        allreduces = [c for c in r["rewrapped"] if c[0] == "allreduce" and c[1][0][0] != "int64"]
         expected = r["n_buckets"] + (1 if lc.find_unused else 0)
         assert len(allreduces) == expected, f"rank {rank}: {r['rewrapped']}"
     assert len({r["grad_digest"] for r in results}) == 1, "re-wrapped module: gradients differ between ranks"

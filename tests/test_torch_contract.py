@@ -50,12 +50,19 @@ def test_unsupported_internals_raise_naming_themselves(name, single_process_grou
         getattr(ddp, name)()
 
 
+# ddp_ext's own constructor arguments, keyword-only after torch's
+# (docs/TORCH_CONTRACT.md).
+ADDITIONS = ["rebuild_buckets"]
+
+
 def test_constructor_takes_torch_arguments_and_defaults():
     ours = inspect.signature(OursDDP.__init__).parameters
     theirs = inspect.signature(TorchDDP.__init__).parameters
-    assert list(ours) == list(theirs)
+    assert list(ours) == list(theirs) + ADDITIONS
     for name, parameter in theirs.items():
         assert ours[name].default == parameter.default, name
+        assert ours[name].kind == parameter.kind, name
+    assert all(ours[name].kind is inspect.Parameter.KEYWORD_ONLY for name in ADDITIONS)
 
 
 def _both(make, *args, **kwargs):

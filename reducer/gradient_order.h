@@ -1,0 +1,225 @@
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "reducer/bucket_assignment.h"
+
+namespace ddp_ext::reducer {
+
+// Note [Gradient order prediction]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Buckets overlap communication with the backward pass only if they fill up
+// in the order they are launched (Note [Overlap and bucket order]). At
+// construction that order is a guess (reverse registration order); the
+// reducer checks it against what happens (paper section 6.2.1).
+//
+// Observing. Each hook that marks a parameter ready stamps it with a counter
+// (one store; no allocation, lock or string on the hot path). In a static
+// graph's learning iteration nothing is marked ready until the end, so there
+// the stamp is taken at each firing of the accumulator and the last one
+// counts. After a synchronising backward the stamps give the order gradients
+// became ready; parameters never stamped (unused in a learning iteration)
+// come first, where later iterations mark them ready.
+//
+// The measure. For a layout and an observed order, each gradient waits from
+// its arrival until its bucket launches: a bucket launches when its last
+// gradient has arrived and every bucket before it has launched. The wait is
+// counted in gradient bytes that arrive meanwhile, a proxy for backward
+// time. The cost of a layout is the byte-weighted mean wait as a fraction of
+// all gradient bytes: 0 if every gradient launched on arrival, about 1/2 if
+// everything waits for the end of the backward. Bucketing itself costs a
+// little (a gradient waits for its bucket's later members), so the cost of
+// the current layout is compared with the cost of the layout a rebuild from
+// the same order would give; the difference is what a rebuild gains. The
+// overlap fraction reported alongside (logging data, benchmark) is coarser:
+// the fraction of gradient bytes whose bucket launched before the last
+// gradient of the backward arrived.
+//
+// Hysteresis. One odd iteration must not trigger a rebuild, which costs a
+// broadcast and re-slicing the buckets. A rebuild from this iteration's
+// order becomes the candidate when it gains at least `min_gain`; the
+// candidate stays as long as it keeps gaining that much on each new
+// iteration's order, else the watch starts over. A rank votes for a rebuild
+// once its candidate has gained in `patience` consecutive iterations. Orders
+// that alternate faster than that never win a vote: a candidate built from
+// one loses on the other.
+//
+// Consensus. Every rank must build the same buckets at the same point, or
+// their allreduces no longer match. Each synchronising backward carries one
+// int64 per rank, its vote as it stood at the end of the previous backward,
+// summed across ranks by an allreduce launched with the first gradient and
+// awaited at the end of the backward. The rebuild is agreed only if every
+// rank voted for it (a rank that joined under Join votes no). Then rank 0
+// broadcasts the order behind its vote, every rank assigns buckets from it
+// with the same pure function (assign_buckets_in_order, same caps, the
+// first bucket keeping its small cap), and the reducer re-lays the buckets
+// before the next iteration. Ranks whose orders differ cannot be served by
+// one layout: rank 0's wins, as in torch's DDP, and once rank 0 is content
+// it stops voting, so the others cannot force rebuild after rebuild.
+//
+// The first rebuild (once, and continuous) follows torch's DDP: after the
+// first synchronising backward every rank votes for it, unless
+// find_unused_parameters is set without static_graph (orders then depend on
+// which parameters each iteration used). Continuous watching then goes on;
+// a communication hook other than the stateless built-in ones stops it after
+// the first rebuild, since hooks may keep state per bucket index (PowerSGD's
+// error feedback).
+//
+// Why a rebuild is safe. It runs at the end of finalizing a backward (or a
+// learning iteration), after every bucket's reduction was awaited and its
+// result written to .grad, so no gradient is in flight and the buckets hold
+// nothing that is needed again, except with gradient_as_bucket_view, where
+// each .grad that is a view into its bucket is copied to its new view and
+// re-pointed there. Reduction is elementwise: which bucket a gradient
+// travels in does not change its sum, so results do not depend on layouts.
+
+enum class BucketRebuild {
+  kNever, // keep the construction layout
+  kOnce, // torch's DDP: rebuild once after the first iteration
+  kContinuous, // once, then whenever the order persistently costs overlap
+};
+
+struct RebuildPolicy {
+  int patience = 3; // consecutive iterations a candidate must gain
+  double min_gain = 0.05; // in the cost's units (fraction of gradient bytes)
+};
+
+// How one layout fares against one observed order; see the Note.
+struct OrderCost {
+  double wait = 0; // byte-weighted mean wait / gradient bytes
+  double overlap_fraction = 0; // bytes launched before the last arrival / all
+};
+
+// `bucket_of[i]`: launch position of parameter i's bucket among `buckets`;
+// `order`: parameter indices, first-ready first; `bytes[i]`: parameter i's
+// bytes in its bucket. Pure.
+OrderCost order_cost(
+    const std::vector<size_t>& bucket_of,
+    size_t buckets,
+    const std::vector<size_t>& order,
+    const std::vector<int64_t>& bytes);
+
+// bucket_of for buckets given as parameter indices per bucket.
+std::vector<size_t> bucket_of_params(
+    const std::vector<std::vector<size_t>>& buckets, size_t params);
+
+// One iteration of the watch (pure). `streak`: consecutive iterations the
+// candidate has gained so far; `current`, `candidate`, `fresh`: this
+// iteration's cost under the current layout, the candidate's layout, and the
+// layout this iteration's own order would give.
+struct WatchStep {
+  int streak = 0;
+  bool adopt_fresh = false; // the fresh layout becomes the candidate
+  bool vote = false; // this rank asks for a rebuild to the candidate
+};
+WatchStep watch_step(
+    int streak,
+    double current,
+    double candidate,
+    double fresh,
+    const RebuildPolicy& policy);
+
+// Whether the summed votes of `ranks` ranks agree on a rebuild.
+bool rebuild_agreed(int64_t summed_votes, int64_t ranks);
+
+// The order gradients arrived in, the watch over it, and this rank's vote.
+// Not thread-safe: the reducer calls it under its lock.
+class GradientOrder {
+ public:
+  GradientOrder(
+      std::vector<TensorSpec> specs,
+      std::vector<int64_t> caps,
+      BucketRebuild mode,
+      RebuildPolicy policy = {});
+
+  // Whether a first rebuild follows the first iteration (torch's rule: not
+  // with find_unused_parameters, unless the graph is static).
+  void set_first_rebuild(bool due);
+  // false: no continuous watching after the first rebuild (a stateful
+  // communication hook was registered).
+  void allow_continuous(bool allowed);
+
+  // Called when a synchronising backward is armed.
+  void begin_iteration();
+  // The hot path: parameter `index` is ready now.
+  void record(size_t index) {
+    stamps_[index] = clock_++;
+  }
+  // After a finished synchronising backward: derives its order and costs it
+  // under the layout it ran with. `launched_at_end`: nothing was launched
+  // before the backward ended (a learning iteration, no overlap).
+  void observe(
+      const std::vector<size_t>& bucket_of, size_t buckets, bool launched_at_end);
+  // Then updates the watch and this rank's vote against the layout the next
+  // iteration will use.
+  void update_vote(const std::vector<size_t>& bucket_of, size_t buckets);
+
+  // Whether the next synchronising backward carries a vote. The same on
+  // every rank: it changes only when a rebuild is agreed.
+  bool consulting() const;
+  // This rank's vote for the next consensus: 0 or 1.
+  int64_t vote() const;
+  // The order behind the vote (what rank 0 broadcasts).
+  const std::vector<size_t>& voted_order() const {
+    return voted_order_;
+  }
+  // Buckets for `order`, as every rank builds them.
+  std::vector<std::vector<size_t>> layout_for(const std::vector<size_t>& order) const;
+  // An agreed rebuild happened; `changed`: the layout differs from before.
+  void rebuilt(bool changed);
+  // Forgets the watch and makes the first rebuild due again (a new process
+  // group: torch's DDP rebuilds again too).
+  void restart();
+
+  bool has_rebuilt() const {
+    return first_done_;
+  }
+  int64_t rebuilds() const {
+    return rebuilds_;
+  }
+  int64_t observed_iterations() const {
+    return observed_;
+  }
+  // The last observed order (empty before the first).
+  const std::vector<size_t>& last_order() const {
+    return order_;
+  }
+  // The last observed iteration's overlap fraction (see the Note).
+  double overlap_fraction() const {
+    return overlap_fraction_;
+  }
+  BucketRebuild mode() const {
+    return mode_;
+  }
+
+ private:
+  bool watching() const;
+  void derive_order();
+
+  const std::vector<TensorSpec> specs_;
+  const std::vector<int64_t> caps_;
+  std::vector<int64_t> bytes_;
+  BucketRebuild mode_;
+  RebuildPolicy policy_;
+  bool first_due_ = true;
+  bool continuous_allowed_ = true;
+  bool first_done_ = false;
+
+  std::vector<int64_t> stamps_; // per parameter; -1: not ready yet
+  int64_t clock_ = 0;
+  std::vector<size_t> order_;
+  int64_t observed_ = 0;
+  double overlap_fraction_ = 0;
+
+  int streak_ = 0;
+  std::vector<size_t> candidate_order_;
+  std::vector<size_t> candidate_bucket_of_;
+  size_t candidate_buckets_ = 0;
+  bool vote_ = false;
+  std::vector<size_t> voted_order_;
+  int64_t rebuilds_ = 0;
+};
+
+} // namespace ddp_ext::reducer
