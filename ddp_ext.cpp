@@ -90,7 +90,12 @@ void bind_reducer(py::module& m) {
           py::arg("params"), py::arg("param_names"), py::arg("buckets"),
           py::arg("process_group"), py::arg("options"),
           py::arg("sparse_gradients") = std::vector<bool>{}, NoGil())
-      .def("prepare_for_forward", &Reducer::prepare_for_forward, NoGil())
+      .def("prepare_for_forward", &Reducer::prepare_for_forward,
+           py::arg("training_step") = false, NoGil())
+      .def("_match_step_check_as_joined", &Reducer::match_step_check_as_joined, NoGil())
+      .def("_check_step_before_forward_collectives",
+           &Reducer::check_step_before_forward_collectives, NoGil())
+      .def_property_readonly("training_steps", without_gil(&Reducer::training_steps))
       .def("prepare_for_backward", &Reducer::prepare_for_backward,
            py::arg("outputs"), NoGil())
       .def("prepare_for_local_backward", &Reducer::prepare_for_local_backward, NoGil())

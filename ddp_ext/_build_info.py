@@ -16,6 +16,7 @@ SOURCES = [
     "reducer/broadcast_coalesced.cpp",
     "reducer/builtin_comm_hooks.cpp",
     "reducer/reducer.cpp",
+    "reducer/step_check.cpp",
     "reducer/unused_parameters.cpp",
 ]
 

@@ -9,8 +9,10 @@ collective those ranks' forward and backward issue:
    rank to broadcast from),
 2. the allreduce telling joined ranks whether this iteration synchronises
    gradients,
-3. one reduction per bucket, of zeros, through the same communication hook,
-4. the unused-parameter bitmap allreduce, with find_unused_parameters.
+3. the step check of the backward (see Note [Ranks out of step] in
+   reducer/step_check.h), as a rank with no step,
+4. one reduction per bucket, of zeros, through the same communication hook,
+5. the unused-parameter bitmap allreduce, with find_unused_parameters.
 
 When every rank has joined, `post_hook` broadcasts the final model from the
 last rank to join. See Note [Join and the divide factor] in

@@ -12,6 +12,7 @@
 #include <sstream>
 #include <utility>
 
+#include "reducer/step_check.h"
 #include "reducer/unused_parameters.h"
 
 namespace ddp_ext::reducer {
@@ -206,6 +207,7 @@ Reducer::Reducer(
   TORCH_CHECK(process_group_, "Reducer needs a process group");
   gradients_stay_local_ = stays_local();
   set_average_factor(process_group_->getSize());
+  reset_step_check();
 
   at::NoGradGuard no_grad;
   bucket_of_param_.assign(n, kUnassigned);
@@ -324,6 +326,62 @@ void Reducer::set_average_factor(int64_t ranks) {
   divide_ranks_ = ranks;
   average_factor_ = c10::scalar_to_tensor(at::Scalar(1.0 / ranks));
   average_factor_.unsafeGetTensorImpl()->set_wrapped_number(true);
+}
+
+void Reducer::reset_step_check() {
+  step_check_.reset();
+  if (process_group_->getSize() > 1) {
+    step_check_.emplace(
+        process_group_->getRank(), process_group_->getSize(),
+        params_.front().device());
+  }
+}
+
+void Reducer::raise_if_out_of_step() {
+  // See Note [Ranks out of step].
+  if (!step_check_ || !step_check_->launched()) {
+    return;
+  }
+  const std::string message = step_check_->wait(training_steps_);
+  if (message.empty()) {
+    return;
+  }
+  // A peer may have raised instead of reducing: drop this backward's
+  // collectives rather than wait for partners that may never come.
+  for (auto& bucket : buckets_) {
+    bucket.work.reset();
+    bucket.future.reset();
+  }
+  used_work_.reset();
+  local_used_.zero_();
+  stashed_grads_.clear();
+  learning_iteration_ = false;
+  enter(phase_, Phase::kIdle);
+  TORCH_CHECK(false, message);
+}
+
+void Reducer::check_step_before_forward_collectives() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (step_check_) {
+    step_check_->drop(); // left over from an unfinished iteration
+    step_check_->launch(*process_group_, training_steps_);
+    const std::string message = step_check_->wait(training_steps_);
+    TORCH_CHECK(message.empty(), message);
+  }
+}
+
+void Reducer::match_step_check_as_joined() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (step_check_) {
+    step_check_->drop();
+    step_check_->launch_as_joined(*process_group_);
+    step_check_->wait(0);
+  }
+}
+
+int64_t Reducer::training_steps() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return training_steps_;
 }
 
 void Reducer::enter(Phase from, Phase to) {
@@ -463,8 +521,11 @@ std::string Reducer::unfinished_reduction_message() const {
   return message.str();
 }
 
-void Reducer::prepare_for_forward() {
+void Reducer::prepare_for_forward(bool training_step) {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (training_step) {
+    ++training_steps_; // See Note [Ranks out of step].
+  }
   if (phase_ != Phase::kReducing) {
     return;
   }
@@ -493,6 +554,9 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   enter(phase_, Phase::kExpectingGradients);
   ++iterations_;
   wait_for_launched_buckets(); // left over from an unfinished iteration
+  if (step_check_) {
+    step_check_->drop();
+  }
   std::fill(ready_.begin(), ready_.end(), false);
   next_bucket_ = 0;
   for (auto& bucket : buckets_) {
@@ -559,6 +623,9 @@ void Reducer::take_divide_factor() {
 
 void Reducer::start_reducing() {
   enter(Phase::kExpectingGradients, Phase::kReducing);
+  if (step_check_) {
+    step_check_->launch(*process_group_, training_steps_);
+  }
   take_divide_factor();
   for (size_t unused : unused_) {
     mark_ready(unused);
@@ -853,6 +920,7 @@ void Reducer::finalize_backward() {
   if (!options_.overlap_with_backward) {
     launch_all_buckets();
   }
+  raise_if_out_of_step();
   wait_for_launched_buckets();
   std::vector<bool> globally_used; // empty: every parameter counts as used
   if (options_.static_graph) {
@@ -914,6 +982,7 @@ void Reducer::finish_learning_iteration_locked() {
   firings_expected_ = firings_;
   launch_all_buckets();
   launch_used_bitmap_allreduce();
+  raise_if_out_of_step();
   wait_for_launched_buckets();
   static_used_globally_ = wait_for_used_bitmap();
   graph_learned_ = true;
@@ -941,6 +1010,7 @@ void Reducer::update_process_group(
   process_group_ = std::move(process_group);
   gradients_stay_local_ = stays_local();
   set_average_factor(process_group_->getSize());
+  reset_step_check(); // drops a check in flight on the old group
 }
 
 void Reducer::write_back_gradients(const std::vector<bool>& globally_used) {

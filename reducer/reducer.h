@@ -9,11 +9,13 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "reducer/bucket.h"
 #include "reducer/reducer_options.h"
+#include "reducer/step_check.h"
 
 namespace ddp_ext::reducer {
 
@@ -83,9 +85,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
 
-  // Called at the start of every forward. Raises on every rank if the previous
-  // synchronising backward left gradients unreduced.
-  void prepare_for_forward();
+  // Called at the start of every forward with gradients enabled. Raises on
+  // every rank if the previous synchronising backward left gradients
+  // unreduced. `training_step`: the forward synchronises and the module is in
+  // training mode; see Note [Ranks out of step].
+  void prepare_for_forward(bool training_step = false);
 
   // Called at the end of a forward whose backward must synchronise gradients
   // (or by frameworks before a backward that runs inside the forward).
@@ -126,6 +130,18 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // registered hook, or else a summing allreduce. For ranks that shadow
   // collectives after running out of data (Join).
   c10::intrusive_ptr<c10::ivalue::Future> run_comm_hook(c10d::GradBucket& bucket);
+
+  // Checks, before the buffer broadcast at the start of a forward, that every
+  // rank is at the same training step; raises on every rank if not. See
+  // Note [Ranks out of step].
+  void check_step_before_forward_collectives();
+
+  // Takes part in a step check for a rank that ran out of data
+  // (Join); see Note [Ranks out of step].
+  void match_step_check_as_joined();
+
+  // Training steps begun so far; see Note [Ranks out of step].
+  int64_t training_steps() const;
 
   // A summing allreduce of `bucket` (torch's _run_allreduce_hook).
   c10::intrusive_ptr<c10::ivalue::Future> run_allreduce(c10d::GradBucket& bucket);
@@ -196,6 +212,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void write_back_gradients(const std::vector<bool>& globally_used);
   void wait_for_launched_buckets();
   void take_divide_factor();
+  void reset_step_check();
+  void raise_if_out_of_step();
   void set_average_factor(int64_t ranks);
   bool stays_local() const;
   c10d::GradBucket grad_bucket(size_t bucket_index, at::Tensor buffer) const;
@@ -231,6 +249,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   mutable std::mutex mutex_;
   Phase phase_ = Phase::kIdle;
   int64_t iterations_ = 0;
+  // See Note [Ranks out of step]; step_check_ is unset in a world of one.
+  int64_t training_steps_ = 0;
+  std::optional<StepCheck> step_check_;
   std::vector<bool> ready_; // per parameter, this iteration
   size_t next_bucket_ = 0; // first bucket not yet launched
   std::vector<size_t> unused_; // params marked ready by the first hook

@@ -1,0 +1,103 @@
+#include "reducer/step_check.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <map>
+#include <sstream>
+#include <vector>
+
+namespace ddp_ext::reducer {
+
+namespace {
+
+// "rank 3", "ranks 0, 2, 5", "ranks 0, 1, 2, 3, 4, 5, 6, 7 and 9 more".
+std::string describe_ranks(const std::vector<int64_t>& ranks) {
+  constexpr size_t kNamed = 8;
+  std::ostringstream text;
+  text << (ranks.size() == 1 ? "rank " : "ranks ");
+  for (size_t i = 0; i < ranks.size() && i < kNamed; ++i) {
+    text << (i == 0 ? "" : ", ") << ranks[i];
+  }
+  if (ranks.size() > kNamed) {
+    text << " and " << ranks.size() - kNamed << " more";
+  }
+  return text.str();
+}
+
+std::string out_of_step_message(int rank, const std::map<int64_t, std::vector<int64_t>>& ranks_at_step) {
+  std::ostringstream message;
+  message << "Detected mismatch between collectives on ranks: the ranks of "
+             "this DistributedDataParallel module are at different training "
+             "steps (";
+  bool first = true;
+  for (const auto& [step, ranks] : ranks_at_step) {
+    message << (first ? "" : "; ") << describe_ranks(ranks) << " at step " << step;
+    first = false;
+  }
+  message << "; this is rank " << rank << "), so their collectives paired "
+             "different iterations' gradients and buffers, and this "
+             "iteration's gradients are not valid. A rank ran a synchronising "
+             "forward or backward that the others did not: it caught an "
+             "exception raised in its forward and went on, skipped a "
+             "backward, or ran a forward in training mode with gradients "
+             "enabled that the others did not run (run evaluation under "
+             "torch.no_grad(), in eval mode, or on ddp_model.module). Every "
+             "rank must run the same synchronising forward and backward "
+             "passes; for uneven inputs use "
+             "torch.distributed.algorithms.join.Join.";
+  return message.str();
+}
+
+} // namespace
+
+StepCheck::StepCheck(int rank, int world_size, c10::Device device) : rank_(rank) {
+  host_ = at::zeros({world_size}, at::kLong);
+  slots_ = device.is_cpu() ? host_ : host_.to(device);
+}
+
+void StepCheck::start(c10d::ProcessGroup& group, int64_t slot_value) {
+  TORCH_INTERNAL_ASSERT(!work_, "a step check is already in flight");
+  host_.zero_();
+  host_.data_ptr<int64_t>()[rank_] = slot_value;
+  if (!slots_.is_same(host_)) {
+    slots_.copy_(host_, /*non_blocking=*/false);
+  }
+  std::vector<at::Tensor> tensors{slots_};
+  work_ = group.allreduce(tensors);
+}
+
+void StepCheck::launch(c10d::ProcessGroup& group, int64_t step) {
+  start(group, step + 1);
+}
+
+void StepCheck::launch_as_joined(c10d::ProcessGroup& group) {
+  start(group, 0);
+}
+
+bool StepCheck::launched() const {
+  return static_cast<bool>(work_);
+}
+
+std::string StepCheck::wait(int64_t step) {
+  TORCH_INTERNAL_ASSERT(work_, "no step check in flight");
+  auto work = std::move(work_);
+  work_.reset();
+  work->wait();
+  const at::Tensor slots = slots_.is_same(host_) ? host_ : slots_.cpu();
+  const int64_t* values = slots.data_ptr<int64_t>();
+  std::map<int64_t, std::vector<int64_t>> ranks_at_step;
+  for (int64_t r = 0; r < slots.numel(); ++r) {
+    if (values[r] > 0) { // 0: a rank that joined
+      ranks_at_step[values[r] - 1].push_back(r);
+    }
+  }
+  const bool in_step = ranks_at_step.size() == 1 && ranks_at_step.count(step) == 1;
+  return in_step ? std::string() : out_of_step_message(rank_, ranks_at_step);
+}
+
+void StepCheck::drop() {
+  work_.reset();
+}
+
+} // namespace ddp_ext::reducer
