@@ -342,7 +342,7 @@ void Reducer::raise_if_out_of_step() {
   if (!step_check_ || !step_check_->launched()) {
     return;
   }
-  const std::string message = step_check_->wait(training_steps_);
+  const std::string message = step_check_->wait();
   if (message.empty()) {
     return;
   }
@@ -364,8 +364,8 @@ void Reducer::check_step_before_forward_collectives() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (step_check_) {
     step_check_->drop(); // left over from an unfinished iteration
-    step_check_->launch(*process_group_, training_steps_);
-    const std::string message = step_check_->wait(training_steps_);
+    step_check_->launch_forward(*process_group_, backwards_begun_);
+    const std::string message = step_check_->wait();
     TORCH_CHECK(message.empty(), message);
   }
 }
@@ -375,7 +375,7 @@ void Reducer::match_step_check_as_joined() {
   if (step_check_) {
     step_check_->drop();
     step_check_->launch_as_joined(*process_group_);
-    step_check_->wait(0);
+    step_check_->wait();
   }
 }
 
@@ -624,7 +624,8 @@ void Reducer::take_divide_factor() {
 void Reducer::start_reducing() {
   enter(Phase::kExpectingGradients, Phase::kReducing);
   if (step_check_) {
-    step_check_->launch(*process_group_, training_steps_);
+    ++backwards_begun_;
+    step_check_->launch_backward(*process_group_, training_steps_);
   }
   take_divide_factor();
   for (size_t unused : unused_) {

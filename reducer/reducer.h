@@ -251,6 +251,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   int64_t iterations_ = 0;
   // See Note [Ranks out of step]; step_check_ is unset in a world of one.
   int64_t training_steps_ = 0;
+  int64_t backwards_begun_ = 0;
   std::optional<StepCheck> step_check_;
   std::vector<bool> ready_; // per parameter, this iteration
   size_t next_bucket_ = 0; // first bucket not yet launched

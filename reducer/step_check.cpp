@@ -11,6 +11,25 @@ namespace ddp_ext::reducer {
 
 namespace {
 
+// A slot holds 0 (a rank that joined) or 1 + 2 * count + kind.
+enum CheckKind : int64_t { kBackwardCheck = 0, kForwardCheck = 1 };
+
+int64_t encode(CheckKind kind, int64_t count) {
+  return 1 + 2 * count + kind;
+}
+
+std::string describe_position(int64_t slot) {
+  const int64_t count = (slot - 1) / 2;
+  std::ostringstream text;
+  if ((slot - 1) % 2 == kBackwardCheck) {
+    text << "in the backward of training step " << count;
+  } else {
+    text << "at a forward's buffer broadcast after " << count
+         << " synchronising backward passes";
+  }
+  return text.str();
+}
+
 // "rank 3", "ranks 0, 2, 5", "ranks 0, 1, 2, 3, 4, 5, 6, 7 and 9 more".
 std::string describe_ranks(const std::vector<int64_t>& ranks) {
   constexpr size_t kNamed = 8;
@@ -25,14 +44,15 @@ std::string describe_ranks(const std::vector<int64_t>& ranks) {
   return text.str();
 }
 
-std::string out_of_step_message(int rank, const std::map<int64_t, std::vector<int64_t>>& ranks_at_step) {
+std::string out_of_step_message(
+    int rank, const std::map<int64_t, std::vector<int64_t>>& ranks_at) {
   std::ostringstream message;
   message << "Detected mismatch between collectives on ranks: the ranks of "
-             "this DistributedDataParallel module are at different training "
-             "steps (";
+             "this DistributedDataParallel module are out of step (";
   bool first = true;
-  for (const auto& [step, ranks] : ranks_at_step) {
-    message << (first ? "" : "; ") << describe_ranks(ranks) << " at step " << step;
+  for (const auto& [slot, ranks] : ranks_at) {
+    message << (first ? "" : "; ") << describe_ranks(ranks) << " "
+            << describe_position(slot);
     first = false;
   }
   message << "; this is rank " << rank << "), so their collectives paired "
@@ -58,6 +78,7 @@ StepCheck::StepCheck(int rank, int world_size, c10::Device device) : rank_(rank)
 
 void StepCheck::start(c10d::ProcessGroup& group, int64_t slot_value) {
   TORCH_INTERNAL_ASSERT(!work_, "a step check is already in flight");
+  written_ = slot_value;
   host_.zero_();
   host_.data_ptr<int64_t>()[rank_] = slot_value;
   if (!slots_.is_same(host_)) {
@@ -67,8 +88,12 @@ void StepCheck::start(c10d::ProcessGroup& group, int64_t slot_value) {
   work_ = group.allreduce(tensors);
 }
 
-void StepCheck::launch(c10d::ProcessGroup& group, int64_t step) {
-  start(group, step + 1);
+void StepCheck::launch_backward(c10d::ProcessGroup& group, int64_t step) {
+  start(group, encode(kBackwardCheck, step));
+}
+
+void StepCheck::launch_forward(c10d::ProcessGroup& group, int64_t backwards) {
+  start(group, encode(kForwardCheck, backwards));
 }
 
 void StepCheck::launch_as_joined(c10d::ProcessGroup& group) {
@@ -79,21 +104,24 @@ bool StepCheck::launched() const {
   return static_cast<bool>(work_);
 }
 
-std::string StepCheck::wait(int64_t step) {
+std::string StepCheck::wait() {
   TORCH_INTERNAL_ASSERT(work_, "no step check in flight");
   auto work = std::move(work_);
   work_.reset();
   work->wait();
+  if (written_ == 0) {
+    return std::string(); // A rank that joined has no position to compare.
+  }
   const at::Tensor slots = slots_.is_same(host_) ? host_ : slots_.cpu();
   const int64_t* values = slots.data_ptr<int64_t>();
-  std::map<int64_t, std::vector<int64_t>> ranks_at_step;
+  std::map<int64_t, std::vector<int64_t>> ranks_at;
   for (int64_t r = 0; r < slots.numel(); ++r) {
-    if (values[r] > 0) { // 0: a rank that joined
-      ranks_at_step[values[r] - 1].push_back(r);
+    if (values[r] > 0) {
+      ranks_at[values[r]].push_back(r);
     }
   }
-  const bool in_step = ranks_at_step.size() == 1 && ranks_at_step.count(step) == 1;
-  return in_step ? std::string() : out_of_step_message(rank_, ranks_at_step);
+  const bool in_step = ranks_at.size() == 1;
+  return in_step ? std::string() : out_of_step_message(rank_, ranks_at);
 }
 
 void StepCheck::drop() {

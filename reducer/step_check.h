@@ -21,48 +21,59 @@ namespace ddp_ext::reducer {
 // So each rank counts its training steps: the synchronising forwards it has
 // begun with the module in training mode (an evaluation forward that only
 // some ranks run is not a step). Every synchronising backward starts, as its
-// first gradient arrives, with one small allreduce of an int64 per rank: each
-// rank writes 1 + its step count into its own slot, zeros elsewhere; a rank
-// that joined (Join's shadow loop) writes nothing. The allreduce runs while
-// autograd computes the rest of the backward and is awaited at its end,
-// before the buckets; then every rank sees every rank's step. If the ranks
-// with data disagree, each of them raises from backward with the same
-// message, naming the steps, before any averaged gradient reaches .grad.
+// first gradient arrives, with a step check: one small allreduce of an int64
+// per rank, where each rank writes where it is into its own slot, zeros
+// elsewhere (a rank that joined, in Join's shadow loop, writes nothing). It
+// runs while autograd computes the rest of the backward and is awaited at its
+// end, before the buckets; then every rank sees every rank's position. If
+// the ranks with data disagree, each of them raises from backward with the
+// same message, naming the positions, before any averaged gradient reaches
+// .grad, and drops its bucket allreduces rather than wait for partners that
+// may never come.
 //
 // A forward that broadcasts buffers issues a collective of its own, so a
 // rank that dropped out of an iteration after that broadcast would pair its
-// next broadcast with its peers' backward. Such forwards therefore run the
-// same check, and wait for it, just before the broadcast: its partner is then
-// a peer's backward check, both are the same allreduce, and both ranks see
-// the mismatch. A backward that finds the ranks out of step drops its bucket
-// allreduces instead of waiting for partners that may never come.
+// next broadcast with its peers' backward. Such forwards run a step check
+// too, awaited just before the broadcast: its partner is then a peer's
+// backward check, the same allreduce, and both see the mismatch. A slot says
+// which kind of check wrote it: a backward check writes the training step; a
+// forward check writes how many synchronising backwards the rank has begun,
+// so a broadcast that only one rank runs (its first evaluation forward under
+// torch.no_grad()) pairs with its peers' next broadcast as it does in torch's
+// DDP, and raises nothing.
 //
-// The check costs one latency-bound collective of world_size * 8 bytes per
+// The cost: one latency-bound collective of world_size * 8 bytes per
 // iteration, overlapped with the backward, and with buffer broadcasting one
 // more, awaited, before the broadcast.
 class StepCheck {
  public:
   StepCheck(int rank, int world_size, c10::Device device);
 
-  // Starts the allreduce for a rank at training step `step`.
-  void launch(c10d::ProcessGroup& group, int64_t step);
+  // Starts the check of a backward at training step `step`.
+  void launch_backward(c10d::ProcessGroup& group, int64_t step);
 
-  // Takes part in the allreduce without a step: for a rank that joined.
+  // Starts the check of a forward's buffer broadcast, after `backwards`
+  // synchronising backward passes.
+  void launch_forward(c10d::ProcessGroup& group, int64_t backwards);
+
+  // Takes part in a check without a position: for a rank that joined.
   void launch_as_joined(c10d::ProcessGroup& group);
 
   bool launched() const;
 
-  // Waits for the allreduce. Returns an empty string when every rank with
-  // data is at `step`, else the error message (the same on every rank).
-  std::string wait(int64_t step);
+  // Waits for the check in flight. Returns an empty string when every rank
+  // with data wrote what this rank wrote, else the error message (the same on
+  // every rank).
+  std::string wait();
 
-  // Forgets an allreduce in flight without waiting for it.
+  // Forgets a check in flight without waiting for it.
   void drop();
 
  private:
   void start(c10d::ProcessGroup& group, int64_t slot_value);
 
   int rank_;
+  int64_t written_ = 0; // this rank's slot in the check in flight
   at::Tensor host_; // world_size int64 slots, on the CPU
   at::Tensor slots_; // the same on the parameters' device (host_ on CPU)
   c10::intrusive_ptr<c10d::Work> work_;

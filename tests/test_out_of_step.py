@@ -58,9 +58,17 @@ def train_local(world_size: int, steps) -> dict:
     return {k: v.detach().clone() for k, v in net.state_dict().items()}
 
 
-# The others' backward of step ODD_STEP + 1 meets the misbehaving rank's next
-# collective, of step ODD_STEP + 2 ("{in_step}": the ranks that behaved).
-ONE_AHEAD = f"{{in_step}} at step {ODD_STEP + 1}; rank {{odd}} at step {ODD_STEP + 2};"
+# What every rank's message says ("{in_step}": the ranks that behaved). The
+# others' backward of step ODD_STEP + 1 meets the misbehaving rank's next
+# collective: its next backward, or the check before its next broadcast.
+NEXT_BACKWARD = (
+    f"{{in_step}} in the backward of training step {ODD_STEP + 1}; "
+    f"rank {{odd}} in the backward of training step {ODD_STEP + 2};"
+)
+NEXT_BROADCAST = (
+    f"rank {{odd}} at a forward's buffer broadcast after {ODD_STEP} synchronising backward passes; "
+    f"{{in_step}} in the backward of training step {ODD_STEP + 1};"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +78,7 @@ class C:
     ddp_kwargs: Tuple = ()
     hook: bool = False
     buffers: bool = False
-    says: Optional[str] = ONE_AHEAD  # None: nothing raised
+    says: Optional[str] = NEXT_BACKWARD  # None: nothing raised
 
 
 CASES = [
@@ -82,21 +90,17 @@ CASES = [
     C("forward_exception_comm_hook", "forward_raises", hook=True),
     C("forward_exception_small_buckets", "forward_raises", (("bucket_cap_mb", 0),)),
     # With buffers, each forward broadcasts them: the check runs before that.
-    C("forward_exception_with_buffers", "forward_raises", buffers=True),
-    C("backward_skipped_with_buffers", "skip_backward", buffers=True),
-    # A broadcast only one rank runs would pair with its peers' next forward.
-    C(
-        "no_grad_forward_on_one_rank_with_buffers",
-        "no_grad_forward",
-        buffers=True,
-        says=f"rank {{odd}} at step {ODD_STEP}; {{in_step}} at step {ODD_STEP + 1};",
-    ),
+    C("forward_exception_with_buffers", "forward_raises", buffers=True, says=NEXT_BROADCAST),
+    C("backward_skipped_with_buffers", "skip_backward", buffers=True, says=NEXT_BROADCAST),
+    C("eval_forward_on_one_rank_with_buffers", "eval_forward", buffers=True, says=NEXT_BROADCAST),
     # Ranks that stay in step raise nothing.
     C("every_rank_catches_the_exception", "all_forward_raise", says=None),
     C("eval_forward_on_one_rank", "eval_forward", says=None),
     C("no_grad_forward_on_one_rank", "no_grad_forward", says=None),
     C("forward_without_backward_everywhere", "all_skip_backward", says=None),
     C("every_rank_catches_the_exception_with_buffers", "all_forward_raise", buffers=True, says=None),
+    # Its broadcast pairs with the others' next one, as with torch's DDP.
+    C("no_grad_forward_on_one_rank_with_buffers", "no_grad_forward", buffers=True, says=None),
     C("uneven_inputs_under_join", "join_uneven", says=None),
     C("uneven_inputs_under_join_with_buffers", "join_uneven", buffers=True, says=None),
 ]
