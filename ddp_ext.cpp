@@ -144,7 +144,12 @@ void bind_reducer(py::module& m) {
           py::arg("params"), py::arg("param_names"), py::arg("buckets"),
           py::arg("process_group"), py::arg("options"),
           py::arg("sparse_gradients") = std::vector<bool>{}, NoGil())
-      .def("prepare_for_forward", &Reducer::prepare_for_forward, NoGil())
+      .def("prepare_for_forward", &Reducer::prepare_for_forward,
+           py::arg("training_step") = false, NoGil())
+      .def("_match_step_check_as_joined", &Reducer::match_step_check_as_joined, NoGil())
+      .def("_check_step_before_forward_collectives",
+           &Reducer::check_step_before_forward_collectives, NoGil())
+      .def_property_readonly("training_steps", without_gil(&Reducer::training_steps))
       .def("prepare_for_backward", &Reducer::prepare_for_backward,
            py::arg("outputs"), NoGil())
       .def("prepare_for_local_backward", &Reducer::prepare_for_local_backward, NoGil())
@@ -157,7 +162,7 @@ void bind_reducer(py::module& m) {
       .def_property_readonly("rebuilds", without_gil(&Reducer::rebuilds))
       .def_property_readonly("overlap_fraction", without_gil(&Reducer::overlap_fraction))
       .def("observed_order", &Reducer::observed_order, NoGil())
-      .def("_shadow_order_vote", &Reducer::shadow_order_vote, NoGil())
+
       .def_property_readonly("learning_static_graph",
                              without_gil(&Reducer::learning_static_graph))
       .def_property_readonly("unused_parameters_stable",

@@ -18,6 +18,8 @@ SOURCES = [
     "reducer/builtin_comm_hooks.cpp",
     "reducer/gradient_order.cpp",
     "reducer/reducer.cpp",
+    "reducer/reducer_rebuild.cpp",
+    "reducer/step_check.cpp",
     "reducer/unused_parameters.cpp",
 ]
 

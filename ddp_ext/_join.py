@@ -9,9 +9,11 @@ collective those ranks' forward and backward issue:
    rank to broadcast from),
 2. the allreduce telling joined ranks whether this iteration synchronises
    gradients,
-3. the vote on rebuilding buckets, voting no (see Note [Gradient order
-   prediction] in reducer/gradient_order.h), so no rebuild happens while a
-   rank has joined,
+3. the step check of the backward (see Note [Ranks out of step] in
+   reducer/step_check.h), as a rank with no step; it carries the vote on
+   rebuilding buckets (Note [Gradient order prediction] in
+   reducer/gradient_order.h), where a rank that joined votes no, so no
+   rebuild happens while a rank has joined,
 4. one reduction per bucket, of zeros, through the same communication hook,
 5. the unused-parameter bitmap allreduce, with find_unused_parameters.
 
@@ -36,7 +38,6 @@ class DistributedDataParallelJoinHook(JoinHook):
         ddp.require_forward_param_sync = should_sync
         if not should_sync:
             return
-        ddp.reducer._shadow_order_vote()
         ddp._match_all_reduce_for_bwd_pass()
         if ddp.find_unused_parameters and not ddp.static_graph:
             ddp._match_unused_params_allreduce()

@@ -343,11 +343,13 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
             return inputs, kwargs
         if torch.is_grad_enabled():
             self._parameter_watch.check(self.module, self.process_group)
-            self.reducer.prepare_for_forward()
+            # See Note [Ranks out of step] in reducer/step_check.h.
+            self.reducer.prepare_for_forward(training_step=self.require_backward_grad_sync and self.module.training)
         work = Join.notify_join_context(self)
         if work:
             self.reducer._set_forward_pass_work_handle(work, self._divide_by_initial_world_size)
         if self._check_sync_bufs_pre_fwd():
+            self.reducer._check_step_before_forward_collectives()
             self._sync_buffers()
         if self._join_config.enable:
             self._check_global_requires_backward_grad_sync(is_joined_rank=False)
@@ -569,6 +571,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
 
     def _check_and_sync_module_buffers(self) -> None:
         if self._check_sync_bufs_pre_fwd():
+            self.reducer._match_step_check_as_joined()
             authoritative_rank = self._find_common_rank(self._distributed_rank, False)
             self._sync_module_buffers(authoritative_rank)
 
@@ -578,6 +581,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         self._sync_module_states(self._authoritative_rank, include_buffers=self.forward_sync_buffers)
 
     def _match_all_reduce_for_bwd_pass(self) -> None:
+        self.reducer._match_step_check_as_joined()
         works = [self.reducer._run_comm_hook(bucket) for bucket in self.reducer._get_zeros_like_grad_buckets()]
         for work in works:
             work.wait()

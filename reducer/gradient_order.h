@@ -47,11 +47,12 @@ namespace ddp_ext::reducer {
 // one loses on the other.
 //
 // Consensus. Every rank must build the same buckets at the same point, or
-// their allreduces no longer match. Each synchronising backward carries one
-// int64 per rank, its vote as it stood at the end of the previous backward,
-// summed across ranks by an allreduce launched with the first gradient and
-// awaited at the end of the backward. The rebuild is agreed only if every
-// rank voted for it (a rank that joined under Join votes no). Then rank 0
+// their allreduces no longer match. Each rank's vote, as it stood at the end
+// of the previous backward, rides on the backward's step check (Note [Ranks
+// out of step]): one more int64 slot in that allreduce, which starts with
+// the first gradient and is awaited at the end of the backward, so the
+// consensus costs no collective of its own. The rebuild is agreed only if
+// every rank voted for it (a rank that joined under Join votes no). Then rank 0
 // broadcasts the order behind its vote, every rank assigns buckets from it
 // with the same pure function (assign_buckets_in_order, same caps, the
 // first bucket keeping its small cap), and the reducer re-lays the buckets

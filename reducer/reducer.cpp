@@ -12,7 +12,7 @@
 #include <sstream>
 #include <utility>
 
-#include "reducer/bucket_assignment.h"
+#include "reducer/step_check.h"
 #include "reducer/unused_parameters.h"
 
 namespace ddp_ext::reducer {
@@ -218,6 +218,7 @@ Reducer::Reducer(
   TORCH_CHECK(process_group_, "Reducer needs a process group");
   gradients_stay_local_ = stays_local();
   set_average_factor(process_group_->getSize());
+  reset_step_check();
   gradient_order_.set_first_rebuild(
       !options_.find_unused_parameters || options_.static_graph);
 
@@ -242,7 +243,6 @@ Reducer::Reducer(
   used_for_allreduce_ = device.is_cpu()
       ? local_used_
       : at::zeros({static_cast<int64_t>(n)}, at::TensorOptions(at::kInt).device(device));
-  order_votes_ = at::zeros({1}, at::TensorOptions(at::kLong).device(device));
 
   accumulators_.reserve(n);
   hook_keys_.reserve(n);
@@ -305,6 +305,62 @@ void Reducer::set_average_factor(int64_t ranks) {
   divide_ranks_ = ranks;
   average_factor_ = c10::scalar_to_tensor(at::Scalar(1.0 / ranks));
   average_factor_.unsafeGetTensorImpl()->set_wrapped_number(true);
+}
+
+void Reducer::reset_step_check() {
+  step_check_.reset();
+  if (process_group_->getSize() > 1) {
+    step_check_.emplace(
+        process_group_->getRank(), process_group_->getSize(),
+        params_.front().device());
+  }
+}
+
+void Reducer::raise_if_out_of_step() {
+  // See Note [Ranks out of step].
+  if (!step_check_ || !step_check_->launched()) {
+    return;
+  }
+  const std::string message = step_check_->wait();
+  if (message.empty()) {
+    return;
+  }
+  // A peer may have raised instead of reducing: drop this backward's
+  // collectives rather than wait for partners that may never come.
+  for (auto& bucket : buckets_) {
+    bucket.work.reset();
+    bucket.future.reset();
+  }
+  used_work_.reset();
+  local_used_.zero_();
+  stashed_grads_.clear();
+  learning_iteration_ = false;
+  enter(phase_, Phase::kIdle);
+  TORCH_CHECK(false, message);
+}
+
+void Reducer::check_step_before_forward_collectives() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (step_check_) {
+    step_check_->drop(); // left over from an unfinished iteration
+    step_check_->launch_forward(*process_group_, backwards_begun_);
+    const std::string message = step_check_->wait();
+    TORCH_CHECK(message.empty(), message);
+  }
+}
+
+void Reducer::match_step_check_as_joined() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (step_check_) {
+    step_check_->drop();
+    step_check_->launch_as_joined(*process_group_);
+    step_check_->wait();
+  }
+}
+
+int64_t Reducer::training_steps() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return training_steps_;
 }
 
 void Reducer::enter(Phase from, Phase to) {
@@ -451,8 +507,11 @@ std::string Reducer::unfinished_reduction_message() const {
   return message.str();
 }
 
-void Reducer::prepare_for_forward() {
+void Reducer::prepare_for_forward(bool training_step) {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (training_step) {
+    ++training_steps_; // See Note [Ranks out of step].
+  }
   if (phase_ != Phase::kReducing) {
     return;
   }
@@ -481,9 +540,8 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   enter(phase_, Phase::kExpectingGradients);
   ++iterations_;
   wait_for_launched_buckets(); // left over from an unfinished iteration
-  if (order_vote_work_) {
-    order_vote_work_->wait(); // likewise; an unfinished iteration decides nothing
-    order_vote_work_.reset();
+  if (step_check_) {
+    step_check_->drop();
   }
   order_vote_cast_ = false;
   gradient_order_.begin_iteration();
@@ -553,8 +611,12 @@ void Reducer::take_divide_factor() {
 
 void Reducer::start_reducing() {
   enter(Phase::kExpectingGradients, Phase::kReducing);
+  const int64_t order_vote = cast_order_vote();
+  if (step_check_) {
+    ++backwards_begun_;
+    step_check_->launch_backward(*process_group_, training_steps_, order_vote);
+  }
   take_divide_factor();
-  launch_order_vote(); // before any bucket: Join's shadow matches this order
   for (size_t unused : unused_) {
     mark_ready(unused);
   }
@@ -852,6 +914,7 @@ void Reducer::finalize_backward() {
   if (!options_.overlap_with_backward) {
     launch_all_buckets();
   }
+  raise_if_out_of_step();
   wait_for_launched_buckets();
   std::vector<bool> globally_used; // empty: every parameter counts as used
   if (options_.static_graph) {
@@ -914,6 +977,7 @@ void Reducer::finish_learning_iteration_locked() {
   firings_expected_ = firings_;
   launch_all_buckets();
   launch_used_bitmap_allreduce();
+  raise_if_out_of_step();
   wait_for_launched_buckets();
   static_used_globally_ = wait_for_used_bitmap();
   graph_learned_ = true;
@@ -934,7 +998,6 @@ void Reducer::update_process_group(
   }
   used_work_.reset();
   forward_pass_work_.reset();
-  order_vote_work_.reset();
   order_vote_cast_ = false;
   gradient_order_.restart();
   stashed_grads_.clear();
@@ -945,135 +1008,7 @@ void Reducer::update_process_group(
   process_group_ = std::move(process_group);
   gradients_stay_local_ = stays_local();
   set_average_factor(process_group_->getSize());
-}
-
-bool Reducer::has_rebuilt_buckets() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return gradient_order_.has_rebuilt();
-}
-
-int64_t Reducer::rebuilds() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return gradient_order_.rebuilds();
-}
-
-std::vector<size_t> Reducer::observed_order() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return gradient_order_.last_order();
-}
-
-std::optional<double> Reducer::overlap_fraction() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (gradient_order_.observed_iterations() == 0) {
-    return std::nullopt;
-  }
-  return gradient_order_.overlap_fraction();
-}
-
-void Reducer::launch_order_vote() {
-  // See Note [Gradient order prediction]: the consensus.
-  order_vote_cast_ = gradient_order_.consulting();
-  if (!order_vote_cast_) {
-    return;
-  }
-  own_order_vote_ = gradient_order_.vote();
-  if (process_group_->getSize() == 1) {
-    return;
-  }
-  order_votes_.fill_(own_order_vote_);
-  std::vector<at::Tensor> tensors{order_votes_};
-  order_vote_work_ = process_group_->allreduce(tensors);
-}
-
-void Reducer::shadow_order_vote() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!gradient_order_.consulting() || process_group_->getSize() == 1) {
-    return;
-  }
-  order_votes_.zero_();
-  std::vector<at::Tensor> tensors{order_votes_};
-  process_group_->allreduce(tensors)->wait();
-}
-
-void Reducer::conclude_gradient_order(bool launched_at_end) {
-  gradient_order_.observe(bucket_of_param_, buckets_.size(), launched_at_end);
-  if (order_vote_cast_) {
-    order_vote_cast_ = false;
-    int64_t votes = own_order_vote_;
-    if (order_vote_work_) {
-      order_vote_work_->wait();
-      order_vote_work_.reset();
-      votes = order_votes_.cpu().item<int64_t>();
-    }
-    if (rebuild_agreed(votes, process_group_->getSize())) {
-      const auto layout = gradient_order_.layout_for(agreed_order());
-      const bool changed = !std::equal(
-          layout.begin(), layout.end(), buckets_.begin(), buckets_.end(),
-          [](const std::vector<size_t>& indices, const Bucket& bucket) {
-            return indices == bucket.param_indices;
-          });
-      if (changed) {
-        rebuild_buckets(layout);
-      }
-      gradient_order_.rebuilt(changed);
-    }
-  }
-  gradient_order_.update_vote(bucket_of_param_, buckets_.size());
-}
-
-std::vector<size_t> Reducer::agreed_order() {
-  // Every rank voted, so every rank has an order; rank 0's is the one.
-  const auto& mine = gradient_order_.voted_order();
-  TORCH_INTERNAL_ASSERT(mine.size() == params_.size());
-  at::Tensor order = at::empty({static_cast<int64_t>(mine.size())}, at::kLong);
-  int64_t* values = order.data_ptr<int64_t>();
-  for (size_t k = 0; k < mine.size(); ++k) {
-    values[k] = static_cast<int64_t>(mine[k]);
-  }
-  if (process_group_->getSize() > 1) {
-    std::vector<at::Tensor> tensors{order.to(order_votes_.device())};
-    c10d::BroadcastOptions from_rank_0;
-    from_rank_0.rootRank = 0;
-    process_group_->broadcast(tensors, from_rank_0)->wait();
-    order = tensors.front().cpu();
-    values = order.data_ptr<int64_t>();
-  }
-  std::vector<size_t> agreed(mine.size());
-  for (size_t k = 0; k < agreed.size(); ++k) {
-    TORCH_CHECK(values[k] >= 0, "the broadcast gradient order holds ", values[k]);
-    agreed[k] = static_cast<size_t>(values[k]);
-  }
-  return agreed;
-}
-
-void Reducer::rebuild_buckets(const std::vector<std::vector<size_t>>& layout) {
-  // See Note [Gradient order prediction] for why this point is safe, and
-  // Note [Bucket memory] for where the buckets' memory comes from.
-  std::vector<Bucket> old = std::move(buckets_);
-  if (!options_.gradient_as_bucket_view) {
-    buckets_ = lay_out_buckets(layout_inputs(), layout, arenas_);
-    index_buckets();
-    next_bucket_ = 0;
-    return;
-  }
-  std::vector<at::Tensor> arenas;
-  buckets_ = lay_out_buckets(layout_inputs(), layout, arenas);
-  index_buckets();
-  next_bucket_ = 0;
-  at::NoGradGuard no_grad;
-  for (const Bucket& bucket : old) {
-    for (size_t slot = 0; slot < bucket.views.size(); ++slot) {
-      const size_t index = bucket.param_indices[slot];
-      at::Tensor& grad = params_[index].mutable_grad();
-      if (!grad.defined() || !is_bucket_view(grad, bucket.views[slot])) {
-        continue; // not in the bucket: .grad stays as the user left it
-      }
-      const at::Tensor& view = buckets_[bucket_of_param_[index]].views[slot_of_param_[index]];
-      view.copy_(grad);
-      grad = view;
-    }
-  }
-  arenas_ = std::move(arenas);
+  reset_step_check(); // drops a check in flight on the old group
 }
 
 void Reducer::write_back_gradients(const std::vector<bool>& globally_used) {

@@ -17,6 +17,7 @@
 #include "reducer/bucket_layout.h"
 #include "reducer/gradient_order.h"
 #include "reducer/reducer_options.h"
+#include "reducer/step_check.h"
 
 namespace ddp_ext::reducer {
 
@@ -86,9 +87,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
 
-  // Called at the start of every forward. Raises on every rank if the previous
-  // synchronising backward left gradients unreduced.
-  void prepare_for_forward();
+  // Called at the start of every forward with gradients enabled. Raises on
+  // every rank if the previous synchronising backward left gradients
+  // unreduced. `training_step`: the forward synchronises and the module is in
+  // training mode; see Note [Ranks out of step].
+  void prepare_for_forward(bool training_step = false);
 
   // Called at the end of a forward whose backward must synchronise gradients
   // (or by frameworks before a backward that runs inside the forward).
@@ -132,6 +135,18 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // registered hook, or else a summing allreduce. For ranks that shadow
   // collectives after running out of data (Join).
   c10::intrusive_ptr<c10::ivalue::Future> run_comm_hook(c10d::GradBucket& bucket);
+
+  // Checks, before the buffer broadcast at the start of a forward, that every
+  // rank is at the same training step; raises on every rank if not. See
+  // Note [Ranks out of step].
+  void check_step_before_forward_collectives();
+
+  // Takes part in a step check for a rank that ran out of data
+  // (Join); see Note [Ranks out of step].
+  void match_step_check_as_joined();
+
+  // Training steps begun so far; see Note [Ranks out of step].
+  int64_t training_steps() const;
 
   // A summing allreduce of `bucket` (torch's _run_allreduce_hook).
   c10::intrusive_ptr<c10::ivalue::Future> run_allreduce(c10d::GradBucket& bucket);
@@ -178,9 +193,6 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<size_t> observed_order() const;
   std::optional<double> overlap_fraction() const;
 
-  // For a rank that joined (Join): takes part in this iteration's vote on a
-  // rebuild, voting no, as the ranks with data do in their backward.
-  void shadow_order_vote();
 
   // Whether every synchronising iteration so far left the same parameters
   // unused (what static_graph requires).
@@ -216,6 +228,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void write_back_gradients(const std::vector<bool>& globally_used);
   void wait_for_launched_buckets();
   void take_divide_factor();
+  void reset_step_check();
+  void raise_if_out_of_step();
   void set_average_factor(int64_t ranks);
   bool stays_local() const;
   c10d::GradBucket grad_bucket(size_t bucket_index, at::Tensor buffer) const;
@@ -223,7 +237,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::string unfinished_reduction_message() const;
   void remove_autograd_hooks_locked();
   void index_buckets();
-  void launch_order_vote();
+  int64_t cast_order_vote();
   void conclude_gradient_order(bool launched_at_end);
   std::vector<size_t> agreed_order();
   void rebuild_buckets(const std::vector<std::vector<size_t>>& layout);
@@ -260,6 +274,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   mutable std::mutex mutex_;
   Phase phase_ = Phase::kIdle;
   int64_t iterations_ = 0;
+  // See Note [Ranks out of step]; step_check_ is unset in a world of one.
+  int64_t training_steps_ = 0;
+  int64_t backwards_begun_ = 0;
+  std::optional<StepCheck> step_check_;
   std::vector<bool> ready_; // per parameter, this iteration
   size_t next_bucket_ = 0; // first bucket not yet launched
   std::vector<size_t> unused_; // params marked ready by the first hook
@@ -290,13 +308,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<std::pair<size_t, at::Tensor>> stashed_grads_;
 
   // See Note [Gradient order prediction]: the observed order and the watch,
-  // and this iteration's vote: whether one was cast, this rank's, and the
-  // allreduce summing everyone's (int64, on the parameters' device).
+  // and this iteration's vote (whether one was cast, and this rank's), which
+  // the step check sums.
   GradientOrder gradient_order_;
   bool order_vote_cast_ = false;
   int64_t own_order_vote_ = 0;
-  at::Tensor order_votes_;
-  c10::intrusive_ptr<c10d::Work> order_vote_work_;
 };
 
 } // namespace ddp_ext::reducer

@@ -3,17 +3,19 @@ and 3).
 
 - Construction: the model check (two allgathers) and one broadcast per dtype
   of parameters and buffers (coalesced, not one collective per tensor).
-- Backward: one allreduce per bucket, in bucket order on every rank even when
-  gradients arrive in another order; with find_unused_parameters=True exactly
-  one extra allreduce (the int32 "used" bitmap), after the buckets.
+- Backward: the step check (an allreduce of one int64 per rank and a rider,
+  see Note [Ranks out of step]), then one allreduce per bucket, in bucket
+  order on every rank even when gradients arrive in another order; with
+  find_unused_parameters=True exactly one extra allreduce (the int32 "used"
+  bitmap), after the buckets.
 - no_sync: nothing at all, except the buffer broadcast before a forward that
-  follows a synchronising one (paper section 4.1).
-- Rebuilding buckets in the observed gradient order: each synchronising
-  backward that votes on it carries one int64 allreduce before the buckets;
-  an agreed rebuild adds one broadcast of the order (int64, one per
-  parameter) at the end of that backward; buckets then follow the new
-  layout. The scenarios above fix the layout (rebuild_buckets="never") to
-  see the buckets alone.
+  follows a synchronising one (paper section 4.1), which the step check
+  precedes.
+- Rebuilding buckets in the observed gradient order: the step check's rider
+  carries each rank's vote on it; an agreed rebuild adds one broadcast of the
+  order (int64, one per parameter) at the end of that backward; buckets then
+  follow the new layout. The scenarios above fix the layout
+  (rebuild_buckets="never") to see the buckets alone.
 """
 
 import contextlib
@@ -203,7 +205,8 @@ def test_allreduces_follow_bucket_order_whatever_the_gradient_order(name, world_
     orders = {order for order, _, _, _ in results}
     assert len(orders) == world_size, f"test setup: ranks should use parameters in different orders: {orders}"
     for rank, (order, logs, buckets, _) in enumerate(results):
-        expected = [("allreduce", [("float32", sum(SIZES[i] for i in b))]) for b in buckets]
+        step_check = ("allreduce", [("int64", world_size + 1)])  # a slot per rank, and the rider
+        expected = [step_check] + [("allreduce", [("float32", sum(SIZES[i] for i in b))]) for b in buckets]
         for i, calls in enumerate(logs):
             assert calls == expected, f"rank {rank} (use order {order}), iteration {i}: {calls} != {expected}"
     if name.startswith("bucket_order_tiny"):
@@ -221,18 +224,27 @@ def test_no_sync_communicates_nothing_and_find_unused_adds_one_bitmap(name, worl
         previous_synced = True  # construction counts as synchronising for buffers
         for i, (sync, calls) in enumerate(log):
             where = f"rank {rank}, forward {i} ({'sync' if sync else 'no_sync'}): {calls}"
+            step_check = ("allreduce", [("int64", world_size + 1)])  # a slot per rank, and the rider
             broadcasts = [c for c in calls if c[0] == "broadcast"]
-            others = [c for c in calls if c[0] != "broadcast"]
+            step_checks = [i for i, c in enumerate(calls) if c == step_check]
+            others = [c for c in calls if c[0] != "broadcast" and c != step_check]
             # Buffers: broadcast (one chunk per dtype) before a forward that
-            # follows a synchronising one, else not at all.
+            # follows a synchronising one, else not at all; a step check
+            # comes first.
+            forward_checks = 0
             if buffer_numel and previous_synced:
                 assert sorted(t for _, (t,) in broadcasts) == sorted(buffer_numel.items()), where
+                assert calls[0] == step_check, where
+                forward_checks = 1
             else:
                 assert broadcasts == [], where
             previous_synced = sync
             if not sync:
-                assert others == [], where
+                assert others == [] and len(step_checks) == forward_checks, where
                 continue
+            # The backward starts with its own step check.
+            assert len(step_checks) == forward_checks + 1, where
+            assert calls.index(others[0]) > step_checks[-1], where
             assert others and all(kind == "allreduce" for kind, _ in others), where
             bitmaps = [c for c in others if c[1][0][0] == "int32"]
             if find_unused:
@@ -250,7 +262,7 @@ def test_no_sync_after_forward_without_backward_communicates_nothing(world_size)
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("mode", ["continuous", "once", "never"])
-def test_rebuild_votes_then_broadcasts_the_order_once(mode, world_size):
+def test_rebuild_broadcasts_the_order_once(mode, world_size):
     results = TABLE.results(world_size, _scenario(f"rebuild_{mode}"))
     for rank, (log, sizes, final) in enumerate(results):
         synced = 0
@@ -260,8 +272,8 @@ def test_rebuild_votes_then_broadcasts_the_order_once(mode, world_size):
                 assert calls == [], f"{where}: collectives inside no_sync"
                 continue
             synced += 1
-            votes = mode == "continuous" or (mode == "once" and synced <= 2)
-            expected = [("allreduce", [("int64", 1)])] if votes else []
+            # The vote rides on the step check: no collective of its own.
+            expected = [("allreduce", [("int64", world_size + 1)])]
             expected += [("allreduce", [("float32", sum(sizes[j] for j in b))]) for b in layout]
             # Voted for after the first backward, agreed in the second.
             if mode != "never" and synced == 2:

@@ -55,7 +55,8 @@ def _destroy_then_backward(rank, world_size, lc):
         local_grads = {n: p.grad for n, p in local.named_parameters()}
         same_as_local = all(torch.equal(grads[n], local_grads[n]) for n in grads)
 
-    # Wrap the same module again: one allreduce per bucket, not more.
+    # Wrap the same module again: one allreduce per bucket (and the step
+    # check), not more.
     module.zero_grad(set_to_none=True)
     ddp = reference.ext_ddp(module, process_group=pg, find_unused_parameters=lc.find_unused)
     pg.take()
@@ -90,9 +91,8 @@ def test_destroying_the_wrapper_removes_its_hooks(lc, world_size):
         else:
             assert not r["error"], f"rank {rank}: {r['error']}"
             assert r["same_as_local"], f"rank {rank}: gradients after destruction are not the local ones"
-        # (Not counting the int64 vote on rebuilding buckets each iteration
-        # carries: Note [Gradient order prediction] in reducer/gradient_order.h.)
-        allreduces = [c for c in r["rewrapped"] if c[0] == "allreduce" and c[1][0][0] != "int64"]
-        expected = r["n_buckets"] + (1 if lc.find_unused else 0)
+        allreduces = [c for c in r["rewrapped"] if c[0] == "allreduce"]
+        # The step check, the buckets, and with find_unused the bitmap.
+        expected = 1 + r["n_buckets"] + (1 if lc.find_unused else 0)
         assert len(allreduces) == expected, f"rank {rank}: {r['rewrapped']}"
     assert len({r["grad_digest"] for r in results}) == 1, "re-wrapped module: gradients differ between ranks"

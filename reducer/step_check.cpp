@@ -1,0 +1,135 @@
+#include "reducer/step_check.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <map>
+#include <sstream>
+#include <vector>
+
+namespace ddp_ext::reducer {
+
+namespace {
+
+// A slot holds 0 (a rank that joined) or 1 + 2 * count + kind.
+enum CheckKind : int64_t { kBackwardCheck = 0, kForwardCheck = 1 };
+
+int64_t encode(CheckKind kind, int64_t count) {
+  return 1 + 2 * count + kind;
+}
+
+std::string describe_position(int64_t slot) {
+  const int64_t count = (slot - 1) / 2;
+  std::ostringstream text;
+  if ((slot - 1) % 2 == kBackwardCheck) {
+    text << "in the backward of training step " << count;
+  } else {
+    text << "at a forward's buffer broadcast after " << count
+         << " synchronising backward passes";
+  }
+  return text.str();
+}
+
+// "rank 3", "ranks 0, 2, 5", "ranks 0, 1, 2, 3, 4, 5, 6, 7 and 9 more".
+std::string describe_ranks(const std::vector<int64_t>& ranks) {
+  constexpr size_t kNamed = 8;
+  std::ostringstream text;
+  text << (ranks.size() == 1 ? "rank " : "ranks ");
+  for (size_t i = 0; i < ranks.size() && i < kNamed; ++i) {
+    text << (i == 0 ? "" : ", ") << ranks[i];
+  }
+  if (ranks.size() > kNamed) {
+    text << " and " << ranks.size() - kNamed << " more";
+  }
+  return text.str();
+}
+
+std::string out_of_step_message(
+    int rank, const std::map<int64_t, std::vector<int64_t>>& ranks_at) {
+  std::ostringstream message;
+  message << "Detected mismatch between collectives on ranks: the ranks of "
+             "this DistributedDataParallel module are out of step (";
+  bool first = true;
+  for (const auto& [slot, ranks] : ranks_at) {
+    message << (first ? "" : "; ") << describe_ranks(ranks) << " "
+            << describe_position(slot);
+    first = false;
+  }
+  message << "; this is rank " << rank << "), so their collectives paired "
+             "different iterations' gradients and buffers, and this "
+             "iteration's gradients are not valid. A rank ran a synchronising "
+             "forward or backward that the others did not: it caught an "
+             "exception raised in its forward and went on, skipped a "
+             "backward, or ran a forward in training mode with gradients "
+             "enabled that the others did not run (run evaluation under "
+             "torch.no_grad(), in eval mode, or on ddp_model.module). Every "
+             "rank must run the same synchronising forward and backward "
+             "passes; for uneven inputs use "
+             "torch.distributed.algorithms.join.Join.";
+  return message.str();
+}
+
+} // namespace
+
+StepCheck::StepCheck(int rank, int world_size, c10::Device device)
+    : rank_(rank), world_size_(world_size) {
+  host_ = at::zeros({world_size + 1}, at::kLong);
+  slots_ = device.is_cpu() ? host_ : host_.to(device);
+}
+
+void StepCheck::start(c10d::ProcessGroup& group, int64_t slot_value, int64_t rider) {
+  TORCH_INTERNAL_ASSERT(!work_, "a step check is already in flight");
+  written_ = slot_value;
+  summed_rider_ = 0;
+  host_.zero_();
+  host_.data_ptr<int64_t>()[rank_] = slot_value;
+  host_.data_ptr<int64_t>()[world_size_] = rider;
+  if (!slots_.is_same(host_)) {
+    slots_.copy_(host_, /*non_blocking=*/false);
+  }
+  std::vector<at::Tensor> tensors{slots_};
+  work_ = group.allreduce(tensors);
+}
+
+void StepCheck::launch_backward(c10d::ProcessGroup& group, int64_t step, int64_t rider) {
+  start(group, encode(kBackwardCheck, step), rider);
+}
+
+void StepCheck::launch_forward(c10d::ProcessGroup& group, int64_t backwards) {
+  start(group, encode(kForwardCheck, backwards), 0);
+}
+
+void StepCheck::launch_as_joined(c10d::ProcessGroup& group) {
+  start(group, 0, 0);
+}
+
+bool StepCheck::launched() const {
+  return static_cast<bool>(work_);
+}
+
+std::string StepCheck::wait() {
+  TORCH_INTERNAL_ASSERT(work_, "no step check in flight");
+  auto work = std::move(work_);
+  work_.reset();
+  work->wait();
+  if (written_ == 0) {
+    return std::string(); // A rank that joined has no position to compare.
+  }
+  const at::Tensor slots = slots_.is_same(host_) ? host_ : slots_.cpu();
+  const int64_t* values = slots.data_ptr<int64_t>();
+  summed_rider_ = values[world_size_];
+  std::map<int64_t, std::vector<int64_t>> ranks_at;
+  for (int64_t r = 0; r < world_size_; ++r) {
+    if (values[r] > 0) {
+      ranks_at[values[r]].push_back(r);
+    }
+  }
+  const bool in_step = ranks_at.size() == 1;
+  return in_step ? std::string() : out_of_step_message(rank_, ranks_at);
+}
+
+void StepCheck::drop() {
+  work_.reset();
+}
+
+} // namespace ddp_ext::reducer
