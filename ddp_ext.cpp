@@ -161,6 +161,7 @@ void bind_reducer(py::module& m) {
                              without_gil(&Reducer::has_rebuilt_buckets))
       .def_property_readonly("rebuilds", without_gil(&Reducer::rebuilds))
       .def_property_readonly("overlap_fraction", without_gil(&Reducer::overlap_fraction))
+      .def_property_readonly("launch_delay", without_gil(&Reducer::launch_delay))
       .def("observed_order", &Reducer::observed_order, NoGil())
 
       .def_property_readonly("learning_static_graph",

@@ -55,6 +55,7 @@ def logging_data(ddp) -> Dict[str, Any]:
             data["prev_iteration_grad_ready_order_indices"] = ", ".join(map(str, order))
             # ddp_ext's own: see Note [Gradient order prediction].
             data["overlap_fraction"] = reducer.overlap_fraction
+            data["launch_delay"] = reducer.launch_delay
         if reducer.has_rebuilt_buckets:
             data["rebuilt_bucket_sizes"] = ", ".join(map(str, reducer.bucket_sizes()))
             data["rebuilt_per_bucket_param_indices"] = ", ".join(

@@ -167,9 +167,12 @@ void GradientOrder::observe(
     const std::vector<size_t>& bucket_of, size_t buckets, bool launched_at_end) {
   derive_order();
   ++observed_;
-  overlap_fraction_ = launched_at_end
-      ? 0.0
-      : order_cost(bucket_of, buckets, order_, bytes_).overlap_fraction;
+  last_cost_ = order_cost(bucket_of, buckets, order_, bytes_);
+  if (launched_at_end) {
+    // Every gradient waited for the end: what a single bucket costs.
+    const std::vector<size_t> one_bucket(order_.size(), 0);
+    last_cost_ = order_cost(one_bucket, 1, order_, bytes_);
+  }
 }
 
 void GradientOrder::update_vote(const std::vector<size_t>& bucket_of, size_t buckets) {

@@ -33,9 +33,12 @@ namespace ddp_ext::reducer {
 // little (a gradient waits for its bucket's later members), so the cost of
 // the current layout is compared with the cost of the layout a rebuild from
 // the same order would give; the difference is what a rebuild gains. The
-// overlap fraction reported alongside (logging data, benchmark) is coarser:
-// the fraction of gradient bytes whose bucket launched before the last
-// gradient of the backward arrived.
+// reducer reports each iteration's cost as its launch delay, and beside it
+// the coarser overlap fraction: the fraction of gradient bytes whose bucket
+// launched before the last gradient of the backward arrived. The overlap
+// fraction misses delays that end before the last gradient (a bucket held
+// back by an earlier one that fills late but not last); the launch delay
+// counts them.
 //
 // Hysteresis. One odd iteration must not trigger a rebuild, which costs a
 // broadcast and re-slicing the buckets. A rebuild from this iteration's
@@ -187,9 +190,13 @@ class GradientOrder {
   const std::vector<size_t>& last_order() const {
     return order_;
   }
-  // The last observed iteration's overlap fraction (see the Note).
+  // The last observed iteration's cost under the layout it ran with: its
+  // overlap fraction and its mean wait (see the Note).
   double overlap_fraction() const {
-    return overlap_fraction_;
+    return last_cost_.overlap_fraction;
+  }
+  double launch_delay() const {
+    return last_cost_.wait;
   }
   BucketRebuild mode() const {
     return mode_;
@@ -212,7 +219,7 @@ class GradientOrder {
   int64_t clock_ = 0;
   std::vector<size_t> order_;
   int64_t observed_ = 0;
-  double overlap_fraction_ = 0;
+  OrderCost last_cost_;
 
   int streak_ = 0;
   std::vector<size_t> candidate_order_;

@@ -187,11 +187,12 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // happened (torch's has_rebuilt_buckets), how many rebuilds changed the
   // layout, the order gradients became ready in the last synchronising
   // backward (empty before one finished), and that backward's overlap
-  // fraction (unset before one finished).
+  // fraction and launch delay (unset before one finished).
   bool has_rebuilt_buckets() const;
   int64_t rebuilds() const;
   std::vector<size_t> observed_order() const;
   std::optional<double> overlap_fraction() const;
+  std::optional<double> launch_delay() const;
 
 
   // Whether every synchronising iteration so far left the same parameters

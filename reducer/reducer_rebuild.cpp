@@ -36,6 +36,14 @@ std::optional<double> Reducer::overlap_fraction() const {
   return gradient_order_.overlap_fraction();
 }
 
+std::optional<double> Reducer::launch_delay() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (gradient_order_.observed_iterations() == 0) {
+    return std::nullopt;
+  }
+  return gradient_order_.launch_delay();
+}
+
 int64_t Reducer::cast_order_vote() {
   // See Note [Gradient order prediction]: the vote rides on the step check.
   order_vote_cast_ = gradient_order_.consulting();

@@ -2,7 +2,8 @@
 
 `python -m ddp_ext.bench compare` with the shortest run lengths on 2 ranks must
 write compare.json with positive medians and ratios for both models, plus the
-figure and the markdown table.
+figure and the markdown table. `order` must record the rebuilds and overlap
+that its models' gradient orders imply (counts, not timings).
 """
 
 import json
@@ -37,3 +38,31 @@ def test_compare_writes_results(tmp_path):
     assert result["options"]["world_size"] == 2
     assert (tmp_path / "compare.png").stat().st_size > 0
     assert "| resnet50 |" in (tmp_path / "compare.md").read_text()
+
+
+def _run_bench(tmp_path, *args):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    command = [sys.executable, "-m", "ddp_ext.bench", *args, "--world-size", "2", "--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}"
+    return done
+
+
+def test_order_records_rebuilds_and_overlap(tmp_path):
+    # 7 iterations per variant; the switching model swaps at iteration 2
+    # (warmup // 3), continuous rebuilding follows at the end of iteration 5.
+    _run_bench(tmp_path, "order", "--models", "reversed", "switching", "--warmup", "6", "--blocks", "1",
+               "--block-iterations", "1", "--discard-per-block", "0")
+    with open(tmp_path / "order.json") as f:
+        result = json.load(f)
+    reversed_, switching = result["models"]["reversed"], result["models"]["switching"]
+    for measured in (reversed_, switching):
+        for key in ("ours_ms", "torch_ms", "ratio"):
+            assert measured[key] > 0, key
+    assert reversed_["rebuilds"] == reversed_["rebuilds_once"] == 1
+    assert reversed_["overlap_fraction"]["before"] == 0.0 and reversed_["overlap_fraction"]["after"] > 0.9
+    assert switching["rebuilds"] == 1 and switching["rebuilds_once"] == 0
+    assert switching["overlap_fraction"]["last_rebuild_iteration"] == 5
+    assert switching["overlap_fraction"]["after"] > 0.9
+    assert switching["overlap_fraction_once"]["after"] < 0.5  # torch's behaviour keeps the stale layout
+    assert "| switching |" in (tmp_path / "order.md").read_text()

@@ -218,6 +218,9 @@ def test_one_rank_observes_and_rebuilds(mode, rebuilt, single_process_group):
     # The second iteration still ran with the construction layout, in which
     # bucket 0 fills with the third gradient and launches the only one early.
     assert ddp.reducer.overlap_fraction == pytest.approx(12 / 68)
+    # Bias of `a` (8 bytes, first) waits for 60 bytes to arrive, its weight
+    # (24 bytes, second) for 36; the two gradients of `b` launch on arrival.
+    assert ddp.reducer.launch_delay == pytest.approx((8 * 60 + 24 * 36) / 68**2)
     assert ddp._has_rebuilt_buckets is rebuilt
     data = ddp._get_ddp_logging_data()
     assert data["prev_iteration_grad_ready_order_indices"] == "1, 0, 3, 2"
@@ -229,8 +232,10 @@ def test_one_rank_observes_and_rebuilds(mode, rebuilt, single_process_group):
         assert ddp.bucket_indices() == [[1], [0], [3], [2]]
         assert data["rebuilt_per_bucket_param_indices"] == "1, 0, 3, 2"
         assert data["rebuilt_bucket_sizes"] == "8, 24, 12, 24"
-        # Every bucket but the last gradient's launched before it arrived.
+        # Every bucket but the last gradient's launched before it arrived,
+        # each on its gradient's arrival.
         assert ddp.reducer.overlap_fraction == pytest.approx(1 - 24 / 68)
+        assert ddp.reducer.launch_delay == 0.0
     else:
         assert ddp.bucket_indices() == construction
         assert "rebuilt_per_bucket_param_indices" not in data

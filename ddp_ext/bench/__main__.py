@@ -5,7 +5,7 @@ import shlex
 import sys
 
 from ddp_ext.bench import extra
-from ddp_ext.bench.experiment_names import NAMES
+from ddp_ext.bench.experiment_names import NAMES, OWN_MODELS
 from ddp_ext.bench.options import BenchOptions, quick_lengths
 from ddp_ext.bench.round_robin import RoundRobinUnavailable
 from ddp_ext.bench.workloads import MODELS, PRESETS
@@ -28,8 +28,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-cap-mb", type=float, nargs="+", default=None,
                    help="bucket cap(s) in MiB for both DDPs; default: each DDP's own default "
                         "(bucket: 0 1 5 10 25 50 100, where 0 means one parameter per bucket)")
-    p.add_argument("--models", nargs="+", choices=MODELS, default=None,
-                   help="default: both (nosync: resnet50, as in the paper)")
+    own = sorted({m for models in OWN_MODELS.values() for m in models})
+    p.add_argument("--models", nargs="+", choices=[*MODELS, *own], default=None,
+                   help="default: both (nosync: resnet50, as in the paper; order: " + ", ".join(OWN_MODELS["order"])
+                        + ", which only it trains)")
     p.add_argument("--out", default=defaults.out, help="output directory (default bench_out)")
     p.add_argument("--tag", default="", help="suffix for the output names, e.g. ws1 -> compare-ws1.json")
     p.add_argument("--seed", type=int, default=defaults.seed)
@@ -62,7 +64,11 @@ def _options(args, experiment: str) -> BenchOptions:
     for name in ("warmup", "blocks", "block_iterations", "discard_per_block"):
         if getattr(args, name) is not None:
             lengths[name] = getattr(args, name)
-    models = args.models or (["resnet50"] if experiment == "nosync" else list(MODELS))
+    default_models = OWN_MODELS.get(experiment) or (["resnet50"] if experiment == "nosync" else list(MODELS))
+    models = args.models or list(default_models)
+    wrong = [m for m in models if m not in (OWN_MODELS.get(experiment) or MODELS)]
+    if wrong:
+        raise SystemExit(f"python -m ddp_ext.bench {experiment}: --models {' '.join(wrong)} is not one of its models")
     caps = args.bucket_cap_mb or ([0, 1, 5, 10, 25, 50, 100] if experiment == "bucket" else [None])
     return BenchOptions(
         experiment=experiment, preset=args.preset, world_size=args.world_size, bucket_cap_mb=tuple(caps),
