@@ -102,7 +102,8 @@ def _measure(rank, world_size, job):
             "overlap": {v: steps[v].overlap for v in (OURS, ONCE)},
             "delay": {v: steps[v].delay for v in (OURS, ONCE)},
             "rebuilds": {v: steps[v].rebuilds for v in (OURS, ONCE)},
-            "buckets": len(steps[OURS].model.bucket_indices()),
+            "bucket_sizes": steps[OURS].model.reducer.bucket_sizes(),
+            "torch_bucket_sizes": steps[TORCH].model._get_ddp_logging_data().get("rebuilt_bucket_sizes", ""),
         }
         dist.barrier()
     return measured
@@ -143,15 +144,18 @@ def run(options: BenchOptions, progress) -> dict:
             "overlap_per_iteration": first["overlap"],
             "launch_delay_per_iteration": first["delay"],
             "rebuilds_per_iteration": first["rebuilds"],
-            "buckets": first["buckets"],
+            "bucket_sizes": first["bucket_sizes"],
+            "torch_rebuilt_bucket_sizes": [int(b) for b in first["torch_bucket_sizes"].split(", ") if b],
             "summary": {v: stats.summarize(merged[v]) for v in VARIANTS},
             "samples_ms": {v: stats.values(merged[v]) for v in VARIANTS},
         }
     notes = [
-        f"Models: {DEPTH} Linear({WIDTH}, {WIDTH}) layers and a head, {BATCH} samples per rank; reversed: "
+        f"Models: {DEPTH} Linear({WIDTH}, {WIDTH}) layers, the last one's outputs the class scores, {BATCH} "
+        "samples per rank; reversed: "
         "layers used in the reverse of registration; grouped: two lists of layers used alternately; switching: "
         f"two stages of {DEPTH // 2} layers, whose order swaps at iteration warmup // 3 (in the warm-up).",
-        f"bucket_cap_mb {cap_mb(options):g} for all three (two layers per bucket in both DDPs).",
+        f"bucket_cap_mb {cap_mb(options):g} for all three: two layers' bytes, so that both DDPs lay out the "
+        "same buckets of two layers (ddp_ext's cap admits a bucket up to the cap, torch's closes one on reaching it).",
         "ratio = median ddp_ext (continuous) / median torch DDP; [min-max] over back-to-back block pairs. "
         "ddp_ext (once) rebuilds after the first iteration only, as torch's DDP does.",
         "overlap fraction: the fraction of gradient bytes whose allreduce was launched before the last gradient "
@@ -185,13 +189,14 @@ def table(data: dict) -> str:
             markdown.ms_iqr(r["summary"][TORCH]),
             markdown.ms_iqr(r["summary"][ONCE]),
             markdown.ratio_spread({"ratio": r["ratio"], "per_block": r["ratio_per_block"]}),
+            f"{len(r['bucket_sizes'])} / {len(r['torch_rebuilt_bucket_sizes'])}",
             r["rebuilds"],
             _before_after(r["overlap_fraction"]),
             _before_after(r["launch_delay"]),
             f"{r['overlap_fraction_once']['after']:.2f} / {r['launch_delay_once']['after']:.2f}",
         ])
     headers = ["model", "ddp_ext ms (IQR)", "torch DDP ms (IQR)", "ddp_ext once ms (IQR)",
-               "ddp_ext / torch [block range]", "rebuilds", "overlap fraction before -> after",
+               "ddp_ext / torch [block range]", "buckets ddp_ext / torch", "rebuilds", "overlap fraction before -> after",
                "launch delay before -> after", "once, after its rebuild: overlap / delay"]
     return markdown.table(headers, rows)
 
