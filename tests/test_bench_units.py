@@ -6,6 +6,7 @@ import pytest
 
 from ddp_ext.bench import stats
 from ddp_ext.bench.experiments.allreduce import splits
+from ddp_ext.bench.experiments.order import around_last_rebuild
 from ddp_ext.bench.interleave import merge_ranks, rotated
 from ddp_ext.bench.machine import git_commit
 from ddp_ext.bench.options import ONE_PARAMETER_PER_BUCKET_MB, effective_bucket_cap_mb
@@ -93,3 +94,13 @@ def test_commit_is_dirty_for_source_changes_only(tmp_path):
     assert not git_commit(str(tmp_path)).endswith("+dirty")
     (tmp_path / "reducer.cpp").write_text("int y;\n")
     assert git_commit(str(tmp_path)).endswith("+dirty")
+
+
+@pytest.mark.parametrize("values, rebuilds, expected", [
+    # Rebuilt at the end of iteration 1 and of iteration 4: before is iteration 4's value.
+    ([0.0, 0.1, 0.9, 0.2, 0.3, 0.8, 0.9, 0.9], [0, 1, 1, 1, 2, 2, 2, 2],
+     {"before": 0.3, "after": 0.9, "last_rebuild_iteration": 4}),
+    ([0.5, 0.4, 0.6], [0, 0, 0], {"before": 0.5, "after": 0.5, "last_rebuild_iteration": None}),
+])
+def test_order_measures_around_the_last_rebuild(values, rebuilds, expected):
+    assert around_last_rebuild(values, rebuilds) == pytest.approx(expected)

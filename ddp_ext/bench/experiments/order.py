@@ -41,6 +41,7 @@ VARIANTS = (OURS, ONCE, TORCH)
 LABELS = {OURS: "ddp_ext (continuous)", ONCE: "ddp_ext (once)", TORCH: "torch DDP"}
 COLORS = {OURS: figures.COLORS["ours"], ONCE: "tab:cyan", TORCH: figures.COLORS["torch"]}
 BATCH = 32
+PLOTTED_ITERATIONS = 25
 # Default cap: two layers per bucket in both DDPs (the cap equals two layers'
 # bytes, which torch's DDP closes a bucket at and ddp_ext's still admits).
 DEFAULT_CAP_MB = 2 * layer_bytes() / 2**20
@@ -206,11 +207,12 @@ def plot(data: dict, path: str) -> None:
     figure, grid = figures.plt.subplots(2, len(models), figsize=(5.5 * len(models), 8.0), squeeze=False)
     for column, (model, r) in enumerate(models.items()):
         top, bottom = grid[0][column], grid[1][column]
-        boxes = top.boxplot([r["samples_ms"][v] for v in VARIANTS], patch_artist=True, medianprops=figures.MEDIAN)
+        boxes = top.boxplot([r["samples_ms"][v] for v in VARIANTS], patch_artist=True, medianprops=figures.MEDIAN,
+                            showfliers=False)
         for patch, v in zip(boxes["boxes"], VARIANTS):
             patch.set_facecolor(COLORS[v])
         top.set_xticks(range(1, len(VARIANTS) + 1), [LABELS[v] for v in VARIANTS], fontsize="small")
-        top.set_ylabel("per-iteration latency (ms)")
+        top.set_ylabel("per-iteration latency (ms), outliers not drawn")
         top.set_title(f"{model}: ddp_ext/torch = {r['ratio']:.3f}")
         for v, width in ((OURS, 3.5), (ONCE, 1.5)):  # once drawn thin, over continuous
             bottom.plot(r["overlap_per_iteration"][v], marker=".", color=COLORS[v], linewidth=width,
@@ -218,7 +220,8 @@ def plot(data: dict, path: str) -> None:
             bottom.plot(r["launch_delay_per_iteration"][v], linestyle="--", color=COLORS[v], linewidth=width,
                         label=f"{LABELS[v]}: launch delay")
         bottom.set_ylim(-0.05, 1.05)
-        bottom.set_xlabel("iteration of the replica (warm-up included)")
+        bottom.set_xlim(-0.5, PLOTTED_ITERATIONS - 0.5)  # later iterations repeat the last
+        bottom.set_xlabel(f"iteration of the replica (first {PLOTTED_ITERATIONS}, warm-up included)")
         bottom.set_ylabel("fraction of gradient bytes")
         bottom.legend(fontsize="small")
     figures.save(figure, path, f"{TITLE} ({data['options']['world_size']} ranks)")
