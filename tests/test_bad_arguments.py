@@ -7,6 +7,7 @@ after STEPS steps of SGD. ddp_ext must either raise on every rank, the
 message naming the argument (and holding torch's key phrase where torch has
 one), or train exactly like local training (up to float rounding). torch's
 DDP must do what the row says it does (docs/RELIABILITY.md lists both).
+pytest -s prints every rank's outcome and each constructor's time to error.
 
 Models that differ across ranks: ddp_ext raises on every rank (the table);
 torch's DDP, which may raise on some ranks only, kill a rank (SIGABRT) or
@@ -20,10 +21,12 @@ ranks, ddp_ext only).
 
 import resource
 import signal
+import time
 import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from ddp_ext.bench.fault_worlds import run_world
 from tests import bad_arguments as rows
@@ -60,10 +63,12 @@ def _try(row, wrapper, rank, world_size):
     kwargs = make_kwargs(rank, world_size, module)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # deprecations, odd bucket caps
+        dist.barrier()  # times the constructor, not waiting for a slower rank
+        started = time.perf_counter()
         try:
             ddp = wrapper(module, **kwargs)
         except Exception as e:  # noqa: BLE001 - recording whatever each raises
-            return {"raised": type(e).__name__, "message": str(e)}
+            return {"raised": type(e).__name__, "message": str(e), "seconds": time.perf_counter() - started}
         group = ddp.process_group
         return {"raised": None, "params": train(ddp, module, group.size(), group.rank())}
 
@@ -79,6 +84,12 @@ TABLE = CaseTable(_run_row, rows.ROWS, timeout=180, isolated=True)
 def _local(row, world_size):
     module = rows.BUILD[row.id][0](0, world_size)
     return train(module, module, world_size)
+
+
+def _describe(outcome) -> str:
+    if outcome["raised"] is None:
+        return "no error"
+    return f"{outcome['raised']} after {outcome['seconds'] * 1e3:.1f} ms: {outcome['message'].splitlines()[0][:160]}"
 
 
 def _check_trained(outcome, expected, what):
@@ -112,6 +123,8 @@ def _check(outcome, expect, row, rank, world_size, who):
 def test_bad_input(row, world_size):
     per_rank = TABLE.results(world_size, row)
     for rank, outcomes in enumerate(per_rank):
+        print(f"{row.id}, rank {rank} of {world_size}: "
+              + "; ".join(f"{name}: {_describe(o)}" for name, o in outcomes.items()))
         _check(outcomes["ddp_ext"], row.ours, row, rank, world_size, "ddp_ext")
         if row.torch is not None:
             _check(outcomes["torch"], row.torch, row, rank, world_size, "torch's DDP")
@@ -126,10 +139,11 @@ def test_bad_input(row, world_size):
 def _torch_construct(rank, world_size, row_id):
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a rank may abort
     module = rows.DIFFERING[row_id](rank, world_size)
+    started = time.perf_counter()
     try:
         reference.torch_ddp(module)
     except Exception as e:  # noqa: BLE001
-        return {"raised": type(e).__name__, "message": str(e)}
+        return {"raised": type(e).__name__, "message": str(e), "seconds": time.perf_counter() - started}
     return {"raised": None, "params": {n: p.detach().clone() for n, p in module.named_parameters()}}
 
 
@@ -149,8 +163,7 @@ TORCH_DIFFERING = {
 @pytest.mark.parametrize("row_id", sorted(TORCH_DIFFERING))
 def test_torch_with_models_that_differ(row_id):
     outcomes = run_world(_torch_construct, 2, row_id, pg_timeout_s=10.0, deadline_s=40.0)
-    summary = [(o.rank, o.exitcode, o.value and (o.value["raised"], o.value.get("message", "")[:200]))
-               for o in outcomes]
+    summary = [(o.rank, o.exitcode, o.value and _describe(o.value)) for o in outcomes]
     print(row_id, summary)
     assert not any(o.hung for o in outcomes), summary
     behaviour = TORCH_DIFFERING[row_id]

@@ -10,15 +10,16 @@ stay below:
   Measured here, ddp_ext and torch's DDP alike: about 5 KiB per 100
   iterations, with swings of about 50 KiB between samples, so 50 times
   below the bound. A leaked bucket (16,640 bytes: a Linear(64, 64)'s weight
-  and bias) per iteration measures about 2,000 KiB per 100 iterations and a
-  leaked 4 KiB tensor about 600: 8 and 2.4 times the bound.
+  and bias) per iteration measures about 2,000 KiB per 100 iterations, 8
+  times the bound; a leak of 2.6 KB per iteration reaches it.
 - OBJECT_SLOPE_BOUND: 10 objects per 100 iterations. Measured: below 0.5;
   one leaked Python object per iteration gives 100.
 
 test_slope_check_sees_a_leak is the positive control: the same loop leaking
 one bucket-sized tensor per iteration must fail both bounds.
 
-About 30 to 50 s on a shared 2-core machine, so it stays in the default run.
+About 15 to 50 s on a shared 2-core machine, so it stays in the default
+run (deselect with -k "not soak"). pytest -s prints the figures.
 """
 
 from ddp_ext.bench import fault_injection

@@ -16,6 +16,7 @@ import dataclasses
 import datetime
 import multiprocessing
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -57,7 +58,9 @@ def _rank_main(fn, rank, world_size, store_path, pg_timeout_s, job, results):
         # Exits with status 1 and its process group left as it is, as an
         # uncaught exception leaves a training script.
         raise
-    results.put((rank, True, value))
+    # Plain pickle: torch's multiprocessing pickler would share tensor storage
+    # through file descriptors that die with this process.
+    results.put((rank, True, pickle.dumps(value)))
     dist.destroy_process_group()
 
 
@@ -73,7 +76,7 @@ def _drain(results, outcomes, timeout: float) -> None:
             rank, ok, value = results.get(timeout=timeout)
             outcomes[rank].returned = ok
             if ok:
-                outcomes[rank].value = value
+                outcomes[rank].value = pickle.loads(value)
             else:
                 outcomes[rank].error = value
     except queue.Empty:
