@@ -3,4 +3,4 @@
 Apart from the experiment modules, so that the command line (and --help) can
 list them without importing what the experiments need (the `bench` extra)."""
 
-NAMES = ("compare", "allreduce", "breakdown", "bucket", "scale", "nosync", "roundrobin")
+NAMES = ("compare", "allreduce", "breakdown", "bucket", "scale", "nosync", "roundrobin", "faults")
