@@ -5,9 +5,11 @@ the bucket caps."""
 import math
 import numbers
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 
 MIB = 1024 * 1024
@@ -32,6 +34,10 @@ def resolve_process_group(process_group, device_mesh) -> dist.ProcessGroup:
     if process_group is not None and device_mesh is not None:
         raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
     if device_mesh is not None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if not isinstance(device_mesh, DeviceMesh):
+            raise TypeError(f"device_mesh must be a torch.distributed.DeviceMesh, got {type(device_mesh).__name__}")
         if device_mesh.ndim != 1:
             raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
         if device_mesh._get_root_mesh() != device_mesh:
@@ -49,11 +55,65 @@ def resolve_process_group(process_group, device_mesh) -> dist.ProcessGroup:
                 "call init_process_group (or pass process_group=...)."
             )
         return dist.distributed_c10d._get_default_group()
+    if isinstance(process_group, int) and process_group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise TypeError(
+            f"process_group does not include this rank (rank {dist.get_rank()}): torch.distributed.new_group "
+            "returns GroupMember.NON_GROUP_MEMBER on the ranks it leaves out. Wrap the model only on the "
+            "group's ranks."
+        )
     if not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(
             f"process_group must be a torch.distributed.ProcessGroup, got {type(process_group).__name__}"
         )
     return process_group
+
+
+# Arguments torch's DDP hands to C++ as bools. A value with no truth value of
+# its own (a string such as "False", a list) is refused, where torch fails in
+# pybind11 without naming the argument; numbers and None pass, as in torch.
+FLAGS = (
+    "broadcast_buffers",
+    "find_unused_parameters",
+    "gradient_as_bucket_view",
+    "static_graph",
+    "skip_all_reduce_unused_params",
+    "batched_grad_copy",
+    "forward_sync_buffers",
+)
+
+
+def check_flags(**flags) -> None:
+    for name, value in flags.items():
+        if value is not None and not hasattr(type(value), "__bool__"):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def check_types(device_ids, mixed_precision, param_to_hook_all_reduce) -> None:
+    """TypeErrors naming the argument where torch's DDP fails on an attribute."""
+    if device_ids is not None and not hasattr(device_ids, "__len__"):
+        raise TypeError(f"device_ids must be None or a list of one device, got {type(device_ids).__name__}")
+    if mixed_precision is not None and not all(
+        hasattr(mixed_precision, a) for a in ("param_dtype", "reduce_dtype", "buffer_dtype")
+    ):
+        raise TypeError(
+            "mixed_precision must be a torch.nn.parallel.distributed._MixedPrecision (param_dtype, "
+            f"reduce_dtype, buffer_dtype), got {type(mixed_precision).__name__}"
+        )
+    if param_to_hook_all_reduce is not None and not isinstance(param_to_hook_all_reduce, torch.Tensor):
+        raise TypeError(f"param_to_hook_all_reduce must be a parameter, got {type(param_to_hook_all_reduce).__name__}")
+
+
+def named_pairs(delay_all_reduce_named_params) -> list:
+    """delay_all_reduce_named_params as a list (it may be a generator, such as
+    module.named_parameters()), each item checked to be a (name, tensor) pair."""
+    pairs = list(delay_all_reduce_named_params)
+    for item in pairs:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
+            raise TypeError(
+                "delay_all_reduce_named_params must hold (name, parameter) pairs, as "
+                f"module.named_parameters() yields, got {type(item).__name__} {item!r}"
+            )
+    return pairs
 
 
 @dataclass(frozen=True)
@@ -113,6 +173,10 @@ def resolve_bucket_caps(bucket_cap_mb, bucket_cap_mb_list: Optional[Sequence[flo
     """Caps per bucket, in bytes. A list caps each bucket in turn and wins over
     `bucket_cap_mb`; with neither, the first bucket is capped at 1 MiB and the
     others at 25 MiB, as in torch's DDP. See _cap_bytes for odd values."""
+    if bucket_cap_mb_list is not None and not isinstance(bucket_cap_mb_list, Iterable):
+        raise TypeError(
+            f"bucket_cap_mb_list must be a list of bucket caps in MiB, got {type(bucket_cap_mb_list).__name__}"
+        )
     if bucket_cap_mb_list:
         caps = [_cap_bytes(f"bucket_cap_mb_list[{i}]", cap) for i, cap in enumerate(bucket_cap_mb_list)]
         return BucketCaps(max(caps), caps, True)

@@ -1,60 +1,77 @@
 """Construction-time check that every rank wraps the same model."""
 
+import json
 from typing import List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-
-def _describe(named_params: Sequence[Tuple[str, torch.Tensor]]) -> List[str]:
-    return [f"{name} {tuple(p.shape)} {p.dtype}".replace("torch.", "") for name, p in named_params]
+Named = Sequence[Tuple[str, torch.Tensor]]
 
 
-def _allgather_strings(process_group: dist.ProcessGroup, lines: List[str], device) -> List[List[str]]:
-    """Every rank's `lines`, gathered with two allgathers on `process_group` itself,
+def _describe(named_tensors: Named) -> List[str]:
+    return [f"{name} {tuple(t.shape)} {t.dtype}".replace("torch.", "") for name, t in named_tensors]
+
+
+def _allgather_bytes(process_group: dist.ProcessGroup, payload: bytes, device) -> List[bytes]:
+    """Every rank's `payload`, gathered with two allgathers on `process_group` itself,
     so any c10d process group works, registered with torch.distributed or not."""
     world_size = process_group.size()
-    payload = torch.tensor(list("\n".join(lines).encode()), dtype=torch.uint8, device=device)
-    length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    data = torch.tensor(list(payload), dtype=torch.uint8, device=device)
+    length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     lengths = [torch.empty_like(length) for _ in range(world_size)]
     process_group.allgather([lengths], [length]).wait()
     longest = max(int(n.item()) for n in lengths)
     padded = torch.zeros(max(longest, 1), dtype=torch.uint8, device=device)
-    padded[: payload.numel()] = payload
+    padded[: data.numel()] = data
     gathered = [torch.empty_like(padded) for _ in range(world_size)]
     process_group.allgather([gathered], [padded]).wait()
-    result = []
-    for n, data in zip(lengths, gathered):
-        text = bytes(data[: int(n.item())].cpu().tolist()).decode()
-        result.append(text.split("\n") if text else [])
-    return result
+    return [bytes(d[: int(n.item())].cpu().tolist()) for n, d in zip(lengths, gathered)]
 
 
-def verify_same_model(process_group: dist.ProcessGroup, named_params, device) -> None:
-    """Raises the same RuntimeError on every rank if the ranks' parameters differ
-    in count, name, shape or dtype; names the first parameter that differs."""
-    every_rank = _allgather_strings(process_group, _describe(named_params), device)
+def _first_difference(reference: List[str], described: List[str]) -> int:
+    return next(
+        (i for i, (ours, theirs) in enumerate(zip(reference, described)) if ours != theirs),
+        min(len(reference), len(described)),
+    )
+
+
+def _at(entries: List[str], index: int) -> str:
+    return f"`{entries[index]}`" if index < len(entries) else "nothing"
+
+
+def verify_same_model(
+    process_group: dist.ProcessGroup, named_params: Named, device, named_broadcast: Named = ()
+) -> None:
+    """Raises the same RuntimeError on every rank if the ranks' parameters that
+    require grad differ in count, name, shape or dtype, or so do the other
+    tensors rank 0 broadcasts at construction (`named_broadcast`: frozen
+    parameters, buffers), which a broadcast would otherwise misplace
+    silently; names the first entry that differs."""
+    ours = [_describe(named_params), _describe(named_broadcast)]
+    every_rank = [json.loads(p) for p in _allgather_bytes(process_group, json.dumps(ours).encode(), device)]
     reference = every_rank[0]
     for rank, described in enumerate(every_rank[1:], start=1):
-        if described == reference:
-            continue
-        index = next(
-            (i for i, (ours, theirs) in enumerate(zip(reference, described)) if ours != theirs),
-            min(len(reference), len(described)),
-        )
-
-        def at(entries):
-            return f"`{entries[index]}`" if index < len(entries) else "nothing"
-
-        count = ""
-        if len(reference) != len(described):
-            count = (
-                f"rank 0 has {len(reference)} parameters that require grad and rank {rank} "
-                f"has {len(described)}; "
+        if described[0] != reference[0]:
+            index = _first_difference(reference[0], described[0])
+            count = ""
+            if len(reference[0]) != len(described[0]):
+                count = (
+                    f"rank 0 has {len(reference[0])} parameters that require grad and rank {rank} "
+                    f"has {len(described[0])}; "
+                )
+            raise RuntimeError(
+                f"DDP expects same model across all ranks, but {count}parameter {index} differs: "
+                f"rank 0 has {_at(reference[0], index)}, rank {rank} has {_at(described[0], index)} "
+                "(name shape dtype). Build the model identically on every rank, with the same "
+                "parameters frozen, before wrapping it."
             )
-        raise RuntimeError(
-            f"DDP expects same model across all ranks, but {count}parameter {index} differs: "
-            f"rank 0 has {at(reference)}, rank {rank} has {at(described)} (name shape dtype). "
-            "Build the model identically on every rank, with the same parameters frozen, "
-            "before wrapping it."
-        )
+        if described[1] != reference[1]:
+            index = _first_difference(reference[1], described[1])
+            raise RuntimeError(
+                "DDP expects same model across all ranks, but the frozen parameters and buffers that "
+                f"rank 0 broadcasts at construction differ: rank 0 has {_at(reference[1], index)}, "
+                f"rank {rank} has {_at(described[1], index)} (name shape dtype; rank 0 has "
+                f"{len(reference[1])} such tensors, rank {rank} has {len(described[1])}). Build the model "
+                "identically on every rank, or pass broadcast_buffers=False to keep buffers rank-local."
+            )

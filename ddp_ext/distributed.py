@@ -17,6 +17,9 @@ from torch.nn.parallel.scatter_gather import gather as _gather, scatter_kwargs a
 from ddp_ext import _C
 from ddp_ext._arguments import (
     backend_name,
+    check_flags,
+    check_types,
+    named_pairs,
     resolve_bucket_caps,
     resolve_buffer_sync,
     resolve_process_group,
@@ -105,6 +108,18 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
             raise ValueError(
                 "delay_all_reduce_named_params and param_to_hook_all_reduce need to be set at the same time."
             )
+        check_flags(
+            broadcast_buffers=broadcast_buffers,
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+            batched_grad_copy=batched_grad_copy,
+            forward_sync_buffers=forward_sync_buffers,
+        )
+        check_types(device_ids, mixed_precision, param_to_hook_all_reduce)
+        if delay_all_reduce_named_params is not None:
+            delay_all_reduce_named_params = named_pairs(delay_all_reduce_named_params)
         if check_reduction:
             warnings.warn(
                 "The `check_reduction` argument in `DistributedDataParallel` module is deprecated. "
@@ -133,10 +148,20 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
                 )
         if init_sync:
             # First of all, so that a rank with a different model (even one with
-            # nothing to train) makes every rank raise the same error.
-            some_param = next(module.parameters(), None)
-            check_device = some_param.device if some_param is not None else torch.device("cpu")
-            verify_same_model(process_group, named_params, check_device)
+            # nothing to train) makes every rank raise the same error. Covers
+            # all that _sync_module_states broadcasts: a frozen parameter or
+            # buffer shaped differently would shift every tensor after it.
+            check_device = next(
+                (p.device for p in module.parameters() if p.device.type != "meta"), torch.device("cpu")
+            )
+            named_broadcast = [
+                (n, p)
+                for n, p in module.named_parameters()
+                if not p.requires_grad and n not in self.parameters_to_ignore
+            ]
+            if buffer_sync.at_init:
+                named_broadcast += [(n, b) for n, b in module.named_buffers() if n not in self.parameters_to_ignore]
+            verify_same_model(process_group, named_params, check_device, named_broadcast)
         if not named_params and not delayed_params:
             raise RuntimeError(
                 "DistributedDataParallel is not needed when a module doesn't have any "
@@ -147,9 +172,15 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         if len(device_types) != 1:
             raise ValueError(
                 "DistributedDataParallel's input module must be on the same type of devices, "
-                f"but input module parameters locate in {device_types}."
+                f"but input module parameters locate in {{{', '.join(map(repr, sorted(device_types)))}}}."
             )
         device_type = next(iter(device_types))
+        if device_type == "meta":
+            raise RuntimeError(
+                "DistributedDataParallel's input module has its parameters on the meta device, with no "
+                "data to broadcast or reduce: materialize them (module.to_empty(device=...), then "
+                "initialise them) before wrapping the module."
+            )
         if device_ids is not None and len(device_ids) > 1:
             raise ValueError("device_ids can only be None or contain a single element.")
         if device_ids or output_device is not None:

@@ -11,6 +11,7 @@ from ddp_ext.bench.round_robin import RoundRobinUnavailable
 from ddp_ext.bench.workloads import MODELS, PRESETS
 
 DOC_PATH = "docs/BENCHMARKS.md"
+QUICK_SOAK_ITERATIONS = 100
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-round-robin", action="store_true", help="allreduce: measure the Gloo group only")
     p.add_argument("--convergence-iterations", type=int, default=0, help="nosync; 0: the preset's default")
     p.add_argument("--allreduce-elements", type=int, default=0, help="allreduce; 0: the preset's default")
+    p.add_argument("--soak-iterations", type=int, default=None,
+                   help=f"faults: iterations of the memory soak (default {defaults.soak_iterations}; --quick: "
+                        f"{QUICK_SOAK_ITERATIONS})")
     p.add_argument("--timeout", type=float, default=defaults.timeout_s, help="seconds per launch of ranks")
     p.add_argument("--quick", action="store_true",
                    help="tiny run lengths to check that an experiment works end to end (not a measurement)")
@@ -70,12 +74,14 @@ def _options(args, experiment: str) -> BenchOptions:
     if wrong:
         raise SystemExit(f"python -m ddp_ext.bench {experiment}: --models {' '.join(wrong)} is not one of its models")
     caps = args.bucket_cap_mb or ([0, 1, 5, 10, 25, 50, 100] if experiment == "bucket" else [None])
+    soak = args.soak_iterations or (QUICK_SOAK_ITERATIONS if args.quick else BenchOptions.soak_iterations)
     return BenchOptions(
         experiment=experiment, preset=args.preset, world_size=args.world_size, bucket_cap_mb=tuple(caps),
         models=tuple(models), out=args.out, tag=args.tag, seed=args.seed, threads=args.threads,
         world_sizes=tuple(args.world_sizes), sync_every=tuple(args.sync_every), rr_groups=tuple(args.rr_groups),
         round_robin=not args.no_round_robin, convergence_iterations=args.convergence_iterations,
-        allreduce_elements=args.allreduce_elements, timeout_s=args.timeout, quick=args.quick, **lengths,
+        allreduce_elements=args.allreduce_elements, soak_iterations=soak, timeout_s=args.timeout, quick=args.quick,
+        **lengths,
     )
 
 

@@ -37,6 +37,7 @@ class BenchOptions:
     round_robin: bool = True  # allreduce: also measure round-robin groups
     convergence_iterations: int = 0  # nosync convergence; 0: the preset's default
     allreduce_elements: int = 0  # allreduce total float32 values; 0: the preset's default
+    soak_iterations: int = 2000  # faults: iterations of the memory soak
     timeout_s: float = 3600.0  # per launch of ranks
     quick: bool = False  # tiny run lengths, to check that everything works
 

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Builds ddp_ext with AddressSanitizer and UndefinedBehaviorSanitizer and runs
+# the reducer, round-robin and fault tests under it.
+#
+#   tools/sanitized_tests.sh [extra pytest arguments]
+#
+# The sanitized build lives in a copy of the checkout (build/sanitized/, or
+# $SANITIZED_DIR), so the checkout's own in-place build is left alone and a
+# second run recompiles only what changed. The sanitizer runtime is preloaded
+# into Python, and every process the tests start inherits it. Any sanitizer
+# report, from any process, fails the run and is printed.
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+COPY="${SANITIZED_DIR:-$ROOT/build/sanitized}"
+PYTHON="${PYTHON:-python}"
+
+TESTS=(test_unused_parameters.py test_static_graph.py test_no_sync.py test_reducer_lifetime.py
+       test_hook_lifetime.py test_parity_local.py test_contract_parity.py test_communication.py
+       test_buckets.py test_faults.py test_out_of_step.py test_gradient_order.py test_rebuild_buckets.py
+       test_rebuild_buckets_contract.py)
+TESTS+=($(cd "$ROOT/tests" && ls test_round_robin_*.py))
+
+# gcc's runtimes; -print-file-name echoes the bare name when it has none.
+runtime() { readlink -f "$(gcc -print-file-name="$1")"; }
+if [ ! -e "$(runtime libasan.so)" ] || [ ! -e "$(runtime libubsan.so)" ]; then
+    echo "installing gcc's sanitizer runtimes (libasan, libubsan)" >&2
+    apt-get update -q >&2 && apt-get install -y -q "libgcc-$(gcc -dumpversion | cut -d. -f1)-dev" >&2
+fi
+ASAN_LIB="$(runtime libasan.so)"
+UBSAN_LIB="$(runtime libubsan.so)"
+
+# Copy the checkout's files (tracked, and untracked but not ignored), keeping
+# their times so that ninja rebuilds only what changed.
+mkdir -p "$COPY"
+(cd "$ROOT" && git ls-files -z -co --exclude-standard |
+    while IFS= read -r -d '' f; do [ -e "$f" ] && printf '%s\0' "$f"; done |
+    tar --null -T - -cf -) | tar -xf - -C "$COPY"
+
+start=$(date +%s)
+(cd "$COPY" && DDP_EXT_SANITIZE=1 "$PYTHON" setup.py -q build_ext --inplace >build.log 2>&1) ||
+    { tail -50 "$COPY/build.log"; exit 1; }
+echo "sanitized build: $(( $(date +%s) - start )) s (log: $COPY/build.log)"
+
+LOGS="$COPY/sanitizer_logs"
+rm -rf "$LOGS" && mkdir -p "$LOGS"
+export LD_PRELOAD="$ASAN_LIB $UBSAN_LIB${LD_PRELOAD:+ $LD_PRELOAD}"
+# No leak detection: Python and torch keep allocations alive until exit by
+# design, which LeakSanitizer would report by the thousand.
+export ASAN_OPTIONS="detect_leaks=0:log_path=$LOGS/asan"
+# UBSan's start-up applies its log_path to ASan's reports, hence the same
+# name; its own reports go to $LOGS/ubsan.<pid> (tools/sanitizer_site/).
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$LOGS/asan"
+export DDP_EXT_UBSAN_LOG_PATH="$LOGS/ubsan"
+export PYTHONPATH="$ROOT/tools/sanitizer_site${PYTHONPATH:+:$PYTHONPATH}"
+
+cd "$COPY"
+# The tests must load this copy's sanitized build, not a JIT build.
+"$PYTHON" - "$COPY" <<'PY'
+import sys, ddp_ext
+so = ddp_ext._C.__file__
+assert ddp_ext._C.__name__ == "ddp_ext._C" and so.startswith(sys.argv[1]), so
+assert b"libasan" in open(so, "rb").read(), f"{so} is not built with AddressSanitizer"
+print(f"testing {so}")
+PY
+present=()
+for t in "${TESTS[@]}"; do [ -e "tests/$t" ] && present+=("tests/$t"); done
+start=$(date +%s)
+status=0
+"$PYTHON" -m pytest "${present[@]}" -q -p no:cacheprovider "$@" || status=$?
+echo "sanitized tests: $(( $(date +%s) - start )) s, pytest exit status $status"
+
+reports=("$LOGS"/*)
+if [ -e "${reports[0]}" ]; then
+    echo "SANITIZER REPORTS (${#reports[@]} files in $LOGS):"
+    for r in "${reports[@]}"; do echo "=== $r"; head -60 "$r"; done
+    exit 1
+fi
+echo "no sanitizer reports"
+exit "$status"
