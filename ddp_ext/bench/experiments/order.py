@@ -161,7 +161,8 @@ def run(options: BenchOptions, progress) -> dict:
         "ddp_ext (once) rebuilds after the first iteration only, as torch's DDP does.",
         "overlap fraction: the fraction of gradient bytes whose allreduce was launched before the last gradient "
         "of the backward arrived (see Note [Gradient order prediction]); `before`: the iteration at whose end "
-        "the last rebuild happened, run with the layout it replaced; `after`: median over every later iteration.",
+        "the last rebuild happened, run with the layout it replaced; `after`: median over every later iteration "
+        "(for ddp_ext once, whose only rebuild may change nothing, over every iteration then).",
         "launch delay: the byte-weighted mean wait of a gradient for its allreduce to launch, counted in gradient "
         "bytes arriving meanwhile, as a fraction of all gradient bytes (0: every allreduce launches as its last "
         "gradient arrives); it also counts launches held back by an earlier bucket that fills late but not last, "
@@ -198,7 +199,7 @@ def table(data: dict) -> str:
         ])
     headers = ["model", "ddp_ext ms (IQR)", "torch DDP ms (IQR)", "ddp_ext once ms (IQR)",
                "ddp_ext / torch [block range]", "buckets ddp_ext / torch", "rebuilds", "overlap fraction before -> after",
-               "launch delay before -> after", "once, after its rebuild: overlap / delay"]
+               "launch delay before -> after", "once: overlap / delay after"]
     return markdown.table(headers, rows)
 
 
