@@ -70,7 +70,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
     the first iteration, as torch's DDP does; ``"continuous"`` (default) also
     later, whenever the observed order keeps costing overlap for several
     iterations and every rank agrees; ``"never"`` keeps the construction
-    layout (reverse registration order). Results do not depend on it.
+    layout (reverse registration order). Results do not depend on it beyond
+    float rounding, and ranks stay bitwise equal.
     """
 
     def __init__(

@@ -76,8 +76,11 @@ namespace ddp_ext::reducer {
 // result written to .grad, so no gradient is in flight and the buckets hold
 // nothing that is needed again, except with gradient_as_bucket_view, where
 // each .grad that is a view into its bucket is copied to its new view and
-// re-pointed there. Reduction is elementwise: which bucket a gradient
-// travels in does not change its sum, so results do not depend on layouts.
+// re-pointed there. Every rank re-lays the same buckets at the same point,
+// so ranks stay bitwise equal. Reduction is elementwise: with two ranks a
+// gradient's sum is the same bits in any bucket; with more, where it lies in
+// a bucket may change the order a collective adds the ranks' values, and so
+// the rounding, as any bucket cap does, never the equality of the ranks.
 
 enum class BucketRebuild {
   kNever, // keep the construction layout
