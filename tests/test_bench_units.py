@@ -104,3 +104,18 @@ def test_commit_is_dirty_for_source_changes_only(tmp_path):
 ])
 def test_order_measures_around_the_last_rebuild(values, rebuilds, expected):
     assert around_last_rebuild(values, rebuilds) == pytest.approx(expected)
+
+
+def test_all_runs_each_experiment_with_the_models_it_trains():
+    from ddp_ext.bench.__main__ import _options, _parser
+
+    for_resnet = _parser().parse_args(["all", "--models", "resnet50"])
+    assert _options(for_resnet, "compare", part_of_all=True).models == ("resnet50",)
+    # order trains only its own models: it runs its defaults instead of failing.
+    assert "resnet50" not in _options(for_resnet, "order", part_of_all=True).models
+    for_order = _parser().parse_args(["all", "--models", "reversed"])
+    assert _options(for_order, "order", part_of_all=True).models == ("reversed",)
+    assert _options(for_order, "compare", part_of_all=True).models == ("resnet50", "bert")
+    # Run alone, a model the experiment does not train is still refused.
+    with pytest.raises(SystemExit, match="not one of its models"):
+        _options(_parser().parse_args(["order", "--models", "resnet50"]), "order")

@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _options(args, experiment: str) -> BenchOptions:
+def _options(args, experiment: str, part_of_all: bool = False) -> BenchOptions:
     from ddp_ext.bench.experiments import EXPERIMENTS
 
     # Run lengths: given on the command line, else --quick's, else the experiment's own defaults.
@@ -69,8 +69,13 @@ def _options(args, experiment: str) -> BenchOptions:
         if getattr(args, name) is not None:
             lengths[name] = getattr(args, name)
     default_models = OWN_MODELS.get(experiment) or (["resnet50"] if experiment == "nosync" else list(MODELS))
+    valid = OWN_MODELS.get(experiment) or MODELS
     models = args.models or list(default_models)
-    wrong = [m for m in models if m not in (OWN_MODELS.get(experiment) or MODELS)]
+    if part_of_all:
+        # `all --models ...` names models of some experiments: each of the
+        # others runs its own defaults.
+        models = [m for m in models if m in valid] or list(default_models)
+    wrong = [m for m in models if m not in valid]
     if wrong:
         raise SystemExit(f"python -m ddp_ext.bench {experiment}: --models {' '.join(wrong)} is not one of its models")
     caps = args.bucket_cap_mb or ([0, 1, 5, 10, 25, 50, 100] if experiment == "bucket" else [None])
@@ -105,7 +110,7 @@ def main(argv=None) -> int:
         # The command that reruns this one experiment alone.
         command = shlex.join(["python", "-m", "ddp_ext.bench", *(name if a == "all" else a for a in argv)])
         try:
-            run_experiment(_options(args, name), command)
+            run_experiment(_options(args, name, part_of_all=args.experiment == "all"), command)
         except RoundRobinUnavailable as error:
             print(f"ddp_ext.bench {name}: {error}", file=sys.stderr)
             unavailable.append(name)
