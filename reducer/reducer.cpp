@@ -316,6 +316,16 @@ void Reducer::reset_step_check() {
   }
 }
 
+void Reducer::abandon_iteration() {
+  for (auto& bucket : buckets_) {
+    bucket.work.reset();
+    bucket.future.reset();
+  }
+  used_work_.reset();
+  stashed_grads_.clear();
+  learning_iteration_ = false;
+}
+
 void Reducer::raise_if_out_of_step() {
   // See Note [Ranks out of step].
   if (!step_check_ || !step_check_->launched()) {
@@ -327,14 +337,8 @@ void Reducer::raise_if_out_of_step() {
   }
   // A peer may have raised instead of reducing: drop this backward's
   // collectives rather than wait for partners that may never come.
-  for (auto& bucket : buckets_) {
-    bucket.work.reset();
-    bucket.future.reset();
-  }
-  used_work_.reset();
+  abandon_iteration();
   local_used_.zero_();
-  stashed_grads_.clear();
-  learning_iteration_ = false;
   enter(phase_, Phase::kIdle);
   TORCH_CHECK(false, message);
 }
@@ -992,18 +996,12 @@ void Reducer::update_process_group(
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(process_group, "update_process_group needs a process group");
   // Work on the old group is dropped, not awaited: it may never complete.
-  for (auto& bucket : buckets_) {
-    bucket.work.reset();
-    bucket.future.reset();
-  }
-  used_work_.reset();
+  abandon_iteration();
   forward_pass_work_.reset();
   order_vote_cast_ = false;
   gradient_order_.restart();
-  stashed_grads_.clear();
   std::fill(ready_.begin(), ready_.end(), false);
   next_bucket_ = 0;
-  learning_iteration_ = false;
   phase_ = Phase::kIdle;
   process_group_ = std::move(process_group);
   gradients_stay_local_ = stays_local();

@@ -230,6 +230,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void wait_for_launched_buckets();
   void take_divide_factor();
   void reset_step_check();
+  // Drops the collectives of the iteration under way without waiting for
+  // them, and what it stashed.
+  void abandon_iteration();
   void raise_if_out_of_step();
   void set_average_factor(int64_t ranks);
   bool stays_local() const;
