@@ -49,10 +49,13 @@ LAYERDROP_SEED = 2020
 BYTES_ITERATIONS = {False: 40, True: 4}
 PARITY_STEPS = {False: 6, True: 2}
 
-OURS, TORCH, TORCH_SKIP = "ours", "torch", "torch_skip"
-VARIANTS = (OURS, TORCH, TORCH_SKIP)
-LABELS = {OURS: "ddp_ext", TORCH: "torch DDP (find_unused)", TORCH_SKIP: "torch DDP (+ skip_all_reduce_unused)"}
-COLORS = {OURS: figures.COLORS["ours"], TORCH: figures.COLORS["torch"], TORCH_SKIP: "tab:gray"}
+OURS, TORCH, TORCH_SKIP, LOCAL = "ours", "torch", "torch_skip", "local"
+VARIANTS = (OURS, TORCH, TORCH_SKIP)  # the DDPs, whose bytes are counted
+TIMED = VARIANTS + (LOCAL,)
+LABELS = {OURS: "ddp_ext", TORCH: "torch DDP (find_unused)", TORCH_SKIP: "torch DDP (+ skip_all_reduce_unused)",
+          LOCAL: "local (no DDP)"}
+COLORS = {OURS: figures.COLORS["ours"], TORCH: figures.COLORS["torch"], TORCH_SKIP: "tab:gray",
+          LOCAL: figures.COLORS["local"]}
 
 
 def _module(preset: str, p: float, seed: int, dropout=None):
@@ -66,6 +69,8 @@ def _module(preset: str, p: float, seed: int, dropout=None):
 
 
 def _wrap(variant, module, group=None):
+    if variant == LOCAL:
+        return module
     if variant == OURS:
         return OurDDP(module, process_group=group)
     return TorchDDP(module, process_group=group, find_unused_parameters=True,
@@ -119,7 +124,7 @@ def _measure(rank, world_size, job):
     batch = _batch(options.preset, input_seed(options.seed, rank))
     measured = {}
     for p in P:
-        steps = {v: TrainingStep(_wrap(v, _module(options.preset, p, options.seed)), batch) for v in VARIANTS}
+        steps = {v: TrainingStep(_wrap(v, _module(options.preset, p, options.seed)), batch) for v in TIMED}
         samples = run_interleaved(steps, **options.run_lengths(), progress=progress, label=f"p={p}")
         dist.barrier()
         measured[p] = {
@@ -142,11 +147,17 @@ def run(options: BenchOptions, progress) -> dict:
         first = per_rank[0][p]
         bytes_mean = {v: float(np.mean(first["bytes"][v])) for v in VARIANTS}
         vs_torch = stats.ratio(merged[OURS], merged[TORCH])
+        local_ms, torch_ms = stats.median_ms(merged[LOCAL]), stats.median_ms(merged[TORCH])
         results[str(p)] = {
             "p": p,
             "ours_ms": stats.median_ms(merged[OURS]),
             "torch_ms": stats.median_ms(merged[TORCH]),
             "torch_skip_ms": stats.median_ms(merged[TORCH_SKIP]),
+            "local_ms": local_ms,
+            # What the ratio would be if everything torch's DDP adds to local
+            # training shrank with the bytes sent, and nothing else changed.
+            "ratio_if_time_followed_bytes": (
+                local_ms + (torch_ms - local_ms) * bytes_mean[OURS] / bytes_mean[TORCH]) / torch_ms,
             "ratio": vs_torch["ratio"],
             "ratio_per_block": vs_torch["per_block"],
             "ratio_vs_skip": stats.ratio(merged[OURS], merged[TORCH_SKIP]),
@@ -159,8 +170,8 @@ def run(options: BenchOptions, progress) -> dict:
             "layer_bytes": first["layer_bytes"],
             "max_diff_vs_local": first["max_diff_vs_local"],
             "bucket_sizes": first["bucket_sizes"],
-            "summary": {v: stats.summarize(merged[v]) for v in VARIANTS},
-            "samples_ms": {v: stats.values(merged[v]) for v in VARIANTS},
+            "summary": {v: stats.summarize(merged[v]) for v in TIMED},
+            "samples_ms": {v: stats.values(merged[v]) for v in TIMED},
         }
     config = SIZES[options.preset]["bert"]
     notes = [
@@ -170,7 +181,10 @@ def run(options: BenchOptions, progress) -> dict:
         "Both DDPs at their default bucket caps; ddp_ext keeps each encoder layer's parameters in buckets of "
         "their own (Note [Layer dropping]).",
         "ratio = median ddp_ext / median torch DDP with find_unused_parameters=True; [min-max] over back-to-back "
-        "block pairs. ratio vs skip: against torch DDP with skip_all_reduce_unused_params=True as well.",
+        "block pairs. ratio vs skip: against torch DDP with skip_all_reduce_unused_params=True as well. local: "
+        "the same model and drops without DDP, one process per rank, interleaved with the others.",
+        "if time followed bytes: (local + (torch - local) x ddp_ext bytes / torch bytes) / torch, the ratio if "
+        "all the time torch's DDP adds to local training shrank in proportion to the bytes sent.",
         f"bytes: mean over {BYTES_ITERATIONS[options.quick]} untimed iterations of the bytes every allreduce of "
         "one rank carried (gradients plus the control allreduces), counted by a wrapping process group; expected "
         "kept: all gradient bytes minus p times the encoder layers' bytes, what dropping saves on average.",
@@ -200,16 +214,18 @@ def table(data: dict) -> str:
             markdown.ms_iqr(r["summary"][OURS]),
             markdown.ms_iqr(r["summary"][TORCH]),
             markdown.ms_iqr(r["summary"][TORCH_SKIP]),
+            markdown.ms_iqr(r["summary"][LOCAL]),
             markdown.ratio_spread({"ratio": r["ratio"], "per_block": r["ratio_per_block"]}),
             markdown.ratio(r["ratio_vs_skip"]["ratio"]),
+            markdown.ratio(r["ratio_if_time_followed_bytes"]),
             _mib(r["ours_bytes"]),
             _mib(r["torch_bytes"]),
             _mib(r["torch_skip_bytes"]),
             _mib(r["expected_kept_bytes"]),
             f"{r['max_diff_vs_local']:.1e}",
         ])
-    headers = ["p", "ddp_ext ms (IQR)", "torch DDP ms (IQR)", "torch DDP + skip ms (IQR)",
-               "ddp_ext / torch [block range]", "ddp_ext / torch + skip", "ddp_ext MiB/iter", "torch MiB/iter",
+    headers = ["p", "ddp_ext ms (IQR)", "torch DDP ms (IQR)", "torch DDP + skip ms (IQR)", "local ms (IQR)",
+               "ddp_ext / torch [block range]", "ddp_ext / torch + skip", "if time followed bytes", "ddp_ext MiB/iter", "torch MiB/iter",
                "torch + skip MiB/iter", "expected kept MiB", "max |diff| vs local"]
     return markdown.table(headers, rows)
 
@@ -217,15 +233,17 @@ def table(data: dict) -> str:
 def plot(data: dict, path: str) -> None:
     results = list(data["p"].values())
     figure, (left, right) = figures.plt.subplots(1, 2, figsize=(12.0, 4.5))
-    width = 0.27
+    width = 0.2
     xs = np.arange(len(results))
-    for k, v in enumerate(VARIANTS):
-        left.bar(xs + (k - 1) * width, [r["summary"][v]["median_ms"] for r in results], width,
+    for k, v in enumerate(TIMED):
+        left.bar(xs + (k - 1.5) * width, [r["summary"][v]["median_ms"] for r in results], width,
                  yerr=[[r["summary"][v]["median_ms"] - r["summary"][v]["q25_ms"] for r in results],
                        [r["summary"][v]["q75_ms"] - r["summary"][v]["median_ms"] for r in results]],
                  color=COLORS[v], label=LABELS[v])
-        key = {OURS: "ours_bytes", TORCH: "torch_bytes", TORCH_SKIP: "torch_skip_bytes"}[v]
-        right.bar(xs + (k - 1) * width, [r[key] / 2**20 for r in results], width, color=COLORS[v], label=LABELS[v])
+        if v != LOCAL:
+            key = {OURS: "ours_bytes", TORCH: "torch_bytes", TORCH_SKIP: "torch_skip_bytes"}[v]
+            right.bar(xs + (k - 1) * width, [r[key] / 2**20 for r in results], width, color=COLORS[v],
+                      label=LABELS[v])
     right.plot(xs, [r["expected_kept_bytes"] / 2**20 for r in results], "k_", markersize=30,
                label="all gradients - p x layers")
     for ax, label in ((left, "median per-iteration latency (ms), IQR bars"), (right, "MiB allreduced per iteration")):
