@@ -566,6 +566,11 @@ void Reducer::prepare_for_backward(
     enter(Phase::kReducing, Phase::kIdle);
     TORCH_CHECK(false, message);
   }
+  drop_plan_.set(dropped); // checks the indices
+  for (size_t index : accumulated_only) {
+    TORCH_CHECK(index < params_.size() && !drop_plan_.dropped(index),
+                "parameter index ", index, " cannot be accumulated-only");
+  }
   enter(phase_, Phase::kExpectingGradients);
   ++iterations_;
   wait_for_launched_buckets(); // left over from an unfinished iteration
@@ -576,11 +581,6 @@ void Reducer::prepare_for_backward(
   gradient_order_.begin_iteration();
   std::fill(ready_.begin(), ready_.end(), false);
   next_bucket_ = 0;
-  drop_plan_.set(dropped);
-  for (size_t index : accumulated_only) {
-    TORCH_CHECK(index < params_.size() && !drop_plan_.dropped(index),
-                "parameter ", index, " cannot be accumulated-only here");
-  }
   accumulated_only_ = accumulated_only;
   plan_confirmed_ = !drops_layers_;
   for (auto& bucket : buckets_) {
@@ -778,9 +778,9 @@ std::string Reducer::dropped_gradient_message(size_t index) const {
   message << "DistributedDataParallel on rank " << process_group_->getRank()
           << ": parameter " << param_names_[index]
           << " belongs to a layer that LayerDrop dropped in this iteration, "
-             "yet it got a gradient. Its bucket is not communicated when all "
-             "its layer is dropped, so this gradient would not be averaged "
-             "across ranks. A dropped layer's parameters must not be used "
+             "yet it got a gradient. The buckets of dropped layers are not "
+             "communicated, so this gradient would not be averaged across "
+             "ranks. A dropped layer's parameters must not be used "
              "elsewhere in the forward: share them through a module outside "
              "the LayerDrop, or do not call the dropped layer.";
   return message.str();
