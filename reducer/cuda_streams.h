@@ -61,9 +61,14 @@ namespace ddp_ext::reducer {
 // 6. Device to host. The summed bitmap, the step check's slots, Join's count
 //    and the broadcast bucket order are read on the host with a blocking
 //    .cpu() after their Work::wait(): the host needs the values, and the
-//    copy is queued after the wait on the current stream. These happen at
-//    the end of the backward pass (or, with a LayerDrop, once before the
-//    first bucket is sent).
+//    copy is queued after the wait on the current stream. The step check is
+//    read at the end of every backward pass with more than one rank (with a
+//    LayerDrop, before the first bucket is sent), the bitmap at the end of
+//    backward with find_unused_parameters, Join's count at the first
+//    gradient under Join, the order only when buckets are rebuilt. Each such
+//    read makes the host wait for the GPU work queued before it; torch's DDP
+//    has no such wait per iteration without find_unused_parameters, so the
+//    step check's is a cost to measure on a GPU, not a free one.
 // 7. Abandoned collectives. A step check dropped without waiting may still
 //    be writing its device slots, so the next check gets fresh ones. Bucket
 //    allreduces abandoned after a peer's error are not waited for, as in
