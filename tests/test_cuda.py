@@ -104,6 +104,11 @@ class CudaCase:
     # still needs, if freed early, gets overwritten (the caching allocator
     # hazard).
     scribble: bool = False
+    # The first half of the parameters get their gradient accumulators on a
+    # side stream before the wrapper is built, the rest on the default
+    # stream: one bucket is filled from two streams (Note [CUDA streams],
+    # point 2).
+    split_accumulators: bool = False
     against_local: bool = True
     against_torch: bool = True
 
@@ -112,7 +117,7 @@ class CudaCase:
         parts = [self.base.id]
         if self.dtype != "float32":
             parts.append(self.dtype)
-        parts += [k for k in ("amp", "cpu_inputs", "scribble") if getattr(self, k)]
+        parts += [k for k in ("amp", "cpu_inputs", "scribble", "split_accumulators") if getattr(self, k)]
         if self.hook:
             parts.append(f"hook={self.hook}")
         if self.round_robin:
@@ -181,6 +186,11 @@ CASES = [
     _case("branches", "sgd", ddp=dict(find_unused_parameters=True, gradient_as_bucket_view=True), set_to_none=False,
           stream="side", scribble=True, against_torch=False),
     _case("mlp", "sgd", micro_batches=2, stream="side", scribble=True, hook="allreduce", against_torch=False),
+    # Buckets filled from two streams (against local training only: whether
+    # torch's DDP orders them is not what this tests).
+    _case("mlp", "sgd", split_accumulators=True, against_torch=False),
+    _case("conv", "adam", ddp=dict(gradient_as_bucket_view=True), split_accumulators=True, scribble=True,
+          against_torch=False),
 ]
 
 
@@ -223,10 +233,21 @@ def _cpu(trace: Dict[str, Any]) -> Dict[str, Any]:
     return trace
 
 
+def _accumulators_on_side_stream(module: torch.nn.Module, device: torch.device) -> list:
+    """Views of the first half of the parameters made on a side stream: their
+    gradient accumulators are created there (and kept by the wrapper)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    params = list(module.parameters())
+    with torch.cuda.stream(side):
+        return [p.view_as(p) for p in params[: len(params) // 2]]
+
+
 def _wrap(kind: str, module, cc: CudaCase, device: torch.device, group):
     import ddp_ext
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+    views = _accumulators_on_side_stream(module, device) if cc.split_accumulators and device.type == "cuda" else []
     kwargs = dict(cc.base.ddp)
     if group is not None:
         kwargs["process_group"] = group
@@ -234,6 +255,7 @@ def _wrap(kind: str, module, cc: CudaCase, device: torch.device, group):
         kwargs.update(device_ids=[device.index], output_device=device.index)
     wrapper = ddp_ext.DistributedDataParallel if kind == "ext" else torch.nn.parallel.DistributedDataParallel
     ddp = wrapper(module, **kwargs)
+    del views  # the wrapper holds the accumulators now
     if cc.hook == "builtin_fp16_compress":
         ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
     elif cc.hook:
