@@ -13,7 +13,9 @@ same seed) on every rank, and on rank 0 the local reference on the
 concatenated batch (or, for models whose forward differs between ranks, the
 average of every rank's loss), all on the GPU with TF32 off and cuDNN
 deterministic. Looser tolerances apply to float16/bfloat16 parameters, AMP
-and float16 compression.
+and float16 compression. Apart from the table: torch's non-default-stream
+test, a module on the CPU and the GPU, and a backward pass run under
+torch.cuda.set_sync_debug_mode("error") (the host never waits for the GPU).
 
 DDP_EXT_CUDA_TESTS_ON_CPU=1 runs the same bodies on CPU tensors over Gloo
 (NCCL cases skipped): a check of this module's own code on a machine without
@@ -438,3 +440,63 @@ def test_module_on_cpu_and_gpu_is_refused_like_torch_ddp():
     [messages] = run_ranks(_mixed_devices, 1)
     assert messages["torch"], "torch's DDP accepted a module on the CPU and the GPU; update this test"
     assert messages["ext"].startswith("ValueError") and "same type of devices" in messages["ext"], messages
+
+
+# --- No host wait in the backward pass ---------------------------------------------
+
+# Wrapper settings under which a one-rank NCCL backward copies into buckets
+# and communicates (a plain world of one leaves gradients alone: Note [A
+# world of one rank]), and reads nothing back to the host.
+NO_WAIT_SETTINGS = {
+    "default": dict(),
+    "gradient_as_bucket_view": dict(gradient_as_bucket_view=True),
+    "static_graph": dict(gradient_as_bucket_view=True, static_graph=True),
+    "builtin_fp16_compress": dict(hook=True),
+}
+
+
+def _backward_without_host_wait(rank: int, world_size: int, setting: str, on_side_stream: bool) -> List[str]:
+    """Trains a few steps; from the third on, each backward runs under
+    torch.cuda.set_sync_debug_mode("error"), which raises wherever the host
+    would wait for the GPU (a blocking copy, .item(), a synchronize).
+    Returns the errors raised."""
+    import ddp_ext
+
+    device = _rank_device(rank)
+    kwargs = dict(NO_WAIT_SETTINGS[setting])
+    hook = kwargs.pop("hook", False)
+    module = models.build("conv").to(device)
+    ddp = ddp_ext.DistributedDataParallel(module, **kwargs)
+    if hook:
+        ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    errors = []
+    with torch.cuda.stream(side) if on_side_stream else contextlib.nullcontext():
+        for step in range(5):
+            (x,), y = models.global_batch("conv", step, 0, 8)
+            loss = models.MODELS["conv"].loss(ddp(x.to(device)), y.to(device))
+            torch.cuda.set_sync_debug_mode("error" if step >= 2 else "default")
+            try:
+                loss.backward()
+            except RuntimeError as error:
+                errors.append(f"step {step}: {error}")
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            optimizer.step()
+            optimizer.zero_grad()
+    return errors
+
+
+@pytest.mark.parametrize("on_side_stream", [False, True], ids=["default_stream", "side_stream"])
+@pytest.mark.parametrize("setting", list(NO_WAIT_SETTINGS))
+def test_backward_makes_the_host_wait_for_the_gpu_nowhere(setting, on_side_stream):
+    """Note [CUDA streams]: hooks, launches and the end of the backward only
+    queue work and stream waits (a single NCCL rank: more ranks add the step
+    check's read at the end, point 6)."""
+    if ON_CPU:
+        pytest.skip("DDP_EXT_CUDA_TESTS_ON_CPU=1: needs a GPU")
+    _skip_unless_runnable("nccl", 1)
+    [errors] = run_ranks(_backward_without_host_wait, 1, setting, on_side_stream, timeout=300, backend="nccl")
+    assert not errors, "\n".join(errors)
