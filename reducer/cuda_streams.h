@@ -74,6 +74,14 @@ namespace ddp_ext::reducer {
 //    allreduces abandoned after a peer's error are not waited for, as in
 //    torch's DDP: the process group's state after such an error is not
 //    relied upon.
+// 8. Inputs. With device_ids, the wrapper (ddp_ext/distributed.py) moves
+//    CPU inputs with a non-blocking copy on the current stream, where the
+//    forward uses them. From pageable memory the copy has read the host
+//    data when it returns; from pinned memory it has not (the pinned
+//    allocator keeps the block until it has), so a caller must not
+//    overwrite a pinned input in place before the copy runs, as with any
+//    non-blocking copy. torch's DDP copies on a side stream instead and
+//    makes the current stream wait for it.
 
 // The stream that work for `device` is queued on by this thread now; none
 // for the CPU.
