@@ -51,13 +51,16 @@ namespace ddp_ext::reducer {
 //    the usage bitmap live as long as the reducer.
 // 5. Host to device. The used-parameter bitmap and the step check's slots
 //    are written on the host and copied to the device before their
-//    allreduce. A copy from ordinary (pageable) memory blocks the host until
-//    the stream has run all work queued before it, in the middle of the
-//    backward pass; a non-blocking copy from the live host tensor could read
-//    it after the host has changed it (the bitmap is zeroed at the end of
-//    the iteration). Both copy a pinned snapshot instead, without blocking
-//    (host_snapshot_for_copy); the pinned allocator keeps the snapshot until
-//    the copy has run.
+//    allreduce. A blocking copy from ordinary (pageable) memory makes the
+//    host wait until the stream has run all work queued before it, in the
+//    middle of the backward pass (the step check's copy, at the first
+//    gradient); a non-blocking one may too, when the driver stages pageable
+//    memory. Both copy a pinned snapshot instead, non-blocking
+//    (host_snapshot_for_copy): the host does not wait, and the copy reads
+//    the snapshot, not the live tensor the host changes afterwards (the
+//    bitmap is zeroed at the end of the iteration, the slots rewritten at
+//    the next check). The pinned allocator keeps the snapshot until the
+//    copy has run.
 // 6. Device to host. The summed bitmap, the step check's slots, Join's count
 //    and the broadcast bucket order are read on the host with a blocking
 //    .cpu() after their Work::wait(): the host needs the values, and the
