@@ -1,11 +1,13 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Stream.h>
 #include <c10/util/intrusive_ptr.h>
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <cstddef>
+#include <optional>
 #include <vector>
 
 namespace ddp_ext::reducer {
@@ -37,6 +39,10 @@ struct Bucket {
   // Every parameter of the bucket was dropped in this iteration: it is
   // neither filled nor communicated. See Note [Layer dropping].
   bool dropped = false;
+
+  // The device stream that last wrote gradients into `flat` this iteration
+  // (none on the CPU); see Note [CUDA streams].
+  std::optional<c10::Stream> filled_on;
 
   // Where each parameter's gradient lies in `flat`, and its shape: what a
   // communication hook's GradBucket describes.

@@ -12,6 +12,7 @@
 #include <sstream>
 #include <utility>
 
+#include "reducer/cuda_streams.h"
 #include "reducer/step_check.h"
 #include "reducer/unused_parameters.h"
 
@@ -586,6 +587,7 @@ void Reducer::prepare_for_backward(
   for (auto& bucket : buckets_) {
     bucket.pending = bucket.param_indices.size();
     bucket.dropped = drop_plan_.drops_all(bucket.param_indices);
+    bucket.filled_on.reset();
   }
   used_work_.reset();
   stashed_grads_.clear();
@@ -751,10 +753,11 @@ void Reducer::mark_ready(size_t index) {
   if (!learning_iteration_) {
     gradient_order_.record(index); // See Note [Gradient order prediction].
   }
+  Bucket& bucket = buckets_[bucket_of_param_[index]];
+  note_fill_stream(bucket.filled_on, params_[index].device());
   if (!options_.batched_grad_copy) {
     copy_into_bucket(index, /*scale=*/comm_hook_ == nullptr);
   }
-  Bucket& bucket = buckets_[bucket_of_param_[index]];
   if (--bucket.pending == 0) {
     launch_ready_buckets();
   }
@@ -765,6 +768,7 @@ void Reducer::mark_dropped_ready(size_t index) {
   ready_[index] = true;
   gradient_order_.record_dropped(index);
   Bucket& bucket = buckets_[bucket_of_param_[index]];
+  note_fill_stream(bucket.filled_on, params_[index].device());
   if (!bucket.dropped && !options_.batched_grad_copy) {
     copy_into_bucket(index, /*scale=*/comm_hook_ == nullptr);
   }
@@ -870,6 +874,8 @@ void Reducer::launch(size_t bucket_index) {
     plan_confirmed_ = true;
     raise_if_out_of_step();
   }
+  // See Note [CUDA streams]: after every stream that filled the bucket.
+  note_fill_stream(bucket.filled_on, bucket.params.front().device());
   if (options_.batched_grad_copy) {
     for (size_t index : bucket.param_indices) {
       copy_into_bucket(index, /*scale=*/false);
@@ -944,7 +950,10 @@ void Reducer::launch_used_bitmap_allreduce() {
     return; // See Note [A world of one rank]: the local bitmap is global.
   }
   if (!used_for_allreduce_.is_same(local_used_)) {
-    used_for_allreduce_.copy_(local_used_, /*non_blocking=*/true);
+    // See Note [CUDA streams], point 5.
+    used_for_allreduce_.copy_(
+        host_snapshot_for_copy(local_used_, used_for_allreduce_.device()),
+        /*non_blocking=*/true);
   }
   std::vector<at::Tensor> tensors{used_for_allreduce_};
   used_work_ = process_group_->allreduce(tensors);
@@ -1106,6 +1115,7 @@ void Reducer::write_back_gradients(const std::vector<bool>& globally_used) {
   for (const auto& [index, stash] : stashed_grads_) {
     if (used_by_no_rank(index)) {
       params_[index].mutable_grad().copy_(stash);
+      keep_for_current_stream(stash); // See Note [CUDA streams], point 4.
     }
   }
   stashed_grads_.clear();

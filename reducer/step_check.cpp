@@ -8,6 +8,8 @@
 #include <sstream>
 #include <vector>
 
+#include "reducer/cuda_streams.h"
+
 namespace ddp_ext::reducer {
 
 namespace {
@@ -112,7 +114,11 @@ void StepCheck::start(
   values[world_size_ + rank_] = plan;
   values[2 * world_size_] = rider;
   if (!slots_.is_same(host_)) {
-    slots_.copy_(host_, /*non_blocking=*/false);
+    // See Note [CUDA streams], point 5: no host wait in the backward pass.
+    const bool snapshot = slots_.is_cuda();
+    slots_.copy_(
+        snapshot ? host_snapshot_for_copy(host_, slots_.device()) : host_,
+        /*non_blocking=*/snapshot);
   }
   std::vector<at::Tensor> tensors{slots_};
   work_ = group.allreduce(tensors);
@@ -168,6 +174,10 @@ std::string StepCheck::wait() {
 }
 
 void StepCheck::drop() {
+  if (work_ && !slots_.is_same(host_)) {
+    // See Note [CUDA streams], point 7: it may still be writing slots_.
+    slots_ = at::empty_like(slots_);
+  }
   work_.reset();
 }
 

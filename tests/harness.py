@@ -38,11 +38,17 @@ class CaseTable:
     size. case_fn must be a module-level function; cases need an `id`.
     `isolated=True` runs them on fresh ranks instead of the shared world (for
     cases that time out process groups on purpose, or may leave ranks
-    disagreeing)."""
+    disagreeing). `backend` other than "gloo" (the shared worlds') needs
+    isolated=True."""
 
-    def __init__(self, case_fn: Callable, cases: Sequence[Any], timeout: float = 240.0, isolated: bool = False):
+    def __init__(
+        self, case_fn: Callable, cases: Sequence[Any], timeout: float = 240.0, isolated: bool = False,
+        backend: str = "gloo",
+    ):
         ids = [c.id for c in cases]
         assert len(set(ids)) == len(ids), f"duplicate case ids in {ids}"
+        assert isolated or backend == "gloo", "shared worlds run Gloo; pass isolated=True for another backend"
+        self.backend = backend
         self.case_fn = case_fn
         self.cases = list(cases)
         self.timeout = timeout
@@ -55,7 +61,9 @@ class CaseTable:
         if world_size not in self._runs:
             try:
                 if self.isolated:
-                    run = run_ranks(_run_cases, world_size, self.case_fn, self.cases, timeout=self.timeout)
+                    run = run_ranks(
+                        _run_cases, world_size, self.case_fn, self.cases, timeout=self.timeout, backend=self.backend
+                    )
                 else:
                     run = shared_world(world_size).run(_run_cases, self.case_fn, self.cases, timeout=self.timeout)
                 self._runs[world_size] = run

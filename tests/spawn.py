@@ -19,14 +19,17 @@ from typing import Any, Callable, List
 DEFAULT_TIMEOUT_S = 180.0
 
 
-def _rank_main(fn, rank, world_size, store_path, args, results):
+def _rank_main(fn, rank, world_size, store_path, args, results, backend="gloo"):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
+        if "nccl" in backend:
+            # NCCL binds a rank to the current device when it first communicates.
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         try:
             value = fn(rank, world_size, *args)
         finally:
@@ -86,19 +89,25 @@ def stop(procs) -> None:
         p.join(timeout=10)
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S) -> List[Any]:
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S, backend: str = "gloo"
+) -> List[Any]:
     """Runs fn on `world_size` fresh ranks and returns their return values by rank.
 
     fn must be defined at module level (it is pickled by reference) and its
     return value must be picklable. See tests/worlds.py for ranks that are
-    started once and shared.
+    started once and shared. `backend` is the default group's ("nccl": each
+    rank first makes cuda:rank % device_count its current device). Ranks are
+    spawned, never forked, so a parent that initialised CUDA is no hazard.
     """
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     with tempfile.TemporaryDirectory(prefix="ddp_ext_store_") as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [
-            context.Process(target=_rank_main, args=(fn, rank, world_size, store_path, args, results), daemon=True)
+            context.Process(
+                target=_rank_main, args=(fn, rank, world_size, store_path, args, results, backend), daemon=True
+            )
             for rank in range(world_size)
         ]
         for p in procs:

@@ -1,6 +1,7 @@
 """Single-process checks of the benchmark suite's pure pieces (no ranks, no timing)."""
 
 import subprocess
+import sys
 
 import pytest
 
@@ -9,7 +10,7 @@ from ddp_ext.bench.experiments.allreduce import splits
 from ddp_ext.bench.experiments.order import around_last_rebuild
 from ddp_ext.bench.interleave import merge_ranks, rotated
 from ddp_ext.bench.machine import git_commit
-from ddp_ext.bench.options import ONE_PARAMETER_PER_BUCKET_MB, effective_bucket_cap_mb
+from ddp_ext.bench.options import ONE_PARAMETER_PER_BUCKET_MB, device_problem, effective_bucket_cap_mb
 from ddp_ext.bench.reporting.document import replace_block
 
 
@@ -119,3 +120,33 @@ def test_all_runs_each_experiment_with_the_models_it_trains():
     # Run alone, a model the experiment does not train is still refused.
     with pytest.raises(SystemExit, match="not one of its models"):
         _options(_parser().parse_args(["order", "--models", "resnet50"]), "order")
+
+
+@pytest.mark.parametrize("experiment, device, backend, cuda, world_size, gpus, expected", [
+    ("compare", "cpu", "", False, 2, 0, None),  # the default: no CUDA needed
+    ("scale", "cpu", "gloo", False, 2, 0, None),
+    ("compare", "cpu", "nccl", True, 1, 1, "needs --device cuda"),
+    ("compare", "cuda", "", False, 1, 0, "no CUDA device"),
+    ("compare", "cuda", "gloo", False, 2, 0, "no CUDA device"),
+    ("scale", "cuda", "", True, 1, 1, "compare only"),
+    ("compare", "cuda", "", True, 1, 1, None),  # NCCL, one rank per GPU
+    ("compare", "cuda", "nccl", True, 2, 1, "a GPU per rank"),
+    ("compare", "cuda", "gloo", True, 2, 1, None),  # Gloo: ranks share the GPU
+])
+def test_device_problem(experiment, device, backend, cuda, world_size, gpus, expected):
+    problem = device_problem(experiment, device, backend, cuda, world_size, gpus)
+    if expected is None:
+        assert problem is None
+    else:
+        assert expected in problem
+
+
+def test_cuda_without_a_gpu_is_refused_before_any_rank_starts():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    command = [sys.executable, "-m", "ddp_ext.bench", "compare", "--device", "cuda", "--quick", "--out", "/nonexistent"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert "--device cuda: no CUDA device" in run.stderr, run.stderr

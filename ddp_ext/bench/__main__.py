@@ -6,7 +6,7 @@ import sys
 
 from ddp_ext.bench import extra
 from ddp_ext.bench.experiment_names import NAMES, OWN_MODELS
-from ddp_ext.bench.options import BenchOptions, quick_lengths
+from ddp_ext.bench.options import BenchOptions, device_problem, quick_lengths
 from ddp_ext.bench.round_robin import RoundRobinUnavailable
 from ddp_ext.bench.workloads import MODELS, PRESETS
 
@@ -56,6 +56,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=defaults.timeout_s, help="seconds per launch of ranks")
     p.add_argument("--quick", action="store_true",
                    help="tiny run lengths to check that an experiment works end to end (not a measurement)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=defaults.device,
+                   help="compare: where models and batches live (cuda: cuda:(rank %% GPUs); default cpu)")
+    p.add_argument("--backend", choices=["gloo", "nccl"], default=None,
+                   help="process-group backend (default gloo; nccl with --device cuda)")
     p.add_argument("--doc", default=DOC_PATH, help="report: the document to update")
     return p
 
@@ -86,13 +90,28 @@ def _options(args, experiment: str, part_of_all: bool = False) -> BenchOptions:
         world_sizes=tuple(args.world_sizes), sync_every=tuple(args.sync_every), rr_groups=tuple(args.rr_groups),
         round_robin=not args.no_round_robin, convergence_iterations=args.convergence_iterations,
         allreduce_elements=args.allreduce_elements, soak_iterations=soak, timeout_s=args.timeout, quick=args.quick,
+        device=args.device, backend=args.backend or "",
         **lengths,
     )
+
+
+def _device_problem(args) -> str:
+    if args.device == "cpu" and args.backend != "nccl":
+        return ""  # the default: nothing to check, CUDA left alone
+    import torch
+
+    available = torch.cuda.is_available()
+    gpus = torch.cuda.device_count() if available else 0
+    return device_problem(args.experiment, args.device, args.backend or "", available, args.world_size, gpus) or ""
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
+    problem = _device_problem(args)
+    if problem:
+        print(f"python -m ddp_ext.bench {args.experiment}: {problem}", file=sys.stderr)
+        return 2
     missing = extra.missing()
     if missing:
         print(extra.missing_message(missing), file=sys.stderr)

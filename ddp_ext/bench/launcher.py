@@ -27,14 +27,16 @@ class RanksFailed(RuntimeError):
     pass
 
 
-def _rank_main(fn, rank, world_size, store_path, threads, job, results):
+def _rank_main(fn, rank, world_size, store_path, threads, job, results, backend=BACKEND):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group(BACKEND, store=store, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         try:
             value = fn(rank, world_size, job)
         finally:
@@ -64,19 +66,20 @@ def _collect(procs, results, timeout: float) -> dict:
 
 
 def launch(fn: Callable[[int, int, Any], Any], world_size: int, job: Any, threads: int = 1,
-           timeout: float = DEFAULT_TIMEOUT_S) -> List[Any]:
+           timeout: float = DEFAULT_TIMEOUT_S, backend: str = BACKEND) -> List[Any]:
     """Runs fn(rank, world_size, job) on `world_size` ranks with `threads`
     intra-op threads each; returns the ranks' return values in rank order.
+    With backend "nccl" each rank first makes cuda:(rank % GPUs) current.
 
     fn must be a module-level function and job and the return values picklable.
     """
-    print(f"starting {world_size} rank(s) over {BACKEND}, {threads} thread(s) each", file=sys.stderr, flush=True)
+    print(f"starting {world_size} rank(s) over {backend}, {threads} thread(s) each", file=sys.stderr, flush=True)
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     with tempfile.TemporaryDirectory(prefix="ddp_ext_bench_") as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [
-            context.Process(target=_rank_main, args=(fn, rank, world_size, store_path, threads, job, results),
+            context.Process(target=_rank_main, args=(fn, rank, world_size, store_path, threads, job, results, backend),
                             daemon=True)
             for rank in range(world_size)
         ]

@@ -69,9 +69,19 @@ def usable_cores() -> int:
         return os.cpu_count()
 
 
-def describe_machine(backend: str, threads_per_rank: int) -> dict:
-    """Cores, memory, software versions and the process-group backend."""
+def describe_gpus() -> dict:
+    """The GPUs ranks run on: names, count, CUDA version."""
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {"device": f"{len(names)} x {names[0]}" if len(set(names)) == 1 else ", ".join(names),
+            "cuda": torch.version.cuda}
+
+
+def describe_machine(backend: str, threads_per_rank: int, device: str = "cpu") -> dict:
+    """Cores, memory, software versions and the process-group backend (and
+    the GPUs, with device "cuda")."""
+    gpus = describe_gpus() if device == "cuda" else {}
     return {
+        **gpus,
         "cpu_model": _cpu_model(),
         "logical_cores": os.cpu_count(),
         "usable_cores": usable_cores(),

@@ -40,6 +40,11 @@ class BenchOptions:
     soak_iterations: int = 2000  # faults: iterations of the memory soak
     timeout_s: float = 3600.0  # per launch of ranks
     quick: bool = False  # tiny run lengths, to check that everything works
+    device: str = "cpu"  # "cpu", or "cuda" (compare only): models and batches on cuda:(rank % GPUs)
+    backend: str = ""  # process-group backend; "": gloo on the CPU, nccl with --device cuda
+
+    def process_group_backend(self) -> str:
+        return self.backend or ("nccl" if self.device == "cuda" else "gloo")
 
     @property
     def output_name(self) -> str:
@@ -52,6 +57,26 @@ class BenchOptions:
 
     def run_lengths(self) -> dict:
         return {k: getattr(self, k) for k in ("warmup", "blocks", "block_iterations", "discard_per_block")}
+
+
+# Experiments that run on CUDA with --device cuda.
+CUDA_EXPERIMENTS = ("compare",)
+
+
+def device_problem(experiment: str, device: str, backend: str, cuda_available: bool, world_size: int = 1,
+                   gpus: int = 0) -> Optional[str]:
+    """Why `--device device --backend backend` cannot run `experiment` on
+    `world_size` ranks with `gpus` GPUs, or None."""
+    if device == "cpu":
+        return f"--backend {backend} needs --device cuda" if backend == "nccl" else None
+    if experiment not in CUDA_EXPERIMENTS:
+        return f"--device {device} is supported by {', '.join(CUDA_EXPERIMENTS)} only, not {experiment}"
+    if not cuda_available:
+        return "--device cuda: no CUDA device (torch.cuda.is_available() is False)"
+    if backend in ("", "nccl") and world_size > gpus:
+        return (f"NCCL needs a GPU per rank: --world-size {world_size} with {gpus} GPU(s); "
+                "use --backend gloo to share GPUs between ranks")
+    return None
 
 
 def quick_lengths() -> dict:

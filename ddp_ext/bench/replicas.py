@@ -2,6 +2,7 @@
 
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
@@ -17,11 +18,14 @@ LABELS = {OURS: "ddp_ext", TORCH: "torch DDP", LOCAL: "local"}
 
 
 def make_replica(kind: str, workload: Workload, seed: int, bucket_cap_mb: Optional[float] = None,
-                 process_group: Optional[dist.ProcessGroup] = None) -> nn.Module:
-    """A replica built from `seed`, wrapped as `kind`. bucket_cap_mb None keeps
-    the wrappers' defaults (25 MiB with a 1 MiB first bucket, in both); any
+                 process_group: Optional[dist.ProcessGroup] = None, device: Optional[torch.device] = None) -> nn.Module:
+    """A replica built from `seed`, wrapped as `kind`, on `device` (default:
+    where the workload builds it, the CPU). bucket_cap_mb None keeps the
+    wrappers' defaults (25 MiB with a 1 MiB first bucket, in both); any
     other value goes to both wrappers unchanged."""
     model = workload.build(seed)
+    if device is not None:
+        model = model.to(device)
     if kind == LOCAL:
         return model
     kwargs = {"process_group": process_group}

@@ -6,6 +6,8 @@ measurement]). With --world-size 1 the ddp_ext/local ratio is the reducer's
 own overhead, since there is no one to communicate with.
 """
 
+import torch
+
 from ddp_ext.bench import stats
 from ddp_ext.bench.interleave import merge_ranks, run_interleaved
 from ddp_ext.bench.launcher import launch
@@ -27,17 +29,28 @@ def measure_models(rank, job, build_variants):
     options, progress = job
     progress = progress.for_rank(rank)
     cap = effective_bucket_cap_mb(options.single_bucket_cap())
+    device = rank_device(options.device, rank)
     measured = {}
     for model in options.models:
         workload = Workload(model, options.preset)
-        batch = workload.batch(input_seed(options.seed, rank))
+        batch = tuple(t.to(device) for t in workload.batch(input_seed(options.seed, rank)))
         variants = build_variants(workload, batch, options.seed, cap)
         measured[model] = run_interleaved(variants, **options.run_lengths(), progress=progress, label=model)
     return measured
 
 
+def rank_device(device: str, rank: int) -> torch.device:
+    """Where this rank's replicas and batches live: the CPU, or
+    cuda:(rank % GPUs), made current."""
+    if device != "cuda":
+        return torch.device("cpu")
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def _kinds(workload, batch, seed, cap):
-    return {kind: TrainingStep(make_replica(kind, workload, seed, cap), batch) for kind in KINDS}
+    device = batch[0].device
+    return {kind: TrainingStep(make_replica(kind, workload, seed, cap, device=device), batch) for kind in KINDS}
 
 
 def measure_kinds(rank, world_size, job):
@@ -47,7 +60,8 @@ def measure_kinds(rank, world_size, job):
 
 def run(options: BenchOptions, progress) -> dict:
     options.single_bucket_cap()
-    per_rank = launch(measure_kinds, options.world_size, (options, progress), options.threads, options.timeout_s)
+    per_rank = launch(measure_kinds, options.world_size, (options, progress), options.threads, options.timeout_s,
+                      backend=options.process_group_backend())
     models = {}
     for model in options.models:
         merged = merge_ranks([r[model] for r in per_rank])

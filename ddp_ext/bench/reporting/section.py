@@ -6,8 +6,9 @@ import os
 def machine_line(data: dict) -> str:
     m = data["machine"]
     options = data["options"]
+    gpu = f"{m['device']} (CUDA {m['cuda']}); " if "device" in m else ""
     return (
-        f"{m['cpu_model']}, {m['usable_cores']} usable of {m['logical_cores']} logical cores, "
+        f"{gpu}{m['cpu_model']}, {m['usable_cores']} usable of {m['logical_cores']} logical cores, "
         f"{m['memory_gib']} GiB; torch {m['torch']}, ddp_ext {m['ddp_ext']} ({m['ddp_ext_commit']}), "
         f"Python {m['python']}; backend {m['backend']}, {data.get('ranks', options['world_size'])} ranks, "
         f"{m['threads_per_rank']} thread(s) per rank; load average {m['load_average_at_start']} at start, "
