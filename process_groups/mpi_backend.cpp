@@ -174,10 +174,14 @@ void MpiBackend::shutdown() {
   }
   const bool was_broken = progress->broken();
   progress.reset(); // waits for the collectives in flight
-  if (was_broken) {
-    communicator_->leak();
+  std::unique_ptr<Communicator> communicator;
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    communicator.swap(communicator_);
   }
-  communicator_.reset();
+  if (was_broken) {
+    communicator->leak();
+  }
 }
 
 bool MpiBackend::broken() const {
@@ -190,6 +194,13 @@ MpiProgress& MpiBackend::progress() {
   TORCH_CHECK(progress_, "ddp_ext_mpi: this process group was shut down; "
               "create a new one.");
   return *progress_;
+}
+
+MPI_Comm MpiBackend::comm() const {
+  std::lock_guard<std::mutex> guard(mutex_);
+  TORCH_CHECK(communicator_, "ddp_ext_mpi: this process group was shut "
+              "down; create a new one.");
+  return communicator_->get();
 }
 
 std::chrono::milliseconds MpiBackend::timeout_or_default(
@@ -268,7 +279,7 @@ WorkPtr MpiBackend::broadcast(std::vector<at::Tensor>& tensors,
   check_root(opts.rootRank, size_, "broadcast");
   const int n = count(t.numel(), "broadcast");
   const int root = static_cast<int>(opts.rootRank);
-  MPI_Comm comm = communicator_->get();
+  MPI_Comm comm = this->comm();
   return launch(c10d::OpType::BROADCAST, "broadcast", opts.timeout, {t}, [=]() {
     MPI_Request r = MPI_REQUEST_NULL;
     check(MPI_Ibcast(t.data_ptr(), n, transport_type(t.scalar_type()), root,
@@ -282,7 +293,7 @@ WorkPtr MpiBackend::allreduce(std::vector<at::Tensor>& tensors,
                               const c10d::AllreduceOptions& opts) {
   const auto& t = single(tensors, "allreduce");
   const int n = count(t.numel(), "allreduce");
-  MPI_Comm comm = communicator_->get();
+  MPI_Comm comm = this->comm();
   return launch_reduction(Reduction{
       c10d::OpType::ALLREDUCE, "allreduce", opts.timeout, opts.reduceOp,
       t.scalar_type(), [t] { return t; }, t, /*in_place=*/true,
@@ -304,7 +315,7 @@ WorkPtr MpiBackend::allreduce_coalesced(
     total += t.numel();
   }
   const int n = count(total, "allreduce_coalesced");
-  MPI_Comm comm = communicator_->get();
+  MPI_Comm comm = this->comm();
   // One allreduce of the tensors laid end to end, then spread back out.
   const auto result = at::empty({total}, tensors[0].options());
   auto work = launch_reduction(Reduction{
@@ -325,7 +336,7 @@ WorkPtr MpiBackend::reduce(std::vector<at::Tensor>& tensors,
   const int n = count(t.numel(), "reduce");
   const int root = static_cast<int>(opts.rootRank);
   const bool is_root = rank_ == root;
-  MPI_Comm comm = communicator_->get();
+  MPI_Comm comm = this->comm();
   // Only the root receives; MPI_IN_PLACE is for the root only.
   return launch_reduction(Reduction{
       c10d::OpType::REDUCE, "reduce", opts.timeout, opts.reduceOp,
@@ -342,7 +353,7 @@ WorkPtr MpiBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
   const auto& in = single(inputs, "allgather");
   const auto outs = one_list(outputs, size_, in, "allgather", "output");
   const int n = count(in.numel() * size_, "allgather") / size_;
-  MPI_Comm comm = communicator_->get();
+  MPI_Comm comm = this->comm();
   auto gathered = std::make_shared<at::Tensor>();
   const int size = size_;
   return launch(
@@ -368,7 +379,7 @@ WorkPtr MpiBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
               "ddp_ext_mpi: all_gather_into_tensor needs an output of the "
               "input's dtype with ", size_, " times its elements.");
   const int n = count(output.numel(), "all_gather_into_tensor") / size_;
-  MPI_Comm comm = communicator_->get();
+  MPI_Comm comm = this->comm();
   return launch(c10d::OpType::_ALLGATHER_BASE, "all_gather_into_tensor",
                 opts.timeout, {output}, [=]() {
                   const auto type = transport_type(input.scalar_type());
@@ -395,7 +406,7 @@ WorkPtr MpiBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                 "ddp_ext_mpi: gather takes outputs on the root rank only.");
   }
   const int n = count(in.numel() * size_, "gather") / size_;
-  MPI_Comm comm = communicator_->get();
+  MPI_Comm comm = this->comm();
   auto gathered = std::make_shared<at::Tensor>();
   const int size = size_;
   return launch(
@@ -434,7 +445,7 @@ WorkPtr MpiBackend::scatter(std::vector<at::Tensor>& outputs,
                 "ddp_ext_mpi: scatter takes inputs on the root rank only.");
   }
   const int n = count(out.numel() * size_, "scatter") / size_;
-  MPI_Comm comm = communicator_->get();
+  MPI_Comm comm = this->comm();
   auto laid_out = std::make_shared<at::Tensor>();
   return launch(
       c10d::OpType::SCATTER, "scatter", opts.timeout, {out},
@@ -458,7 +469,7 @@ WorkPtr MpiBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
   const auto& out = single(outputs, "reduce_scatter");
   const auto ins = one_list(inputs, size_, out, "reduce_scatter", "input");
   const int n = count(out.numel() * size_, "reduce_scatter") / size_;
-  MPI_Comm comm = communicator_->get();
+  MPI_Comm comm = this->comm();
   return launch_reduction(Reduction{
       c10d::OpType::REDUCE_SCATTER, "reduce_scatter", opts.timeout,
       opts.reduceOp, out.scalar_type(), [ins] { return flat(ins); }, out,
@@ -477,7 +488,7 @@ WorkPtr MpiBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
               "ddp_ext_mpi: reduce_scatter_tensor needs an input of the "
               "output's dtype with ", size_, " times its elements.");
   const int n = count(input.numel(), "reduce_scatter_tensor") / size_;
-  MPI_Comm comm = communicator_->get();
+  MPI_Comm comm = this->comm();
   return launch_reduction(Reduction{
       c10d::OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor",
       opts.timeout, opts.reduceOp, output.scalar_type(),
@@ -505,7 +516,7 @@ WorkPtr MpiBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
   auto recv = std::make_shared<Splits>(splits_of(
       rows_per_rank(output_split_sizes, output, size_, name, "output"),
       row(output), name));
-  MPI_Comm comm = communicator_->get();
+  MPI_Comm comm = this->comm();
   return launch(
       c10d::OpType::ALLTOALL_BASE, name, opts.timeout, {output},
       [=]() {
@@ -544,7 +555,7 @@ WorkPtr MpiBackend::alltoall(std::vector<at::Tensor>& outputs,
   auto recv = std::make_shared<Splits>(splits_of(recv_numel, 1, "all_to_all"));
   const int64_t recv_total =
       std::accumulate(recv_numel.begin(), recv_numel.end(), int64_t{0});
-  MPI_Comm comm = communicator_->get();
+  MPI_Comm comm = this->comm();
   auto laid_out = std::make_shared<at::Tensor>();
   auto received = std::make_shared<at::Tensor>();
   return launch(
@@ -568,7 +579,7 @@ WorkPtr MpiBackend::alltoall(std::vector<at::Tensor>& outputs,
 }
 
 WorkPtr MpiBackend::barrier(const c10d::BarrierOptions& opts) {
-  MPI_Comm comm = communicator_->get();
+  MPI_Comm comm = this->comm();
   return launch(c10d::OpType::BARRIER, "barrier", opts.timeout, {}, [=]() {
     MPI_Request r = MPI_REQUEST_NULL;
     check(MPI_Ibarrier(comm, &r), "MPI_Ibarrier");
@@ -581,7 +592,7 @@ WorkPtr MpiBackend::send(std::vector<at::Tensor>& tensors, int dst_rank,
   const auto& t = single(tensors, "send");
   check_peer(dst_rank, size_, "send");
   const int n = count(t.numel(), "send");
-  MPI_Comm comm = communicator_->get();
+  MPI_Comm comm = this->comm();
   return launch(c10d::OpType::SEND, "send", c10d::kUnsetTimeout, {t}, [=]() {
     MPI_Request r = MPI_REQUEST_NULL;
     check(MPI_Isend(t.data_ptr(), n, transport_type(t.scalar_type()), dst_rank,
@@ -596,7 +607,7 @@ WorkPtr MpiBackend::recv(std::vector<at::Tensor>& tensors, int src_rank,
   check_peer(src_rank, size_, "recv");
   const auto& t = single(tensors, "recv");
   const int n = count(t.numel(), "recv");
-  MPI_Comm comm = communicator_->get();
+  MPI_Comm comm = this->comm();
   return launch(c10d::OpType::RECV, "recv", c10d::kUnsetTimeout, {t}, [=]() {
     MPI_Request r = MPI_REQUEST_NULL;
     check(MPI_Irecv(t.data_ptr(), n, transport_type(t.scalar_type()), src_rank,
@@ -609,7 +620,7 @@ WorkPtr MpiBackend::recv(std::vector<at::Tensor>& tensors, int src_rank,
 WorkPtr MpiBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   const auto& t = single(tensors, "recv");
   const int n = count(t.numel(), "recv");
-  MPI_Comm comm = communicator_->get();
+  MPI_Comm comm = this->comm();
   return launch(c10d::OpType::RECVANYSOURCE, "recv", c10d::kUnsetTimeout, {t},
                 [=]() {
                   MPI_Request r = MPI_REQUEST_NULL;

@@ -159,10 +159,12 @@ class MpiBackend final : public c10d::Backend {
   std::chrono::milliseconds timeout_or_default(
       std::chrono::milliseconds timeout) const;
   MpiProgress& progress();
+  // The communicator; throws once the group was shut down.
+  MPI_Comm comm() const;
 
   std::unique_ptr<Communicator> communicator_;
   MpiBackendOptions options_;
-  mutable std::mutex mutex_; // guards progress_ (shutdown)
+  mutable std::mutex mutex_; // guards progress_, communicator_ (shutdown)
   std::unique_ptr<MpiProgress> progress_;
 };
 

@@ -87,11 +87,15 @@ std::size_t MpiProgress::poll() {
   {
     std::lock_guard<std::mutex> guard(mpi_lock());
     for (auto it = in_flight_.begin(); it != in_flight_.end();) {
+      const auto type = it->op.work->retrieveOpType();
+      const bool receive = type == c10d::OpType::RECV ||
+          type == c10d::OpType::RECVANYSOURCE;
+      // Only a receive reads its status (the sender's rank).
+      MPI_Status status;
       int flag = 0;
-      std::vector<MPI_Status> statuses(it->requests.size());
       const int rc = MPI_Testall(
           static_cast<int>(it->requests.size()), it->requests.data(), &flag,
-          statuses.data());
+          receive ? &status : MPI_STATUSES_IGNORE);
       if (rc == MPI_SUCCESS && !flag) {
         ++it;
         continue;
@@ -103,10 +107,7 @@ std::size_t MpiProgress::poll() {
         error = std::current_exception();
       }
       errors.push_back(error);
-      const auto type = it->op.work->retrieveOpType();
-      const bool receive = type == c10d::OpType::RECV ||
-          type == c10d::OpType::RECVANYSOURCE;
-      sources.push_back(receive ? statuses[0].MPI_SOURCE : -1);
+      sources.push_back(receive ? status.MPI_SOURCE : -1);
       done.push_back(std::move(*it));
       it = in_flight_.erase(it);
     }
