@@ -112,3 +112,28 @@ def test_jit_build_of_the_mpi_backend(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "jit ok Open MPI" in done.stdout or "jit ok MPICH" in done.stdout, done.stdout
     assert "compiling the MPI backend now" in done.stderr and "the MPI backend built in" in done.stderr, done.stderr
+
+
+def test_bench_backend_option_is_for_allreduce_and_compare_only():
+    from ddp_ext.bench.__main__ import _options, _parser
+
+    args = _parser().parse_args(["allreduce", "--backend", "ddp_ext_mpi"])
+    assert _options(args, "allreduce").backend == "ddp_ext_mpi"
+    assert _options(_parser().parse_args(["compare"]), "compare").backend == "gloo"
+    with pytest.raises(SystemExit, match="--backend ddp_ext_mpi is for allreduce and compare only"):
+        _options(_parser().parse_args(["bucket", "--backend", "ddp_ext_mpi"]), "bucket")
+
+
+@needs_mpi
+def test_bench_allreduce_over_mpi_measures_mpi_gloo_and_round_robin(tmp_path):
+    import json
+
+    command = [sys.executable, "-m", "ddp_ext.bench", "allreduce", "--quick", "--backend", "ddp_ext_mpi",
+               "--rr-groups", "2", "--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads((tmp_path / "allreduce.json").read_text())
+    assert list(data["series"]) == ["ddp_ext_mpi", "gloo", "rr2"]
+    assert data["machine"]["backend"] == "ddp_ext_mpi"
+    assert all(s["median_ms"] > 0 for by_size in data["series"].values() for s in by_size.values())

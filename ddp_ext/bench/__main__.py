@@ -12,6 +12,8 @@ from ddp_ext.bench.workloads import MODELS, PRESETS
 
 DOC_PATH = "docs/BENCHMARKS.md"
 QUICK_SOAK_ITERATIONS = 100
+# The experiments --backend applies to.
+BACKEND_EXPERIMENTS = ("allreduce", "compare")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -26,6 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("experiment", choices=[*NAMES, "all", "report"])
     p.add_argument("--preset", choices=PRESETS, default=defaults.preset)
     p.add_argument("--world-size", type=int, default=defaults.world_size, help="ranks per run (default 2)")
+    p.add_argument("--backend", choices=["gloo", "ddp_ext_mpi"], default=defaults.backend,
+                   help="allreduce and compare: the ranks' default group; ddp_ext_mpi starts them with mpirun "
+                        "(default gloo)")
     p.add_argument("--bucket-cap-mb", type=float, nargs="+", default=None,
                    help="bucket cap(s) in MiB for both DDPs; default: each DDP's own default "
                         "(bucket: 0 1 5 10 25 50 100, where 0 means one parameter per bucket)")
@@ -80,8 +85,11 @@ def _options(args, experiment: str, part_of_all: bool = False) -> BenchOptions:
         raise SystemExit(f"python -m ddp_ext.bench {experiment}: --models {' '.join(wrong)} is not one of its models")
     caps = args.bucket_cap_mb or ([0, 1, 5, 10, 25, 50, 100] if experiment == "bucket" else [None])
     soak = args.soak_iterations or (QUICK_SOAK_ITERATIONS if args.quick else BenchOptions.soak_iterations)
+    if args.backend != "gloo" and experiment not in BACKEND_EXPERIMENTS:
+        raise SystemExit(f"python -m ddp_ext.bench {experiment}: --backend {args.backend} is for "
+                         f"{' and '.join(BACKEND_EXPERIMENTS)} only")
     return BenchOptions(
-        experiment=experiment, preset=args.preset, world_size=args.world_size, bucket_cap_mb=tuple(caps),
+        experiment=experiment, preset=args.preset, world_size=args.world_size, backend=args.backend, bucket_cap_mb=tuple(caps),
         models=tuple(models), out=args.out, tag=args.tag, seed=args.seed, threads=args.threads,
         world_sizes=tuple(args.world_sizes), sync_every=tuple(args.sync_every), rr_groups=tuple(args.rr_groups),
         round_robin=not args.no_round_robin, convergence_iterations=args.convergence_iterations,

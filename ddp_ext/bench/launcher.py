@@ -64,12 +64,17 @@ def _collect(procs, results, timeout: float) -> dict:
 
 
 def launch(fn: Callable[[int, int, Any], Any], world_size: int, job: Any, threads: int = 1,
-           timeout: float = DEFAULT_TIMEOUT_S) -> List[Any]:
+           timeout: float = DEFAULT_TIMEOUT_S, backend: str = BACKEND) -> List[Any]:
     """Runs fn(rank, world_size, job) on `world_size` ranks with `threads`
     intra-op threads each; returns the ranks' return values in rank order.
 
     fn must be a module-level function and job and the return values picklable.
+    backend "ddp_ext_mpi" starts the ranks with mpirun instead (mpi_launcher).
     """
+    if backend != BACKEND:
+        from ddp_ext.bench import mpi_launcher
+
+        return mpi_launcher.launch(fn, world_size, job, threads, timeout)
     print(f"starting {world_size} rank(s) over {BACKEND}, {threads} thread(s) each", file=sys.stderr, flush=True)
     context = multiprocessing.get_context("spawn")
     results = context.Queue()

@@ -21,6 +21,7 @@ class BenchOptions:
     experiment: str
     preset: str = "small"  # workload sizes, see workloads.SIZES
     world_size: int = 2  # ranks (processes) per run
+    backend: str = "gloo"  # process group of the ranks: gloo (spawned), or ddp_ext_mpi (started by mpirun)
     bucket_cap_mb: Tuple[Optional[float], ...] = (None,)  # None: each DDP's own default
     models: Tuple[str, ...] = ("resnet50", "bert")
     out: str = "bench_out"  # directory for <experiment>.json/.png/.md

@@ -5,7 +5,6 @@ import os
 import time
 
 from ddp_ext.bench.experiments import EXPERIMENTS
-from ddp_ext.bench.launcher import BACKEND
 from ddp_ext.bench.machine import describe_machine, load_average
 from ddp_ext.bench.options import BenchOptions
 from ddp_ext.bench.progress import Progress
@@ -34,7 +33,7 @@ def run_experiment(options: BenchOptions, command: str) -> dict:
     """Measures, then writes; returns the paths written."""
     module = EXPERIMENTS[options.experiment]
     progress = Progress(options.output_name)
-    machine = describe_machine(BACKEND, options.threads)
+    machine = describe_machine(options.backend, options.threads)
     started = time.time()
     progress.say(f"preset {options.preset}, writing to {options.out}")
     payload = module.run(options, progress)

@@ -1,14 +1,14 @@
-"""Runs tests/mpi/main.py under mpirun: `run(world_size, checks)`.
-
-Open MPI refuses to run as root unless told twice (CI runs as root), and
-`--oversubscribe` lets it start more ranks than the machine has cores.
-"""
+"""Runs tests/mpi/main.py under mpirun: `run(world_size, checks)`, with the
+benchmark's mpirun command line (ddp_ext.bench.mpi_launcher.mpirun_command:
+more ranks than cores, as root, not pinned)."""
 
 import os
 import shutil
 import subprocess
 import sys
 from typing import List, Optional
+
+from ddp_ext.bench.mpi_launcher import mpirun_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -25,13 +25,8 @@ def why_not_available() -> Optional[str]:
 
 
 def command(world_size: int, checks: List[str]) -> List[str]:
-    flags = ["--oversubscribe"]
-    if os.geteuid() == 0:
-        flags.append("--allow-run-as-root")
-    if "Open MPI" not in subprocess.run(["mpirun", "--version"], capture_output=True, text=True).stdout:
-        flags = []  # MPICH's mpirun (Hydra) oversubscribes and runs as root without being told
-    return ["mpirun", *flags, "-np", str(world_size), sys.executable, "-W", "ignore::FutureWarning",
-            "-m", "tests.mpi.main", *checks]
+    argv = [sys.executable, "-W", "ignore::FutureWarning", "-m", "tests.mpi.main", *checks]
+    return mpirun_command(world_size, argv)
 
 
 def run(world_size: int, checks: List[str], timeout_s: float = 240) -> subprocess.CompletedProcess:
