@@ -36,6 +36,23 @@ auto without_gil(T (ddp_ext::reducer::Reducer::*getter)() const) {
   };
 }
 
+// (nbytes, dtype, device) per tensor, as Python hands them to assign_buckets;
+// `sparse` and `units` may be shorter (the rest: dense, no unit).
+std::vector<ddp_ext::reducer::TensorSpec> tensor_specs(
+    const std::vector<std::tuple<int64_t, at::ScalarType, at::Device>>& tensors,
+    const std::vector<bool>& sparse,
+    const std::vector<int64_t>& units) {
+  std::vector<ddp_ext::reducer::TensorSpec> specs;
+  specs.reserve(tensors.size());
+  for (const auto& [nbytes, dtype, device] : tensors) {
+    const size_t i = specs.size();
+    specs.push_back(ddp_ext::reducer::TensorSpec{
+        nbytes, dtype, device, i < sparse.size() && sparse[i],
+        i < units.size() ? units[i] : -1});
+  }
+  return specs;
+}
+
 void bind_reducer(py::module& m) {
   using namespace ddp_ext::reducer;
 
@@ -43,13 +60,9 @@ void bind_reducer(py::module& m) {
       "assign_buckets",
       [](const std::vector<std::tuple<int64_t, at::ScalarType, at::Device>>& tensors,
          int64_t cap_bytes, std::optional<int64_t> first_cap_bytes,
-         std::optional<std::vector<int64_t>> caps, std::vector<bool> sparse) {
-        std::vector<TensorSpec> specs;
-        specs.reserve(tensors.size());
-        for (const auto& [nbytes, dtype, device] : tensors) {
-          const bool is_sparse = specs.size() < sparse.size() && sparse[specs.size()];
-          specs.push_back(TensorSpec{nbytes, dtype, device, is_sparse});
-        }
+         std::optional<std::vector<int64_t>> caps, const std::vector<bool>& sparse,
+         const std::vector<int64_t>& units) {
+        const auto specs = tensor_specs(tensors, sparse, units);
         if (caps) {
           return assign_buckets(specs, *caps);
         }
@@ -57,26 +70,23 @@ void bind_reducer(py::module& m) {
       },
       py::arg("tensors"), py::arg("cap_bytes"), py::arg("first_cap_bytes") = py::none(),
       py::arg("caps") = py::none(), py::arg("sparse") = std::vector<bool>{},
+      py::arg("units") = std::vector<int64_t>{},
       "Bucket indices for (nbytes, dtype, device) tuples given in registration "
       "order; `caps`, if given, caps each bucket in turn (the last repeats); "
-      "`sparse[i]` gives tensor i a bucket of its own. "
+      "`sparse[i]` gives tensor i a bucket of its own; tensors whose `units` "
+      "differ (a droppable layer's id, -1 for none) never share a bucket. "
       "See reducer/bucket_assignment.h.");
 
   m.def(
       "assign_buckets_in_order",
       [](const std::vector<std::tuple<int64_t, at::ScalarType, at::Device>>& tensors,
          const std::vector<size_t>& order, const std::vector<int64_t>& caps,
-         std::vector<bool> sparse) {
-        std::vector<TensorSpec> specs;
-        specs.reserve(tensors.size());
-        for (const auto& [nbytes, dtype, device] : tensors) {
-          const bool is_sparse = specs.size() < sparse.size() && sparse[specs.size()];
-          specs.push_back(TensorSpec{nbytes, dtype, device, is_sparse});
-        }
+         const std::vector<bool>& sparse, const std::vector<int64_t>& units) {
+        const auto specs = tensor_specs(tensors, sparse, units);
         return assign_buckets_in_order(specs, order, caps);
       },
       py::arg("tensors"), py::arg("order"), py::arg("caps"),
-      py::arg("sparse") = std::vector<bool>{},
+      py::arg("sparse") = std::vector<bool>{}, py::arg("units") = std::vector<int64_t>{},
       "Bucket indices for (nbytes, dtype, device) tuples visited in `order` "
       "(first-ready first), buckets in the order they fill. See "
       "reducer/bucket_assignment.h.");
@@ -132,7 +142,8 @@ void bind_reducer(py::module& m) {
       .def_readwrite("batched_grad_copy", &ReducerOptions::batched_grad_copy)
       .def_readwrite("reduce_dtype", &ReducerOptions::reduce_dtype)
       .def_readwrite("rebuild_buckets", &ReducerOptions::rebuild_buckets)
-      .def_readwrite("bucket_caps", &ReducerOptions::bucket_caps);
+      .def_readwrite("bucket_caps", &ReducerOptions::bucket_caps)
+      .def_readwrite("layer_units", &ReducerOptions::layer_units);
 
   // Methods with a leading underscore carry the names of torch's
   // torch._C._distributed_c10d.Reducer, which frameworks call.
@@ -151,7 +162,8 @@ void bind_reducer(py::module& m) {
            &Reducer::check_step_before_forward_collectives, NoGil())
       .def_property_readonly("training_steps", without_gil(&Reducer::training_steps))
       .def("prepare_for_backward", &Reducer::prepare_for_backward,
-           py::arg("outputs"), NoGil())
+           py::arg("outputs"), py::arg("dropped") = std::vector<size_t>{},
+           py::arg("accumulated_only") = std::vector<size_t>{}, NoGil())
       .def("prepare_for_local_backward", &Reducer::prepare_for_local_backward, NoGil())
       .def("allow_local_accumulation", &Reducer::allow_local_accumulation, NoGil())
       .def("bucket_indices", &Reducer::bucket_indices, NoGil())

@@ -17,6 +17,7 @@ SOURCES = [
     "reducer/broadcast_coalesced.cpp",
     "reducer/builtin_comm_hooks.cpp",
     "reducer/gradient_order.cpp",
+    "reducer/layer_drop.cpp",
     "reducer/reducer.cpp",
     "reducer/reducer_rebuild.cpp",
     "reducer/step_check.cpp",

@@ -15,6 +15,9 @@ collective those ranks' forward and backward issue:
    reducer/gradient_order.h), where a rank that joined votes no, so no
    rebuild happens while a rank has joined,
 4. one reduction per bucket, of zeros, through the same communication hook,
+   except the buckets of layers that LayerDrop dropped on every rank (the
+   plans the peers drew are drawn here too; see Note [Layer dropping] in
+   reducer/layer_drop.h),
 5. the unused-parameter bitmap allreduce, with find_unused_parameters.
 
 When every rank has joined, `post_hook` broadcasts the final model from the
@@ -32,6 +35,8 @@ class DistributedDataParallelJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         ddp = self.ddp
+        # The peers' forward draws LayerDrop plans; draw the same ones.
+        ddp._dropped_layers.simulate_forward()
         ddp._check_and_sync_module_buffers()
         should_sync = ddp._check_global_requires_backward_grad_sync(is_joined_rank=True)
         # The next forward syncs buffers only after a synchronising one.

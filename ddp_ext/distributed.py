@@ -27,6 +27,7 @@ from ddp_ext._arguments import (
 )
 from ddp_ext._comm_hooks import check_comm_hook, hook_name
 from ddp_ext._delayed_all_reduce import DelayedAllReduce
+from ddp_ext._dropped_layers import DroppedLayers
 from ddp_ext._join import DistributedDataParallelJoinHook
 from ddp_ext._logging_data import logging_data
 from ddp_ext import _mixed_precision as mixed_precision_forward
@@ -240,6 +241,15 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         if delayed_params:
             self._register_delay_all_reduce_hook(bucket_cap_mb, param_to_hook_all_reduce, device_ids)
         self._delay_all_reduce_all_params = not named_params
+        self._dropped_layers = DroppedLayers(module, [p for _, p in named_params])
+        if self._dropped_layers and static_graph:
+            raise ValueError(
+                "static_graph=True needs the same parameters used in every iteration, and this "
+                "module has a ddp_ext.LayerDrop, which changes them: leave static_graph off "
+                "(dropped layers need no find_unused_parameters either)."
+            )
+        if self._dropped_layers and init_sync:
+            self._dropped_layers.agree_with_rank_0(self._broadcast_from_rank_0)
         self.reducer = None if self._delay_all_reduce_all_params else self._build_reducer()
         self._parameter_watch = ParameterWatch(module, self.parameters_to_ignore)
         if static_graph:
@@ -286,6 +296,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         if self.mixed_precision is not None:
             reduce_dtype = mixed_precision_forward.reduce_dtype_of(self.mixed_precision)
         specs = [(p.numel() * (reduce_dtype or p.dtype).itemsize, p.dtype, p.device) for p in params]
+        units = self._dropped_layers.units
         options = _C.ReducerOptions()
         options.reduce_dtype = reduce_dtype
         options.find_unused_parameters = self.find_unused_parameters
@@ -294,10 +305,11 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         options.batched_grad_copy = self.batched_grad_copy
         options.rebuild_buckets = getattr(_C.BucketRebuild, self.rebuild_buckets)
         options.bucket_caps = self._bucket_caps_bytes
+        options.layer_units = units
         return _C.Reducer(
             params,
             [n for n, _ in named_params],
-            _C.assign_buckets(specs, self.bucket_bytes_cap, caps=self._bucket_caps_bytes, sparse=sparse),
+            _C.assign_buckets(specs, self.bucket_bytes_cap, caps=self._bucket_caps_bytes, sparse=sparse, units=units),
             self.process_group,
             options,
             sparse,
@@ -375,6 +387,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
             return inputs, kwargs
         if torch.is_grad_enabled():
             self._parameter_watch.check(self.module, self.process_group)
+            self._dropped_layers.begin_forward()
             # See Note [Ranks out of step] in reducer/step_check.h.
             self.reducer.prepare_for_forward(training_step=self.require_backward_grad_sync and self.module.training)
         work = Join.notify_join_context(self)
@@ -423,11 +436,16 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         grad_enabled = torch.is_grad_enabled()
         search_unused = self.find_unused_parameters and not self.static_graph
         learning = False
+        if grad_enabled:
+            self._dropped_layers.end_forward()
         if grad_enabled and self.require_backward_grad_sync:
             # Buffers are broadcast again only before the forward that follows a
             # synchronising one (paper section 4.1).
             self.require_forward_param_sync = True
-            self.reducer.prepare_for_backward(find_tensors(output) if search_unused else [])
+            dropped, accumulated_only = self._dropped_layers.take_dropped()
+            self.reducer.prepare_for_backward(
+                find_tensors(output) if search_unused else [], dropped, accumulated_only
+            )
             learning = self.reducer.learning_static_graph
         else:
             self.require_forward_param_sync = False
@@ -546,6 +564,12 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         if tensors:
             _C.broadcast_coalesced(self.process_group, list(tensors), int(buffer_size), int(authoritative_rank))
 
+    def _broadcast_from_rank_0(self, tensor: torch.Tensor) -> None:
+        """Broadcasts a small CPU tensor in place from rank 0 of the group."""
+        on_device = tensor.to(self.device)
+        self._distributed_broadcast_coalesced([on_device], BROADCAST_CHUNK_BYTES, 0)
+        tensor.copy_(on_device)
+
     def _sync_module_states(self, authoritative_rank: int, include_buffers: bool) -> None:
         params = [p.detach() for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
         buffers = self.modules_buffers if include_buffers else []
@@ -614,7 +638,14 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
 
     def _match_all_reduce_for_bwd_pass(self) -> None:
         self.reducer._match_step_check_as_joined()
-        works = [self.reducer._run_comm_hook(bucket) for bucket in self.reducer._get_zeros_like_grad_buckets()]
+        # See Note [Layer dropping]: the peers skip the buckets of layers they all dropped.
+        dropped = set(self._dropped_layers.take_dropped()[0])
+        buckets = [
+            bucket
+            for bucket, members in zip(self.reducer._get_zeros_like_grad_buckets(), self.reducer.bucket_indices())
+            if not (dropped and all(i in dropped for i in members))
+        ]
+        works = [self.reducer._run_comm_hook(bucket) for bucket in buckets]
         for work in works:
             work.wait()
 
@@ -658,6 +689,11 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         if self.static_graph:
             warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
             return
+        if self._dropped_layers:
+            raise ValueError(
+                "static_graph=True needs the same parameters used in every iteration, and this "
+                "module has a ddp_ext.LayerDrop, which changes them: leave static_graph off."
+            )
         self.reducer._set_static_graph()
         self.static_graph = True
         self._static_graph_delay_allreduce_enqueued = False
@@ -753,6 +789,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         self.__dict__.setdefault("rebuild_buckets", "continuous")
         self._delayed = None
         self._delay_all_reduce_all_params = not self._named_params_for_reducer(self.module)
+        self._dropped_layers = DroppedLayers(self.module, [p for _, p in self._named_params_for_reducer(self.module)])
         self.reducer = None if self._delay_all_reduce_all_params else self._build_reducer()
         self._parameter_watch = ParameterWatch(self.module, self.parameters_to_ignore)
         if self.static_graph:

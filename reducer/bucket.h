@@ -34,6 +34,10 @@ struct Bucket {
   // start of every synchronising backward.
   size_t pending = 0;
 
+  // Every parameter of the bucket was dropped in this iteration: it is
+  // neither filled nor communicated. See Note [Layer dropping].
+  bool dropped = false;
+
   // Where each parameter's gradient lies in `flat`, and its shape: what a
   // communication hook's GradBucket describes.
   std::vector<size_t> offsets;

@@ -10,7 +10,7 @@ namespace ddp_ext::reducer {
 namespace {
 
 struct OpenBucket {
-  TensorSpec kind; // device and dtype shared by every member
+  TensorSpec kind; // device, dtype and unit shared by every member
   size_t position = 0; // index of this bucket in the result
   int64_t nbytes = 0;
   size_t ordinal = 0; // how many buckets of its kind came before it
@@ -59,15 +59,15 @@ Grouping group_in_visit_order(
         break;
       }
     }
-    const bool fits = target != nullptr &&
-        target->nbytes + spec.nbytes <=
-            cap_of(target->ordinal);
+    const bool fits = target != nullptr && target->kind.unit == spec.unit &&
+        target->nbytes + spec.nbytes <= cap_of(target->ordinal);
     if (!fits) {
       if (target == nullptr) {
         open.push_back(OpenBucket{spec, buckets.size(), 0, 0});
         target = &open.back();
       } else {
         target->position = buckets.size();
+        target->kind.unit = spec.unit;
         target->nbytes = 0;
         ++target->ordinal;
       }

@@ -15,6 +15,9 @@ struct TensorSpec {
   c10::ScalarType dtype = c10::ScalarType::Float;
   c10::Device device = c10::Device(c10::DeviceType::CPU);
   bool sparse = false; // its gradients are sparse: a bucket of its own
+  // The droppable layer it belongs to, or -1 (Note [Layer dropping] in
+  // reducer/layer_drop.h): tensors of different units never share a bucket.
+  int64_t unit = -1;
 };
 
 // Groups tensors into buckets for collective communication.
@@ -22,8 +25,10 @@ struct TensorSpec {
 // Tensors are visited in reverse order (the order their gradients are
 // expected to become ready, see Note [Overlap and bucket order]). Each
 // (device, dtype) pair has one open bucket; a tensor joins the open bucket of
-// its kind unless that would take the bucket past its cap, in which case the
-// open bucket is closed and a new one started. The first bucket of each kind
+// its kind unless that would take the bucket past its cap, or the tensor
+// belongs to another droppable layer than the bucket's tensors (see
+// TensorSpec::unit), in which case the open bucket is closed and a new one
+// started. The first bucket of each kind
 // is capped at `first_cap_bytes`, the others at `cap_bytes`: a small first
 // bucket starts communicating early in the backward pass. A tensor larger
 // than the cap gets a bucket of its own, and so does every sparse tensor.

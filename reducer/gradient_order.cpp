@@ -113,6 +113,7 @@ GradientOrder::GradientOrder(
     bytes_.push_back(spec.nbytes);
   }
   stamps_.assign(specs_.size(), -1);
+  dropped_.assign(specs_.size(), false);
 }
 
 void GradientOrder::set_first_rebuild(bool due) {
@@ -140,6 +141,24 @@ int64_t GradientOrder::vote() const {
 void GradientOrder::begin_iteration() {
   std::fill(stamps_.begin(), stamps_.end(), -1);
   clock_ = 0;
+  for (size_t index : dropped_indices_) {
+    dropped_[index] = false;
+  }
+  dropped_indices_.clear();
+}
+
+void GradientOrder::record_dropped(size_t index) {
+  if (!dropped_[index]) {
+    dropped_[index] = true;
+    dropped_indices_.push_back(index);
+  }
+}
+
+void GradientOrder::set_layout(const std::vector<std::vector<size_t>>& buckets) {
+  layout_order_.clear();
+  for (const auto& bucket : buckets) {
+    layout_order_.insert(layout_order_.end(), bucket.begin(), bucket.end());
+  }
 }
 
 void GradientOrder::derive_order() {
@@ -161,6 +180,34 @@ void GradientOrder::derive_order() {
       return stamps_[a] < stamps_[b];
     });
   }
+  if (!dropped_indices_.empty()) {
+    place_dropped();
+  }
+}
+
+void GradientOrder::place_dropped() {
+  // See the Note: each dropped parameter follows its predecessor in the
+  // current layout (those with none lead).
+  const size_t n = stamps_.size();
+  std::vector<std::vector<size_t>> followers(n + 1); // [n]: the leaders
+  size_t anchor = n;
+  for (size_t index : layout_order_) {
+    if (dropped_[index]) {
+      followers[anchor].push_back(index);
+    } else {
+      anchor = index;
+    }
+  }
+  std::vector<size_t> order = followers[n];
+  order.reserve(n);
+  for (size_t index : order_) {
+    if (!dropped_[index]) {
+      order.push_back(index);
+      order.insert(order.end(), followers[index].begin(), followers[index].end());
+    }
+  }
+  TORCH_INTERNAL_ASSERT(order.size() == n, "a dropped parameter is in no bucket");
+  order_ = std::move(order);
 }
 
 void GradientOrder::observe(

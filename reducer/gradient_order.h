@@ -21,7 +21,11 @@ namespace ddp_ext::reducer {
 // the stamp is taken at each firing of the accumulator and the last one
 // counts. After a synchronising backward the stamps give the order gradients
 // became ready; parameters never stamped (unused in a learning iteration)
-// come first, where later iterations mark them ready.
+// come first, where later iterations mark them ready. A parameter of a
+// dropped layer (Note [Layer dropping]) is marked ready at the start too,
+// but only for this iteration: it keeps the place it has in the current
+// layout, right after the parameter that precedes it there, so that drops
+// that change every iteration do not read as a changing order.
 //
 // The measure. For a layout and an observed order, each gradient waits from
 // its arrival until its bucket launches: a bucket launches when its last
@@ -154,6 +158,12 @@ class GradientOrder {
   void record(size_t index) {
     stamps_[index] = clock_++;
   }
+  // Parameter `index` gets no gradient in this backward: its layer was
+  // dropped (it keeps its place; see the Note).
+  void record_dropped(size_t index);
+  // The current layout, as parameter indices per bucket in launch order:
+  // where dropped parameters keep their place.
+  void set_layout(const std::vector<std::vector<size_t>>& buckets);
   // After a finished synchronising backward: derives its order and costs it
   // under the layout it ran with. `launched_at_end`: nothing was launched
   // before the backward ended (a learning iteration, no overlap).
@@ -208,6 +218,7 @@ class GradientOrder {
  private:
   bool watching() const;
   void derive_order();
+  void place_dropped();
 
   const std::vector<TensorSpec> specs_;
   const std::vector<int64_t> caps_;
@@ -220,6 +231,9 @@ class GradientOrder {
 
   std::vector<int64_t> stamps_; // per parameter; -1: not ready yet
   int64_t clock_ = 0;
+  std::vector<bool> dropped_; // per parameter, this iteration
+  std::vector<size_t> dropped_indices_;
+  std::vector<size_t> layout_order_; // parameters in the current layout
   std::vector<size_t> order_;
   int64_t observed_ = 0;
   OrderCost last_cost_;

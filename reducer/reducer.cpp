@@ -159,7 +159,10 @@ at::Tensor empty_sparse_like(const at::Tensor& param) {
 std::vector<TensorSpec> tensor_specs(
     const std::vector<at::Tensor>& params,
     std::optional<c10::ScalarType> reduce_dtype,
-    const std::vector<bool>& sparse) {
+    const std::vector<bool>& sparse,
+    const std::vector<int64_t>& units) {
+  TORCH_CHECK(units.empty() || units.size() == params.size(), "Reducer got ",
+              units.size(), " layer units for ", params.size(), " parameters");
   std::vector<TensorSpec> specs;
   specs.reserve(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
@@ -167,7 +170,8 @@ std::vector<TensorSpec> tensor_specs(
     const auto bucket_dtype = reduce_dtype.value_or(param.scalar_type());
     specs.push_back(TensorSpec{
         param.numel() * static_cast<int64_t>(c10::elementSize(bucket_dtype)),
-        param.scalar_type(), param.device(), !sparse.empty() && sparse.at(i)});
+        param.scalar_type(), param.device(), !sparse.empty() && sparse.at(i),
+        units.empty() ? -1 : units[i]});
   }
   return specs;
 }
@@ -206,8 +210,10 @@ Reducer::Reducer(
       options_(options),
       gradients_stay_local_(false),
       sparse_gradients_(sparse_gradients),
+      drop_plan_(params_.size()),
       gradient_order_(
-          tensor_specs(params_, options.reduce_dtype, sparse_gradients),
+          tensor_specs(
+              params_, options.reduce_dtype, sparse_gradients, options.layer_units),
           options.bucket_caps,
           options.rebuild_buckets) {
   const size_t n = params_.size();
@@ -219,6 +225,9 @@ Reducer::Reducer(
   gradients_stay_local_ = stays_local();
   set_average_factor(process_group_->getSize());
   reset_step_check();
+  drops_layers_ = std::any_of(
+      options_.layer_units.begin(), options_.layer_units.end(),
+      [](int64_t unit) { return unit >= 0; });
   gradient_order_.set_first_rebuild(
       !options_.find_unused_parameters || options_.static_graph);
 
@@ -277,6 +286,7 @@ void Reducer::index_buckets() {
     TORCH_CHECK(bucket_of_param_[i] != kUnassigned, "parameter ",
                 param_names_[i], " is in no bucket");
   }
+  gradient_order_.set_layout(bucket_indices_locked());
 }
 
 Reducer::~Reducer() {
@@ -449,6 +459,9 @@ bool Reducer::tracks_usage() const {
 }
 
 bool Reducer::may_be_globally_unused(size_t index) const {
+  if (drop_plan_.dropped(index)) {
+    return true; // and is: every rank dropped it
+  }
   if (options_.static_graph && graph_learned_) {
     return !static_used_globally_[index];
   }
@@ -461,6 +474,10 @@ bool Reducer::unused_locally(size_t index) const {
 
 std::vector<std::vector<size_t>> Reducer::bucket_indices() const {
   std::lock_guard<std::mutex> lock(mutex_); // a rebuild may replace buckets_
+  return bucket_indices_locked();
+}
+
+std::vector<std::vector<size_t>> Reducer::bucket_indices_locked() const {
   std::vector<std::vector<size_t>> result;
   for (const auto& bucket : buckets_) {
     result.push_back(bucket.param_indices);
@@ -533,8 +550,16 @@ void Reducer::check_finalized() const {
   TORCH_CHECK(phase_ != Phase::kReducing, unfinished_reduction_message());
 }
 
-void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
+void Reducer::prepare_for_backward(
+    const std::vector<at::Tensor>& outputs,
+    const std::vector<size_t>& dropped,
+    const std::vector<size_t>& accumulated_only) {
   std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(
+      (dropped.empty() && accumulated_only.empty()) || !options_.static_graph,
+      "static_graph=True needs the same parameters used in every iteration, "
+      "and a LayerDrop changes them: leave static_graph off (ddp_ext skips "
+      "dropped layers without find_unused_parameters).");
   if (phase_ == Phase::kReducing) {
     // Only reachable when a framework prepares a backward itself.
     const std::string message = unfinished_reduction_message();
@@ -551,8 +576,16 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   gradient_order_.begin_iteration();
   std::fill(ready_.begin(), ready_.end(), false);
   next_bucket_ = 0;
+  drop_plan_.set(dropped);
+  for (size_t index : accumulated_only) {
+    TORCH_CHECK(index < params_.size() && !drop_plan_.dropped(index),
+                "parameter ", index, " cannot be accumulated-only here");
+  }
+  accumulated_only_ = accumulated_only;
+  plan_confirmed_ = !drops_layers_;
   for (auto& bucket : buckets_) {
     bucket.pending = bucket.param_indices.size();
+    bucket.dropped = drop_plan_.drops_all(bucket.param_indices);
   }
   used_work_.reset();
   stashed_grads_.clear();
@@ -618,11 +651,24 @@ void Reducer::start_reducing() {
   const int64_t order_vote = cast_order_vote();
   if (step_check_) {
     ++backwards_begun_;
-    step_check_->launch_backward(*process_group_, training_steps_, order_vote);
+    step_check_->launch_backward(
+        *process_group_, training_steps_, order_vote, drop_plan_.fingerprint());
   }
   take_divide_factor();
+  // See Note [Layer dropping].
+  for (size_t dropped : drop_plan_.indices()) {
+    mark_dropped_ready(dropped);
+  }
+  for (size_t index : accumulated_only_) {
+    if (!ready_[index]) {
+      mark_ready(index);
+      gradient_order_.record_dropped(index);
+    }
+  }
   for (size_t unused : unused_) {
-    mark_ready(unused);
+    if (!ready_[unused]) {
+      mark_ready(unused);
+    }
   }
 }
 
@@ -654,6 +700,10 @@ void Reducer::on_gradient_ready(size_t index, bool gradient_arrived) {
       break;
     case Phase::kReducing:
       break;
+  }
+  if (drop_plan_.dropped(index)) {
+    TORCH_CHECK(!gradient_arrived, dropped_gradient_message(index));
+    return; // marked ready when the backward started
   }
   if (learning_iteration_) {
     ++firings_[index]; // See Note [Static graph]: marked at the end.
@@ -708,6 +758,32 @@ void Reducer::mark_ready(size_t index) {
   if (--bucket.pending == 0) {
     launch_ready_buckets();
   }
+}
+
+void Reducer::mark_dropped_ready(size_t index) {
+  // See Note [Layer dropping]: nothing to copy unless the bucket travels.
+  ready_[index] = true;
+  gradient_order_.record_dropped(index);
+  Bucket& bucket = buckets_[bucket_of_param_[index]];
+  if (!bucket.dropped && !options_.batched_grad_copy) {
+    copy_into_bucket(index, /*scale=*/comm_hook_ == nullptr);
+  }
+  if (--bucket.pending == 0) {
+    launch_ready_buckets();
+  }
+}
+
+std::string Reducer::dropped_gradient_message(size_t index) const {
+  std::ostringstream message;
+  message << "DistributedDataParallel on rank " << process_group_->getRank()
+          << ": parameter " << param_names_[index]
+          << " belongs to a layer that LayerDrop dropped in this iteration, "
+             "yet it got a gradient. Its bucket is not communicated when all "
+             "its layer is dropped, so this gradient would not be averaged "
+             "across ranks. A dropped layer's parameters must not be used "
+             "elsewhere in the forward: share them through a module outside "
+             "the LayerDrop, or do not call the dropped layer.";
+  return message.str();
 }
 
 void Reducer::copy_into_bucket(size_t index, bool scale) {
@@ -786,6 +862,14 @@ void Reducer::launch(size_t bucket_index) {
     return; // See Note [A world of one rank].
   }
   Bucket& bucket = buckets_[bucket_index];
+  if (bucket.dropped) {
+    return; // See Note [Layer dropping].
+  }
+  if (!plan_confirmed_) {
+    // See Note [Layer dropping]: no bucket leaves before the ranks agree.
+    plan_confirmed_ = true;
+    raise_if_out_of_step();
+  }
   if (options_.batched_grad_copy) {
     for (size_t index : bucket.param_indices) {
       copy_into_bucket(index, /*scale=*/false);
@@ -1002,6 +1086,7 @@ void Reducer::update_process_group(
   gradient_order_.restart();
   std::fill(ready_.begin(), ready_.end(), false);
   next_bucket_ = 0;
+  drop_plan_.clear();
   phase_ = Phase::kIdle;
   process_group_ = std::move(process_group);
   gradients_stay_local_ = stays_local();
@@ -1014,16 +1099,23 @@ void Reducer::write_back_gradients(const std::vector<bool>& globally_used) {
     return; // See Note [A world of one rank].
   }
   at::NoGradGuard no_grad;
+  const auto used_by_no_rank = [&](size_t index) {
+    return drop_plan_.dropped(index) ||
+        (!globally_used.empty() && !globally_used[index]);
+  };
   for (const auto& [index, stash] : stashed_grads_) {
-    if (!globally_used[index]) {
+    if (used_by_no_rank(index)) {
       params_[index].mutable_grad().copy_(stash);
     }
   }
   stashed_grads_.clear();
   for (auto& bucket : buckets_) {
+    if (bucket.dropped) {
+      continue; // See Note [Layer dropping].
+    }
     for (size_t slot = 0; slot < bucket.param_indices.size(); ++slot) {
       const size_t index = bucket.param_indices[slot];
-      if (!globally_used.empty() && !globally_used[index]) {
+      if (used_by_no_rank(index)) {
         continue; // No rank used it: .grad stays as the user left it.
       }
       if (bucket.sparse) {

@@ -16,6 +16,7 @@
 #include "reducer/bucket.h"
 #include "reducer/bucket_layout.h"
 #include "reducer/gradient_order.h"
+#include "reducer/layer_drop.h"
 #include "reducer/reducer_options.h"
 #include "reducer/step_check.h"
 
@@ -97,7 +98,15 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // (or by frameworks before a backward that runs inside the forward).
   // `outputs` are the forward's output tensors; with find_unused_parameters
   // the autograd graph is searched from them. See Note [Unused parameters].
-  void prepare_for_backward(const std::vector<at::Tensor>& outputs);
+  // `dropped`: indices of the parameters of the layers every forward since
+  // the last synchronisation dropped, the same on every rank;
+  // `accumulated_only`: those of layers this forward dropped but an earlier
+  // one under no_sync ran (reduced from what .grad accumulated). See Note
+  // [Layer dropping].
+  void prepare_for_backward(
+      const std::vector<at::Tensor>& outputs,
+      const std::vector<size_t>& dropped = {},
+      const std::vector<size_t>& accumulated_only = {});
 
   // Static graph only: true between the first synchronising forward and the
   // end of its backward. See Note [Static graph].
@@ -213,6 +222,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void enter(Phase from, Phase to);
   void start_reducing();
   void mark_ready(size_t index);
+  void mark_dropped_ready(size_t index);
+  std::string dropped_gradient_message(size_t index) const;
   void copy_into_bucket(size_t index, bool scale);
   void copy_sparse_gradient(Bucket& bucket, size_t index, const at::Tensor& grad);
   void launch_ready_buckets();
@@ -241,6 +252,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::string unfinished_reduction_message() const;
   void remove_autograd_hooks_locked();
   void index_buckets();
+  std::vector<std::vector<size_t>> bucket_indices_locked() const;
   int64_t cast_order_vote();
   void conclude_gradient_order(bool launched_at_end);
   std::vector<size_t> agreed_order();
@@ -310,6 +322,12 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // .grad values of locally unused parameters whose .grad is a bucket view,
   // kept so a globally unused parameter's .grad can be restored untouched.
   std::vector<std::pair<size_t, at::Tensor>> stashed_grads_;
+
+  // See Note [Layer dropping]: the parameters dropped in this iteration.
+  DropPlan drop_plan_;
+  std::vector<size_t> accumulated_only_;
+  bool drops_layers_ = false; // some parameter belongs to a droppable layer
+  bool plan_confirmed_ = true; // the step check was awaited this iteration
 
   // See Note [Gradient order prediction]: the observed order and the watch,
   // and this iteration's vote (whether one was cast, and this rank's), which

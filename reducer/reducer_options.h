@@ -63,6 +63,11 @@ struct ReducerOptions {
   // capped at bucket_caps[k], the last repeating; see assign_buckets).
   // Needed unless rebuild_buckets is kNever.
   std::vector<int64_t> bucket_caps;
+
+  // Per parameter, the droppable layer it belongs to, -1 for none: rebuilds
+  // keep each layer's parameters in buckets of their own. See Note [Layer
+  // dropping] in reducer/layer_drop.h. Empty: no droppable layers.
+  std::vector<int64_t> layer_units;
 };
 
 } // namespace ddp_ext::reducer

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <map>
 #include <sstream>
 #include <vector>
@@ -44,6 +45,29 @@ std::string describe_ranks(const std::vector<int64_t>& ranks) {
   return text.str();
 }
 
+std::string plans_differ_message(
+    int rank, int64_t slot, const std::map<int64_t, std::vector<int64_t>>& ranks_with) {
+  std::ostringstream message;
+  message << "Detected mismatch between collectives on ranks: the ranks of "
+             "this DistributedDataParallel module dropped different layers "
+             "(";
+  size_t plan = 0;
+  for (const auto& entry : ranks_with) {
+    message << (plan == 0 ? "" : "; ") << describe_ranks(entry.second)
+            << " drew plan " << static_cast<char>('A' + std::min<size_t>(plan, 25));
+    ++plan;
+  }
+  message << ", " << describe_position(slot) << "; this is rank " << rank
+          << "). Their bucket allreduces would pair different buckets, so "
+             "none was sent and this iteration's gradients were not averaged. "
+             "Every rank must drop "
+             "the same layers: give each ddp_ext.LayerDrop the same seed on "
+             "every rank (the wrapper broadcasts rank 0's when it is built), "
+             "and call each one the same number of times in training mode on "
+             "every rank.";
+  return message.str();
+}
+
 std::string out_of_step_message(
     int rank, const std::map<int64_t, std::vector<int64_t>>& ranks_at) {
   std::ostringstream message;
@@ -73,17 +97,20 @@ std::string out_of_step_message(
 
 StepCheck::StepCheck(int rank, int world_size, c10::Device device)
     : rank_(rank), world_size_(world_size) {
-  host_ = at::zeros({world_size + 1}, at::kLong);
+  host_ = at::zeros({2 * world_size + 1}, at::kLong);
   slots_ = device.is_cpu() ? host_ : host_.to(device);
 }
 
-void StepCheck::start(c10d::ProcessGroup& group, int64_t slot_value, int64_t rider) {
+void StepCheck::start(
+    c10d::ProcessGroup& group, int64_t slot_value, int64_t plan, int64_t rider) {
   TORCH_INTERNAL_ASSERT(!work_, "a step check is already in flight");
   written_ = slot_value;
   summed_rider_ = 0;
   host_.zero_();
-  host_.data_ptr<int64_t>()[rank_] = slot_value;
-  host_.data_ptr<int64_t>()[world_size_] = rider;
+  int64_t* values = host_.data_ptr<int64_t>();
+  values[rank_] = slot_value;
+  values[world_size_ + rank_] = plan;
+  values[2 * world_size_] = rider;
   if (!slots_.is_same(host_)) {
     slots_.copy_(host_, /*non_blocking=*/false);
   }
@@ -91,16 +118,18 @@ void StepCheck::start(c10d::ProcessGroup& group, int64_t slot_value, int64_t rid
   work_ = group.allreduce(tensors);
 }
 
-void StepCheck::launch_backward(c10d::ProcessGroup& group, int64_t step, int64_t rider) {
-  start(group, encode(kBackwardCheck, step), rider);
+void StepCheck::launch_backward(
+    c10d::ProcessGroup& group, int64_t step, int64_t rider, int64_t plan) {
+  TORCH_INTERNAL_ASSERT(plan > 0, "a drop plan fingerprint is positive");
+  start(group, encode(kBackwardCheck, step), plan, rider);
 }
 
 void StepCheck::launch_forward(c10d::ProcessGroup& group, int64_t backwards) {
-  start(group, encode(kForwardCheck, backwards), 0);
+  start(group, encode(kForwardCheck, backwards), 0, 0);
 }
 
 void StepCheck::launch_as_joined(c10d::ProcessGroup& group) {
-  start(group, 0, 0);
+  start(group, 0, 0, 0);
 }
 
 bool StepCheck::launched() const {
@@ -117,15 +146,25 @@ std::string StepCheck::wait() {
   }
   const at::Tensor slots = slots_.is_same(host_) ? host_ : slots_.cpu();
   const int64_t* values = slots.data_ptr<int64_t>();
-  summed_rider_ = values[world_size_];
+  summed_rider_ = values[2 * world_size_];
   std::map<int64_t, std::vector<int64_t>> ranks_at;
+  std::map<int64_t, std::vector<int64_t>> ranks_with_plan;
   for (int64_t r = 0; r < world_size_; ++r) {
     if (values[r] > 0) {
       ranks_at[values[r]].push_back(r);
     }
+    if (values[world_size_ + r] > 0) {
+      ranks_with_plan[values[world_size_ + r]].push_back(r);
+    }
   }
-  const bool in_step = ranks_at.size() == 1;
-  return in_step ? std::string() : out_of_step_message(rank_, ranks_at);
+  if (ranks_at.size() != 1) {
+    return out_of_step_message(rank_, ranks_at);
+  }
+  // In step; backward checks also compare what each rank dropped.
+  if (ranks_with_plan.size() > 1) {
+    return plans_differ_message(rank_, written_, ranks_with_plan);
+  }
+  return std::string();
 }
 
 void StepCheck::drop() {

@@ -45,18 +45,23 @@ namespace ddp_ext::reducer {
 // A backward check also carries a rider: one more int64 slot that every rank
 // adds a value to (0 for forward checks and ranks that joined), summed by the
 // same allreduce at no extra cost. The reducer's vote on rebuilding buckets
-// rides there (Note [Gradient order prediction]).
+// rides there (Note [Gradient order prediction]). And each rank writes, in a
+// second slot of its own, the fingerprint of the layers it dropped (Note
+// [Layer dropping]): ranks at the same step that dropped different layers
+// raise as ranks out of step do.
 //
-// The cost: one latency-bound collective of (world_size + 1) * 8 bytes per
-// iteration, overlapped with the backward, and with buffer broadcasting one
-// more, awaited, before the broadcast.
+// The cost: one latency-bound collective of (2 * world_size + 1) * 8 bytes
+// per iteration, overlapped with the backward, and with buffer broadcasting
+// one more, awaited, before the broadcast.
 class StepCheck {
  public:
   StepCheck(int rank, int world_size, c10::Device device);
 
   // Starts the check of a backward at training step `step`; this rank adds
-  // `rider` to the rider slot.
-  void launch_backward(c10d::ProcessGroup& group, int64_t step, int64_t rider = 0);
+  // `rider` to the rider slot. `plan`: the fingerprint of the layers this
+  // rank dropped (DropPlan::fingerprint, positive).
+  void launch_backward(
+      c10d::ProcessGroup& group, int64_t step, int64_t rider, int64_t plan);
 
   // Starts the check of a forward's buffer broadcast, after `backwards`
   // synchronising backward passes.
@@ -81,13 +86,15 @@ class StepCheck {
   }
 
  private:
-  void start(c10d::ProcessGroup& group, int64_t slot_value, int64_t rider);
+  void start(
+      c10d::ProcessGroup& group, int64_t slot_value, int64_t plan, int64_t rider);
 
   int rank_;
   int world_size_;
   int64_t summed_rider_ = 0;
   int64_t written_ = 0; // this rank's slot in the check in flight
-  at::Tensor host_; // world_size int64 slots and the rider, on the CPU
+  // world_size position slots, world_size plan slots and the rider, on the CPU
+  at::Tensor host_;
   at::Tensor slots_; // the same on the parameters' device (host_ on CPU)
   c10::intrusive_ptr<c10d::Work> work_;
 };

@@ -313,6 +313,39 @@ class SwitchingBranches(nn.Module):
         return self.branches[branch](torch.tanh(self.trunk(x)))
 
 
+LAYERDROP_SEED = 4242
+LAYERDROP_BLOCKS = 5
+
+
+class Dropping(nn.Module):
+    """An input layer, LAYERDROP_BLOCKS blocks in a ddp_ext.LayerDrop with
+    p=0.5 and a fixed seed, and an output layer. tied=True also ties block
+    2's first weight to a layer outside the LayerDrop that runs every step,
+    so that weight is never dropped while its bias is."""
+
+    def __init__(self, tied: bool = False):
+        super().__init__()
+        import ddp_ext
+
+        self.inp = nn.Linear(6, 8)
+        self.blocks = ddp_ext.LayerDrop(
+            [nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)) for _ in range(LAYERDROP_BLOCKS)],
+            p=0.5,
+            seed=LAYERDROP_SEED,
+        )
+        self.out = nn.Linear(8, 3)
+        self.side = None
+        if tied:
+            self.side = nn.Linear(8, 8, bias=False)
+            self.side.weight = self.blocks[2][0].weight
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        if self.side is not None:
+            h = h + self.side(h)
+        return self.out(self.blocks(h))
+
+
 MODELS: Dict[str, ModelSpec] = {
     "mlp": ModelSpec(MLP, _regression(6, 3), _mse),
     "conv": ModelSpec(ConvNet, _conv_data, _mse),
@@ -346,6 +379,8 @@ MODELS: Dict[str, ModelSpec] = {
     ),
     # The branch used switches every SWITCH_EVERY steps.
     "branches_switching": ModelSpec(SwitchingBranches, _regression(6, 3), _mse, extra_args=lambda r, s, m: (phase(s),)),
+    "layerdrop": ModelSpec(Dropping, _regression(6, 3), _mse),
+    "layerdrop_tied": ModelSpec(lambda: Dropping(tied=True), _regression(6, 3), _mse),
 }
 
 MODEL_SEED = 1234

@@ -3,7 +3,8 @@
 `python -m ddp_ext.bench compare` with the shortest run lengths on 2 ranks must
 write compare.json with positive medians and ratios for both models, plus the
 figure and the markdown table. `order` must record the rebuilds and overlap
-that its models' gradient orders imply (counts, not timings).
+that its models' gradient orders imply (counts, not timings); `layerdrop` the
+bytes each drop rate sends and its agreement with local training.
 """
 
 import json
@@ -66,3 +67,20 @@ def test_order_records_rebuilds_and_overlap(tmp_path):
     assert switching["overlap_fraction"]["after"] > 0.9
     assert switching["overlap_fraction_once"]["after"] < 0.5  # torch's behaviour keeps the stale layout
     assert "| switching |" in (tmp_path / "order.md").read_text()
+
+
+def test_layerdrop_records_bytes_and_parity(tmp_path):
+    _run_bench(tmp_path, "layerdrop", "--quick")
+    with open(tmp_path / "layerdrop.json") as f:
+        result = json.load(f)
+    assert sorted(result["p"]) == ["0.0", "0.2", "0.5"]
+    for measured in result["p"].values():
+        for key in ("ours_ms", "torch_ms", "ratio", "ours_bytes", "torch_bytes"):
+            assert measured[key] > 0, key
+        assert measured["max_diff_vs_local"] < 1e-5
+    no_drop, half = result["p"]["0.0"], result["p"]["0.5"]
+    # Without drops both send every gradient (plus a few control bytes).
+    assert abs(no_drop["ours_bytes"] - no_drop["torch_bytes"]) < 0.01 * no_drop["torch_bytes"]
+    assert half["torch_bytes"] == no_drop["torch_bytes"], "torch's DDP sends every bucket"
+    assert half["ours_bytes"] < no_drop["ours_bytes"]
+    assert "| 0.5 |" in (tmp_path / "layerdrop.md").read_text()

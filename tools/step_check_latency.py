@@ -1,5 +1,6 @@
-"""Latency of an allreduce shaped like ddp_ext's step check (one int64 per
-rank plus the rebuild vote's slot), over Gloo.
+"""Latency of an allreduce shaped like ddp_ext's step check (two int64 per
+rank, its position and the fingerprint of the layers it dropped, plus the
+rebuild vote's slot), over Gloo.
 
     torchrun --nproc_per_node=2 tools/step_check_latency.py
 
@@ -16,7 +17,7 @@ REPETITIONS = 2000
 
 def main() -> None:
     dist.init_process_group("gloo")
-    slots = torch.zeros(dist.get_world_size() + 1, dtype=torch.long)
+    slots = torch.zeros(2 * dist.get_world_size() + 1, dtype=torch.long)
     for _ in range(100):
         dist.all_reduce(slots)
     seconds = []

@@ -1,0 +1,29 @@
+"""A process group that counts the bytes each allreduce carries before
+forwarding it to a real one: what a DDP puts on the wire, measured where it
+leaves (used outside timed runs, since a Python process group is slower)."""
+
+import torch.distributed as dist
+
+
+class CountingProcessGroup(dist.ProcessGroup):
+    """Wraps `inner`; every other collective DDP issues is forwarded as is."""
+
+    def __init__(self, inner: dist.ProcessGroup):
+        super().__init__(inner.rank(), inner.size())
+        self.inner = inner
+        self.allreduce_bytes = 0
+
+    def take(self) -> int:
+        """Bytes allreduced since the last call."""
+        counted, self.allreduce_bytes = self.allreduce_bytes, 0
+        return counted
+
+    def allreduce(self, tensors, *opts):
+        self.allreduce_bytes += sum(t.numel() * t.element_size() for t in tensors)
+        return self.inner.allreduce(tensors, *opts)
+
+    def broadcast(self, tensors, *opts):
+        return self.inner.broadcast(tensors, *opts)
+
+    def allgather(self, outputs, inputs, *opts):
+        return self.inner.allgather(outputs, inputs, *opts)
