@@ -155,6 +155,7 @@ const std::string MpiBackend::getBackendName() const {
 }
 
 c10::intrusive_ptr<c10d::Backend::Options> MpiBackend::getBackendOptions() {
+  std::lock_guard<std::mutex> guard(mutex_);
   return c10::make_intrusive<c10d::Backend::Options>(kName, options_.timeout);
 }
 

@@ -29,9 +29,10 @@ def command(world_size: int, checks: List[str]) -> List[str]:
     return mpirun_command(world_size, argv)
 
 
-def run(world_size: int, checks: List[str], timeout_s: float = 240) -> subprocess.CompletedProcess:
-    """The mpirun job's result, stdout and stderr together in .stdout."""
+def run(world_size: int, checks: List[str], timeout_s: float = 240, **env) -> subprocess.CompletedProcess:
+    """The mpirun job's result, stdout and stderr together in .stdout; `env`
+    adds environment variables."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-               DDP_EXT_MPI_CHECK_TIMEOUT_S=str(timeout_s - 20))
+               DDP_EXT_MPI_CHECK_TIMEOUT_S=str(timeout_s - 20), **env)
     return subprocess.run(command(world_size, checks), cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=timeout_s)

@@ -3,7 +3,8 @@ tests.mpi.main CHECK...` (tests/mpi/launch.py builds the command line).
 Every rank runs each named check and prints `PASS <check> ...`; the first
 failure prints its traceback and ends the job with status 1.
 
-checks: collectives, training, round_robin (one job, one rendezvous),
+checks: collectives, subgroup, training, round_robin (one job, one
+rendezvous), env (init_method="env://"),
 timeout and thread_level (each alone: they leave MPI unusable), killed
 (rank 1 kills itself in the middle of an allreduce).
 """
@@ -63,6 +64,19 @@ def subgroup(gloo):
         assert torch.equal(t, torch.full((3,), float(len(ranks)))), t
     dist.barrier()
     return f"subgroup over ranks {ranks}"
+
+
+def env():
+    """init_method="env://" with RANK and WORLD_SIZE set to MPI's (the test
+    sets MASTER_ADDR and MASTER_PORT)."""
+    os.environ["RANK"] = os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ["PMI_RANK"]
+    os.environ["WORLD_SIZE"] = os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ["PMI_SIZE"]
+    dist.init_process_group("ddp_ext_mpi", init_method="env://")
+    t = torch.full((3,), float(dist.get_rank() + 1))
+    dist.all_reduce(t)
+    size = dist.get_world_size()
+    assert torch.equal(t, torch.full((3,), float(size * (size + 1) // 2))), t
+    return f"rank {os.environ['RANK']} of {size} over env://"
 
 
 def timeout():
