@@ -150,3 +150,25 @@ def test_bench_allreduce_over_mpi_measures_mpi_gloo_and_round_robin(tmp_path):
     assert list(data["series"]) == ["ddp_ext_mpi", "gloo", "rr2"]
     assert data["machine"]["backend"] == "ddp_ext_mpi"
     assert all(s["median_ms"] > 0 for by_size in data["series"].values() for s in by_size.values())
+
+
+def test_mpich_style_compiler_wrapper_is_understood(tmp_path, monkeypatch):
+    # MPICH's mpicc (and Intel MPI's, MVAPICH's) answers -compile_info and
+    # -link_info, and refuses Open MPI's --showme:*.
+    fake = tmp_path / "mpicc"
+    fake.write_text(
+        '#!/bin/sh\ncase "$1" in\n'
+        '  -compile_info) echo "gcc -I/opt/mpich/include -DMPICH_FLAG" ;;\n'
+        '  -link_info) echo "gcc -L/opt/mpich/lib -lmpich -Wl,-z,now" ;;\n'
+        "  *) exit 1 ;;\nesac\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("MPICC", str(fake))
+    monkeypatch.delenv("DDP_EXT_NO_MPI", raising=False)
+    from ddp_ext._mpi_build import find_mpi
+
+    flags = find_mpi()
+    assert flags.compile_args == ["-I/opt/mpich/include", "-DMPICH_FLAG"]
+    assert flags.link_args == ["-L/opt/mpich/lib", "-lmpich", "-Wl,-z,now", "-Wl,-rpath,/opt/mpich/lib"]
+    monkeypatch.setenv("DDP_EXT_NO_MPI", "1")
+    assert find_mpi() is None
