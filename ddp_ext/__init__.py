@@ -11,6 +11,11 @@ Round-robin process groups (importing ddp_ext also registers the
 torch.distributed backend "round_robin"):
 
     rr = ddp_ext.new_round_robin_group(num_groups=3)
+
+MPI (importing ddp_ext registers the backend "ddp_ext_mpi" and the rendezvous
+"mpi://"; MPI itself is loaded by the first group that uses it):
+
+    dist.init_process_group("ddp_ext_mpi", init_method="mpi://")   # under mpirun
 """
 
 from ddp_ext._build_info import VERSION as __version__
@@ -21,6 +26,7 @@ _C = native_module()
 from ddp_ext.distributed import DistributedDataParallel  # noqa: E402
 from ddp_ext.layer_drop import LayerDrop  # noqa: E402
 from ddp_ext.round_robin import RoundRobinOptions, new_round_robin_group, round_robin_group  # noqa: E402
+from ddp_ext import mpi  # noqa: E402,F401  (registers "ddp_ext_mpi" and "mpi://")
 
 __all__ = [
     "DistributedDataParallel",

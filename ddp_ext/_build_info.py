@@ -28,6 +28,20 @@ SOURCES = [
 # compiled as one generated unit (see ddp_ext/_units.py).
 BINDING_SOURCE = "ddp_ext.cpp"
 
+# The MPI backend, a module of its own (ddp_ext._mpi), built only where MPI
+# is found (see ddp_ext/_mpi_build.py): binding source first, as above.
+MPI_SOURCES = [
+    "ddp_ext_mpi.cpp",
+    "process_groups/mpi_backend.cpp",
+    "process_groups/mpi_communicator.cpp",
+    "process_groups/mpi_datatype.cpp",
+    "process_groups/mpi_progress.cpp",
+    "process_groups/mpi_rendezvous.cpp",
+    "process_groups/mpi_runtime.cpp",
+    "process_groups/mpi_work.cpp",
+]
+MPI_BINDING_SOURCE = "ddp_ext_mpi.cpp"
+
 # Includes are rooted at the repository: `#include "reducer/reducer.h"`.
 INCLUDE_DIRS = ["."]
 

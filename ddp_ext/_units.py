@@ -14,6 +14,7 @@ import hashlib
 import os
 
 CORE_UNIT_NAME = "ddp_ext_core_unit.cpp"
+MPI_UNIT_NAME = "ddp_ext_mpi_unit.cpp"
 
 
 def _core_unit_text(root: str, members: list) -> str:
@@ -31,8 +32,10 @@ def _core_unit_text(root: str, members: list) -> str:
     return "\n".join(lines) + "\n"
 
 
-def translation_units(root: str, sources: list, binding_source: str, out_dir: str) -> list:
-    """[binding source, generated core unit], as absolute paths.
+def translation_units(
+    root: str, sources: list, binding_source: str, out_dir: str, unit_name: str = CORE_UNIT_NAME
+) -> list:
+    """[binding source, generated unit `unit_name`], as absolute paths.
 
     `sources` are paths relative to `root` (which must be on the include
     path); the core unit is written to `out_dir`, and only when its text
@@ -42,7 +45,7 @@ def translation_units(root: str, sources: list, binding_source: str, out_dir: st
     members = [s for s in sources if s != binding_source]
     text = _core_unit_text(root, members)
     os.makedirs(out_dir, exist_ok=True)
-    unit = os.path.join(out_dir, CORE_UNIT_NAME)
+    unit = os.path.join(out_dir, unit_name)
     try:
         with open(unit) as f:
             unchanged = f.read() == text

@@ -1,6 +1,7 @@
 """The main job: train the same model with ddp_ext and with torch's DDP.
 
     torchrun --nproc_per_node=2 examples/train_compare.py [--steps 30]
+    mpirun -np 2 python examples/train_compare.py --backend ddp_ext_mpi
 
 Both start from the same seed and see the same data (each rank its own shard
 of every global batch). Prints the median per-iteration time of each
@@ -80,9 +81,14 @@ def main():
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--block", type=int, default=5, help="iterations per interleaved block")
     parser.add_argument("--batch-per-rank", type=int, default=32)
+    parser.add_argument("--backend", choices=["gloo", "ddp_ext_mpi"], default="gloo",
+                        help="ddp_ext_mpi: over MPI, launched by mpirun or srun (rank and size from MPI)")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
+    if args.backend == "ddp_ext_mpi":
+        dist.init_process_group("ddp_ext_mpi", init_method="mpi://")
+    else:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
 
@@ -114,7 +120,7 @@ def main():
         warm = min(2, args.steps - 1)  # the first iterations include one-off allocation
         ours_ms = statistics.median(times["ddp_ext"][warm:]) * 1e3
         torch_ms = statistics.median(times["torch"][warm:]) * 1e3
-        print(f"world size {world}, {args.steps} steps of SGD with momentum on a conv net with BatchNorm")
+        print(f"world size {world} over {args.backend}, {args.steps} steps of SGD with momentum on a conv net with BatchNorm")
         print(f"median per-iteration time: ddp_ext {ours_ms:.2f} ms, torch DDP {torch_ms:.2f} ms, "
               f"ratio {ours_ms / torch_ms:.3f}")
         print(f"  (one short run: the ratio moves from run to run, the more so on a shared machine; it is not a "

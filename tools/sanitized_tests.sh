@@ -37,7 +37,8 @@ mkdir -p "$COPY"
     tar --null -T - -cf -) | tar -xf - -C "$COPY"
 
 start=$(date +%s)
-(cd "$COPY" && DDP_EXT_SANITIZE=1 "$PYTHON" setup.py -q build_ext --inplace >build.log 2>&1) ||
+# Without the MPI backend: none of these tests uses it.
+(cd "$COPY" && DDP_EXT_NO_MPI=1 DDP_EXT_SANITIZE=1 "$PYTHON" setup.py -q build_ext --inplace >build.log 2>&1) ||
     { tail -50 "$COPY/build.log"; exit 1; }
 echo "sanitized build: $(( $(date +%s) - start )) s (log: $COPY/build.log)"
 

@@ -12,6 +12,8 @@ from ddp_ext.bench.workloads import MODELS, PRESETS
 
 DOC_PATH = "docs/BENCHMARKS.md"
 QUICK_SOAK_ITERATIONS = 100
+# The experiments --backend ddp_ext_mpi applies to.
+BACKEND_EXPERIMENTS = ("allreduce", "compare")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,8 +60,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="tiny run lengths to check that an experiment works end to end (not a measurement)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=defaults.device,
                    help="compare: where models and batches live (cuda: cuda:(rank %% GPUs); default cpu)")
-    p.add_argument("--backend", choices=["gloo", "nccl"], default=None,
-                   help="process-group backend (default gloo; nccl with --device cuda)")
+    p.add_argument("--backend", choices=["gloo", "nccl", "ddp_ext_mpi"], default=None,
+                   help="the ranks' process-group backend (default gloo; nccl with --device cuda); "
+                        "ddp_ext_mpi (allreduce and compare) starts the ranks with mpirun")
     p.add_argument("--doc", default=DOC_PATH, help="report: the document to update")
     return p
 
@@ -84,6 +87,9 @@ def _options(args, experiment: str, part_of_all: bool = False) -> BenchOptions:
         raise SystemExit(f"python -m ddp_ext.bench {experiment}: --models {' '.join(wrong)} is not one of its models")
     caps = args.bucket_cap_mb or ([0, 1, 5, 10, 25, 50, 100] if experiment == "bucket" else [None])
     soak = args.soak_iterations or (QUICK_SOAK_ITERATIONS if args.quick else BenchOptions.soak_iterations)
+    if args.backend == "ddp_ext_mpi" and experiment not in BACKEND_EXPERIMENTS:
+        raise SystemExit(f"python -m ddp_ext.bench {experiment}: --backend {args.backend} is for "
+                         f"{' and '.join(BACKEND_EXPERIMENTS)} only")
     return BenchOptions(
         experiment=experiment, preset=args.preset, world_size=args.world_size, bucket_cap_mb=tuple(caps),
         models=tuple(models), out=args.out, tag=args.tag, seed=args.seed, threads=args.threads,

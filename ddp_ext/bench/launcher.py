@@ -72,7 +72,12 @@ def launch(fn: Callable[[int, int, Any], Any], world_size: int, job: Any, thread
     With backend "nccl" each rank first makes cuda:(rank % GPUs) current.
 
     fn must be a module-level function and job and the return values picklable.
+    backend "ddp_ext_mpi" starts the ranks with mpirun instead (mpi_launcher).
     """
+    if backend == "ddp_ext_mpi":
+        from ddp_ext.bench import mpi_launcher
+
+        return mpi_launcher.launch(fn, world_size, job, threads, timeout)
     print(f"starting {world_size} rank(s) over {backend}, {threads} thread(s) each", file=sys.stderr, flush=True)
     context = multiprocessing.get_context("spawn")
     results = context.Queue()

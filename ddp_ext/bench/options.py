@@ -41,7 +41,9 @@ class BenchOptions:
     timeout_s: float = 3600.0  # per launch of ranks
     quick: bool = False  # tiny run lengths, to check that everything works
     device: str = "cpu"  # "cpu", or "cuda" (compare only): models and batches on cuda:(rank % GPUs)
-    backend: str = ""  # process-group backend; "": gloo on the CPU, nccl with --device cuda
+    # Process-group backend of the ranks: "" is gloo on the CPU and nccl with
+    # --device cuda; ddp_ext_mpi starts the ranks with mpirun.
+    backend: str = ""
 
     def process_group_backend(self) -> str:
         return self.backend or ("nccl" if self.device == "cuda" else "gloo")

@@ -22,9 +22,9 @@ def require_round_robin():
     return factory
 
 
-def new_round_robin_group(num_groups: int):
-    """A round-robin group of `num_groups` Gloo children; collective, so every rank must call it."""
-    return require_round_robin()(num_groups=num_groups, backend="gloo")
+def new_round_robin_group(num_groups: int, backend: str = "gloo"):
+    """A round-robin group of `num_groups` `backend` children; collective, so every rank must call it."""
+    return require_round_robin()(num_groups=num_groups, backend=backend)
 
 
 def label(num_groups: int) -> str:

@@ -3,7 +3,9 @@ float32 values split into tensors of 1K ... all elements.
 
 All tensors of one split are allreduced asynchronously and then awaited
 together, as DDP does with its buckets. Measured on the plain Gloo group and on
-ddp_ext's round-robin groups (rrN: N Gloo children taking turns). Every
+ddp_ext's round-robin groups (rrN: N Gloo children taking turns). With
+--backend ddp_ext_mpi (ranks started by mpirun) on ddp_ext's MPI group, a Gloo
+group over the same ranks beside it, and round-robin groups of MPI children. Every
 repetition visits every (split, group) once, so groups and splits interleave;
 the group measured first rotates from one repetition to the next.
 Tensors hold zeros (summing floats costs the same whatever their value) so
@@ -50,11 +52,20 @@ def splits(total: int) -> list:
     return sizes + [total]
 
 
+def group_names(options) -> list:
+    """The groups measured, in the order _groups makes them."""
+    names = [options.process_group_backend()] + ([GLOO] if options.process_group_backend() != GLOO else [])
+    return names + ([round_robin.label(n) for n in options.rr_groups] if options.round_robin else [])
+
+
 def _groups(options):
-    groups = {GLOO: dist.distributed_c10d._get_default_group()}
+    groups = {options.process_group_backend(): dist.distributed_c10d._get_default_group()}
+    if options.process_group_backend() != GLOO:
+        groups[GLOO] = dist.new_group(backend=GLOO)
     if options.round_robin:
         for n in options.rr_groups:
-            groups[round_robin.label(n)] = round_robin.new_round_robin_group(n)
+            groups[round_robin.label(n)] = round_robin.new_round_robin_group(n, options.process_group_backend())
+    assert list(groups) == group_names(options)
     return groups
 
 
@@ -91,9 +102,10 @@ def _measure(rank, world_size, job):
 def run(options: BenchOptions, progress) -> dict:
     if options.round_robin:
         round_robin.require_round_robin()  # fail before starting any rank
-    per_rank = launch(_measure, options.world_size, (options, progress), options.threads, options.timeout_s)
+    per_rank = launch(_measure, options.world_size, (options, progress), options.threads, options.timeout_s,
+                      options.process_group_backend())
     merged = merge_ranks(per_rank)
-    names = [GLOO] + ([round_robin.label(n) for n in options.rr_groups] if options.round_robin else [])
+    names = group_names(options)
     total = total_elements(options)
     series = {name: {str(size): stats.summarize(merged[f"{name}/{size}"]) for size in splits(total)}
               for name in names}
@@ -101,6 +113,8 @@ def run(options: BenchOptions, progress) -> dict:
              "from launching the first allreduce to the last wait() returning."]
     if not options.round_robin:
         notes.append("Round-robin groups were not measured (--no-round-robin).")
+    elif options.process_group_backend() != GLOO:
+        notes.append(f"rrN: round-robin groups of N {options.process_group_backend()} children.")
     return {"series": series, "total_elements": total, "notes": notes}
 
 

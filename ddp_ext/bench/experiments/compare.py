@@ -2,7 +2,8 @@
 
 The three run the same model from the same seed on the same synthetic batch,
 with the same bucket cap, alternating block by block (Note [Interleaved
-measurement]). With --world-size 1 the ddp_ext/local ratio is the reducer's
+measurement]), over the ranks' default group (Gloo, or ddp_ext's MPI backend
+with --backend ddp_ext_mpi). With --world-size 1 the ddp_ext/local ratio is the reducer's
 own overhead, since there is no one to communicate with.
 """
 
