@@ -9,8 +9,8 @@ writes the file, only when asked to (stop(), the end of a `with` block, after
 https://ui.perfetto.dev or chrome://tracing.
 """
 
-import atexit
 import json
+import multiprocessing.util
 import os
 import time
 import weakref
@@ -63,7 +63,11 @@ class Timeline:
         self.recording = True
         if self._reducer is not None:
             self._reducer._set_timeline(True)
-        atexit.register(_stop_at_exit, weakref.ref(self))
+        # Held until stop(): a recording outlives its wrapper until then. A
+        # multiprocessing finalizer rather than atexit: it runs at the exit of
+        # the main process and of multiprocessing's children (mp.spawn), which
+        # skip atexit.
+        self._at_exit = multiprocessing.util.Finalize(None, self._stop_at_exit, exitpriority=10)
 
     # --- called by the wrapper's forward ---------------------------------
 
@@ -86,6 +90,7 @@ class Timeline:
         if not self.recording:
             return self.path
         self.recording = False
+        self._at_exit.cancel()
         if self._reducer is not None:
             self._reducer._set_timeline(False)
         self._drain(wait_ms=COMPLETION_WAIT_MS)
@@ -194,11 +199,8 @@ class Timeline:
                           "clock": "CLOCK_MONOTONIC, microseconds"},
         }
 
-
-def _stop_at_exit(ref) -> None:
-    timeline = ref()
-    if timeline is not None and timeline.recording:
+    def _stop_at_exit(self) -> None:
         try:
-            timeline.stop()
+            self.stop()
         except Exception as error:  # at exit: say so, do not mask the exit status
-            print(f"ddp_ext: could not write the timeline {timeline.path}: {error}")
+            print(f"ddp_ext: could not write the timeline {self.path}: {error}")

@@ -21,6 +21,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 import ddp_ext
 from ddp_ext import _timeline
 from tests.harness import same_bits
+from tests.spawn import run_ranks
 from tests.worlds import shared_world
 
 WORLD = 2
@@ -137,6 +138,22 @@ def test_environment_variable_records():
         results = shared_world(WORLD).run(_record, directory, 1, 1, "mlp", False, True)
     for rank, result in enumerate(results):
         _check_one_iteration(result, rank)
+
+
+def _train_and_exit(rank: int, world_size: int) -> None:
+    ddp = _wrap(_model())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    _step(ddp, opt, rank, 0)
+    # No stop(): the file is written when the process exits.
+
+
+def test_environment_variable_writes_at_exit(tmp_path, monkeypatch):
+    monkeypatch.setenv(_timeline.ENV_VAR, str(tmp_path))
+    run_ranks(_train_and_exit, WORLD)
+    for rank in range(WORLD):
+        with open(tmp_path / _timeline.file_name(rank)) as f:
+            trace = json.load(f)
+        assert len(_events(trace, "X", "backward")) == 1
 
 
 def test_comm_hook_time_is_recorded():
