@@ -379,6 +379,15 @@ void Reducer::match_step_check_as_joined() {
 void Reducer::set_timeline(bool on) {
   std::lock_guard<std::mutex> lock(mutex_);
   timeline_.set_on(on);
+  if (on) {
+    reserve_timeline(); // for a backward already prepared
+  }
+}
+
+void Reducer::reserve_timeline() {
+  // See Note [Communication timeline]: at most one gradient instant per
+  // parameter, a launch, hook and completion per bucket, and a few more.
+  timeline_.reserve(params_.size() + 4 * buckets_.size() + 16, buckets_.size());
 }
 
 std::vector<TimelineEvent> Reducer::take_timeline(int64_t* dropped, int64_t wait_ms) {
@@ -598,7 +607,7 @@ void Reducer::prepare_for_backward(
   accumulated_only_ = accumulated_only;
   plan_confirmed_ = !drops_layers_;
   if (timeline_.on()) {
-    timeline_.reserve(params_.size() + 4 * buckets_.size() + 16, buckets_.size());
+    reserve_timeline();
   }
   for (auto& bucket : buckets_) {
     bucket.pending = bucket.param_indices.size();

@@ -266,6 +266,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<size_t> agreed_order();
   void rebuild_buckets(const std::vector<std::vector<size_t>>& layout);
   LayoutInputs layout_inputs() const;
+  void reserve_timeline();
 
   const std::vector<at::Tensor> params_;
   const std::vector<std::string> param_names_;

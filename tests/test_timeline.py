@@ -205,6 +205,25 @@ def test_off_by_default_and_stops_after_iterations():
         assert result["backwards"] == 2
 
 
+def _started_between_forward_and_backward(rank: int, world_size: int, directory: str) -> Dict[str, Any]:
+    ddp = _wrap(_model())
+    loss = ddp(torch.randn(8, 16)).square().mean()
+    with ddp.record_timeline(directory) as timeline:
+        loss.backward()
+    with open(timeline.path) as f:
+        trace = json.load(f)
+    return {"backwards": len(_events(trace, "X", "backward")), "dropped": trace["otherData"]["dropped_events"],
+            "ready": len(_events(trace, "i", "gradient ready")), "parameters": len(list(ddp.parameters()))}
+
+
+def test_recording_may_start_after_the_forward():
+    with tempfile.TemporaryDirectory() as directory:
+        results = shared_world(WORLD).run(_started_between_forward_and_backward, directory)
+    for result in results:
+        assert result["backwards"] == 1 and result["dropped"] == 0
+        assert result["ready"] == result["parameters"]
+
+
 def _under_profiler(rank: int, world_size: int, directory: str) -> List[str]:
     ddp = _wrap(_model())
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
