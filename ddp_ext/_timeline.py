@@ -17,6 +17,9 @@ import weakref
 from typing import List, Optional
 
 ENV_VAR = "DDP_EXT_TIMELINE"
+# Optional: how many synchronising backward passes a wrapper built under
+# DDP_EXT_TIMELINE records (default: every one until exit).
+ITERATIONS_ENV_VAR = "DDP_EXT_TIMELINE_ITERATIONS"
 
 # reducer/timeline.h, TimelineEvent::Kind.
 BACKWARD_BEGIN, GRADIENT_READY, BUCKET_LAUNCH, BUCKET_DONE, COMM_HOOK = 0, 1, 2, 3, 4
@@ -37,6 +40,19 @@ COMPLETION_WAIT_MS = 1000
 
 def file_name(rank: int) -> str:
     return f"timeline-rank{rank}.json"
+
+
+def from_environment():
+    """(directory, iterations) that DDP_EXT_TIMELINE and
+    DDP_EXT_TIMELINE_ITERATIONS ask for, or None when the first is unset."""
+    directory = os.environ.get(ENV_VAR)
+    if not directory:
+        return None
+    iterations = os.environ.get(ITERATIONS_ENV_VAR, "").strip()
+    try:
+        return directory, int(iterations) if iterations else None
+    except ValueError:
+        raise ValueError(f"{ITERATIONS_ENV_VAR} must be a whole number of iterations, got {iterations!r}") from None
 
 
 class Timeline:

@@ -3,7 +3,6 @@
 import contextlib
 import copy
 import numbers
-import os
 import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
@@ -35,7 +34,7 @@ from ddp_ext import _mixed_precision as mixed_precision_forward
 from ddp_ext._model_check import verify_same_model
 from ddp_ext._output_sink import _map_tensors, find_tensors, sink_outputs
 from ddp_ext._parameter_watch import ParameterWatch
-from ddp_ext._timeline import ENV_VAR as TIMELINE_ENV_VAR, Timeline
+from ddp_ext._timeline import Timeline, from_environment as timeline_from_environment
 from ddp_ext._unsupported import UnsupportedTorchInternals
 
 # Chunk size for broadcasting parameters and buffers, as torch's DDP uses.
@@ -257,8 +256,9 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         if static_graph:
             self._set_static_graph()
         self._timeline = None
-        if os.environ.get(TIMELINE_ENV_VAR):
-            self.record_timeline(os.environ[TIMELINE_ENV_VAR])
+        timeline = timeline_from_environment()
+        if timeline is not None:
+            self.record_timeline(*timeline)
 
     # --- construction -----------------------------------------------------
 
@@ -760,7 +760,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         DIRECTORY/timeline-rank{rank}.json, when the returned Timeline is
         stopped (stop(), the end of a `with` block), after `iterations`
         synchronising backward passes, or at exit. The environment variable
-        DDP_EXT_TIMELINE=DIRECTORY does the same for every wrapper built."""
+        DDP_EXT_TIMELINE=DIRECTORY does the same for every wrapper built
+        (DDP_EXT_TIMELINE_ITERATIONS=N: for N iterations)."""
         if self._timeline is not None and self._timeline.recording:
             raise RuntimeError(
                 f"record_timeline: this wrapper is already recording a timeline to {self._timeline.path}; "

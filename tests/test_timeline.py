@@ -6,10 +6,13 @@ for one iteration one backward, each parameter's ready instant once, each
 bucket's launch and completion, the end-of-backward wait; nothing recorded
 when off; communication hooks and rebuilds show up; torch.profiler sees
 ddp_ext's ranges while the timeline records; and recording changes no result.
+One process: with DDP_EXT_TIMELINE set, the file is written when it exits.
 """
 
 import json
 import os
+import subprocess
+import sys
 import tempfile
 from typing import Any, Dict, List
 
@@ -21,7 +24,6 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 import ddp_ext
 from ddp_ext import _timeline
 from tests.harness import same_bits
-from tests.spawn import run_ranks
 from tests.worlds import shared_world
 
 WORLD = 2
@@ -70,16 +72,18 @@ def _record(rank: int, world_size: int, directory: str, warmup: int, recorded: i
         _step(ddp, opt, rank, step)
     if with_env:
         os.environ[_timeline.ENV_VAR] = directory
+        os.environ[_timeline.ITERATIONS_ENV_VAR] = str(recorded)
         try:
-            ddp = _wrap(ddp.module)  # the variable is read when a wrapper is built
+            ddp = _wrap(ddp.module)  # the variables are read when a wrapper is built
         finally:
-            del os.environ[_timeline.ENV_VAR]
+            del os.environ[_timeline.ENV_VAR], os.environ[_timeline.ITERATIONS_ENV_VAR]
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         timeline = ddp._timeline
     else:
         timeline = ddp.record_timeline(directory, iterations=recorded)
-    for step in range(warmup, warmup + recorded):
-        _step(ddp, opt, rank, step)
+    for step in range(warmup, warmup + recorded + with_env):
+        _step(ddp, opt, rank, step)  # under DDP_EXT_TIMELINE_ITERATIONS, one more: its forward stops the recording
+    assert timeline.recording != with_env
     path = timeline.stop()
     with open(path) as f:
         trace = json.load(f)
@@ -140,20 +144,28 @@ def test_environment_variable_records():
         _check_one_iteration(result, rank)
 
 
-def _train_and_exit(rank: int, world_size: int) -> None:
-    ddp = _wrap(_model())
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    _step(ddp, opt, rank, 0)
-    # No stop(): the file is written when the process exits.
+_EXITING_SCRIPT = """
+import os, sys, tempfile, torch, torch.distributed as dist
+import ddp_ext
+store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+ddp = ddp_ext.DistributedDataParallel(torch.nn.Linear(4, 2))
+ddp(torch.randn(3, 4)).sum().backward()
+sys.exit(0)  # no stop(): the file is written when the process exits
+"""
 
 
-def test_environment_variable_writes_at_exit(tmp_path, monkeypatch):
-    monkeypatch.setenv(_timeline.ENV_VAR, str(tmp_path))
-    run_ranks(_train_and_exit, WORLD)
-    for rank in range(WORLD):
-        with open(tmp_path / _timeline.file_name(rank)) as f:
-            trace = json.load(f)
-        assert len(_events(trace, "X", "backward")) == 1
+def test_environment_variable_writes_at_exit(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    env[_timeline.ENV_VAR] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", _EXITING_SCRIPT], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    with open(tmp_path / _timeline.file_name(0)) as f:
+        trace = json.load(f)
+    assert len(_events(trace, "X", "backward")) == 1
+    assert len(_events(trace, "i", "gradient ready")) == 2
 
 
 def test_comm_hook_time_is_recorded():
