@@ -3,8 +3,8 @@ DDP_EXT_TIMELINE; Note [Communication timeline] in reducer/timeline.h).
 
 Multi-process (2 ranks over Gloo): one Chrome trace per rank, valid, holding
 for one iteration one backward, each parameter's ready instant once, each
-bucket's launch and completion, the end-of-backward wait; nothing recorded
-when off; communication hooks and rebuilds show up; torch.profiler sees
+bucket's launch and completion (seen when awaited where a backend's Work has
+no future), the end-of-backward wait; nothing recorded when off; communication hooks and rebuilds show up; torch.profiler sees
 ddp_ext's ranges while the timeline records; and recording changes no result.
 One process: with DDP_EXT_TIMELINE set, the file is written when it exits.
 """
@@ -184,6 +184,50 @@ def test_rebuilds_are_recorded():
         assert result["rebuilds"] >= 1
         assert len(_events(result["trace"], "X", "rebuild buckets")) == result["rebuilds"]
         assert len(_events(result["trace"], "X", "backward")) == 4
+
+
+class _DoneWork(dist.Work):
+    """A finished Work with no future, as some backends return."""
+
+    def wait(self, timeout=None):
+        return True
+
+
+class _NoFutureGroup(dist.ProcessGroup):
+    """Reduces through `inner` at once and returns Works without futures."""
+
+    def __init__(self, inner):
+        super().__init__(inner.rank(), inner.size())
+        self.inner = inner
+
+    def allreduce(self, tensors, *opts):
+        self.inner.allreduce(tensors, *opts).wait()
+        return _DoneWork()
+
+    def broadcast(self, tensors, *opts):
+        return self.inner.broadcast(tensors, *opts)
+
+    def allgather(self, outputs, inputs, *opts):
+        return self.inner.allgather(outputs, inputs, *opts)
+
+
+def _without_futures(rank: int, world_size: int, directory: str) -> List[str]:
+    ddp = _wrap(_model(), process_group=_NoFutureGroup(dist.group.WORLD))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with ddp.record_timeline(directory) as timeline:
+        _step(ddp, opt, rank, 0)
+    with open(timeline.path) as f:
+        trace = json.load(f)
+    buckets = [e for e in _events(trace, "X") if e["name"].startswith("bucket ")]
+    assert len(buckets) == len(ddp.bucket_indices())
+    return [e["args"].get("completion") for e in buckets]
+
+
+def test_completion_seen_when_awaited_without_a_future():
+    with tempfile.TemporaryDirectory() as directory:
+        results = shared_world(WORLD).run(_without_futures, directory)
+    for completions in results:
+        assert completions and set(completions) == {"seen when awaited"}
 
 
 def _iterations_and_off(rank: int, world_size: int, directory: str) -> Dict[str, Any]:
