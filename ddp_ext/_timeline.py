@@ -160,7 +160,7 @@ class Timeline:
             complete("forward", FORWARD_ROW, begin, end)
         iteration = 0
         backward_begin = None
-        launches = {}  # bucket -> (begin, bytes, hook) of a launch not yet completed
+        launches = {}  # bucket -> (begin, bytes) of a launch not yet completed
         step_check_launch = None
         for kind, index, begin, end, value in sorted(self._events, key=lambda e: (e[2], e[0] != BACKWARD_BEGIN)):
             if kind == BACKWARD_BEGIN:

@@ -47,6 +47,16 @@ namespace ddp_ext::reducer {
 //
 // Every range is also an at::RecordFunction (user scope) while the timeline
 // is on, so torch.profiler traces show ddp_ext's phases too.
+//
+// Bucket indices are those of the layout the bucket was launched in; a
+// rebuild (recorded as a range at the end of the backward that agreed on it)
+// renumbers the buckets from the next iteration on.
+//
+// Why the Chrome trace is written in Python rather than here, as the design
+// sketch had it: the parameter names and the wrapper's forward live on the
+// Python side, the file is written once per recording, far from any hook,
+// and the C++ side then stays a fixed-size store with no formatting, file
+// or JSON code to keep off the hot path.
 struct TimelineEvent {
   enum Kind : int32_t {
     kBackwardBegin = 0, // instant: the first gradient of a synchronising backward
