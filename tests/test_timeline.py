@@ -4,8 +4,10 @@ DDP_EXT_TIMELINE; Note [Communication timeline] in reducer/timeline.h).
 Multi-process (2 ranks over Gloo): one Chrome trace per rank, valid, holding
 for one iteration one backward, each parameter's ready instant once, each
 bucket's launch and completion (seen when awaited where a backend's Work has
-no future), the end-of-backward wait; nothing recorded when off; communication hooks and rebuilds show up; torch.profiler sees
-ddp_ext's ranges while the timeline records; and recording changes no result.
+no future), the end-of-backward wait; nothing recorded when off; recording
+that starts after a forward or stops after N iterations; communication hooks
+and rebuilds show up; torch.profiler sees ddp_ext's ranges while the timeline
+records; and recording changes no result.
 One process: with DDP_EXT_TIMELINE set, the file is written when it exits.
 """
 
