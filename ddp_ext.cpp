@@ -239,7 +239,27 @@ void bind_reducer(py::module& m) {
       .def("_push_all_rebuilt_params", [](Reducer&) {})
       .def("_remove_autograd_hooks", &Reducer::remove_autograd_hooks, NoGil())
       .def("_update_process_group", &Reducer::update_process_group,
-           py::arg("new_process_group"), NoGil());
+           py::arg("new_process_group"), NoGil())
+      .def("_set_timeline", &Reducer::set_timeline, py::arg("on"), NoGil())
+      .def(
+          "_take_timeline",
+          [](Reducer& r, int64_t wait_ms) {
+            // (kind, index, begin_ns, end_ns, value) tuples, and the count of
+            // events dropped; see Note [Communication timeline].
+            std::vector<TimelineEvent> events;
+            int64_t dropped = 0;
+            {
+              py::gil_scoped_release no_gil;
+              events = r.take_timeline(&dropped, wait_ms);
+            }
+            std::vector<std::tuple<int32_t, int32_t, int64_t, int64_t, int64_t>> rows;
+            rows.reserve(events.size());
+            for (const auto& e : events) {
+              rows.emplace_back(e.kind, e.index, e.begin_ns, e.end_ns, e.value);
+            }
+            return std::make_pair(std::move(rows), dropped);
+          },
+          py::arg("wait_ms") = 0);
 }
 
 void bind_process_groups(py::module& m) {

@@ -21,6 +21,7 @@ SOURCES = [
     "reducer/reducer.cpp",
     "reducer/reducer_rebuild.cpp",
     "reducer/step_check.cpp",
+    "reducer/timeline.cpp",
     "reducer/unused_parameters.cpp",
 ]
 

@@ -34,6 +34,7 @@ from ddp_ext import _mixed_precision as mixed_precision_forward
 from ddp_ext._model_check import verify_same_model
 from ddp_ext._output_sink import _map_tensors, find_tensors, sink_outputs
 from ddp_ext._parameter_watch import ParameterWatch
+from ddp_ext._timeline import Timeline, from_environment as timeline_from_environment
 from ddp_ext._unsupported import UnsupportedTorchInternals
 
 # Chunk size for broadcasting parameters and buffers, as torch's DDP uses.
@@ -254,6 +255,10 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         self._parameter_watch = ParameterWatch(module, self.parameters_to_ignore)
         if static_graph:
             self._set_static_graph()
+        self._timeline = None
+        timeline = timeline_from_environment()
+        if timeline is not None:
+            self.record_timeline(*timeline)
 
     # --- construction -----------------------------------------------------
 
@@ -359,13 +364,19 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
     # graph-break and recompile counts against torch's DDP.
     @torch._disable_dynamo(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        timeline = self._timeline
+        if timeline is not None:
+            timeline.forward_begin()
         with torch.autograd.profiler.record_function("DistributedDataParallel.forward"):
             inputs, kwargs = self._pre_forward(*inputs, **kwargs)
             if self._delay_all_reduce_all_params:
                 output = self.module(*inputs, **kwargs)
             else:
                 output = self._run_ddp_forward(*inputs, **kwargs)
-            return self._post_forward(output)
+            output = self._post_forward(output)
+        if timeline is not None:
+            timeline.forward_end()
+        return output
 
     def _lazy_init(self) -> None:
         self._setup_in_backward_optimizers()
@@ -741,6 +752,24 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         buys (paper Fig. 5). Call between iterations."""
         self.reducer.set_overlap_with_backward(bool(overlap))
 
+    def record_timeline(self, directory: str, iterations: Optional[int] = None) -> Timeline:
+        """ddp_ext only. Records the communication timeline from now on: the
+        forward, the backward, each gradient's ready time, each bucket's launch
+        and completion, the wait at the end of the backward, communication
+        hook time and bucket rebuilds. Writes a Chrome trace,
+        DIRECTORY/timeline-rank{rank}.json, when the returned Timeline is
+        stopped (stop(), the end of a `with` block), after `iterations`
+        synchronising backward passes, or at exit. The environment variable
+        DDP_EXT_TIMELINE=DIRECTORY does the same for every wrapper built
+        (DDP_EXT_TIMELINE_ITERATIONS=N: for N iterations)."""
+        if self._timeline is not None and self._timeline.recording:
+            raise RuntimeError(
+                f"record_timeline: this wrapper is already recording a timeline to {self._timeline.path}; "
+                "stop() it first"
+            )
+        self._timeline = Timeline(self, directory, iterations)
+        return self._timeline
+
     def bucket_indices(self) -> List[List[int]]:
         """ddp_ext only. Parameter indices (among those that require grad and
         are not ignored) per bucket, in launch order."""
@@ -776,6 +805,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         state = copy.copy(self.__dict__)
         for name in ("process_group", "reducer", "_delayed"):
             state.pop(name, None)
+        state["_timeline"] = None  # the copy records nothing
         # Hooks hold process groups and state that does not travel; the copy
         # starts with the default reduction, as after construction.
         state["_comm_hooks"] = []
@@ -788,6 +818,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         self.__dict__.setdefault("require_backward_grad_sync", True)
         self.__dict__.setdefault("rebuild_buckets", "continuous")
         self._delayed = None
+        self._timeline = None
         self._delay_all_reduce_all_params = not self._named_params_for_reducer(self.module)
         self._dropped_layers = DroppedLayers(self.module, [p for _, p in self._named_params_for_reducer(self.module)])
         self.reducer = None if self._delay_all_reduce_all_params else self._build_reducer()

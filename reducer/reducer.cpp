@@ -342,7 +342,11 @@ void Reducer::raise_if_out_of_step() {
   if (!step_check_ || !step_check_->launched()) {
     return;
   }
-  const std::string message = step_check_->wait();
+  std::string message;
+  {
+    TimelineRange range(timeline_, TimelineEvent::kStepCheckWait);
+    message = step_check_->wait();
+  }
   if (message.empty()) {
     return;
   }
@@ -371,6 +375,25 @@ void Reducer::match_step_check_as_joined() {
     step_check_->launch_as_joined(*process_group_);
     step_check_->wait();
   }
+}
+
+void Reducer::set_timeline(bool on) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  timeline_.set_on(on);
+  if (on) {
+    reserve_timeline(); // for a backward already prepared
+  }
+}
+
+void Reducer::reserve_timeline() {
+  // See Note [Communication timeline]: at most one gradient instant per
+  // parameter, a launch, hook and completion per bucket, and a few more.
+  timeline_.reserve(params_.size() + 4 * buckets_.size() + 16, buckets_.size());
+}
+
+std::vector<TimelineEvent> Reducer::take_timeline(int64_t* dropped, int64_t wait_ms) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return timeline_.take(dropped, wait_ms);
 }
 
 int64_t Reducer::training_steps() const {
@@ -584,6 +607,9 @@ void Reducer::prepare_for_backward(
   next_bucket_ = 0;
   accumulated_only_ = accumulated_only;
   plan_confirmed_ = !drops_layers_;
+  if (timeline_.on()) {
+    reserve_timeline();
+  }
   for (auto& bucket : buckets_) {
     bucket.pending = bucket.param_indices.size();
     bucket.dropped = drop_plan_.drops_all(bucket.param_indices);
@@ -650,11 +676,13 @@ void Reducer::take_divide_factor() {
 
 void Reducer::start_reducing() {
   enter(Phase::kExpectingGradients, Phase::kReducing);
+  timeline_.instant(TimelineEvent::kBackwardBegin, -1);
   const int64_t order_vote = cast_order_vote();
   if (step_check_) {
     ++backwards_begun_;
     step_check_->launch_backward(
         *process_group_, training_steps_, order_vote, drop_plan_.fingerprint());
+    timeline_.instant(TimelineEvent::kStepCheckLaunch, -1);
   }
   take_divide_factor();
   // See Note [Layer dropping].
@@ -750,6 +778,7 @@ void Reducer::mark_ready(size_t index) {
       "torch.utils.checkpoint(..., use_reentrant=False) or static_graph=True, "
       "and return from forward every tensor that depends on the parameter.");
   ready_[index] = true;
+  timeline_.instant(TimelineEvent::kGradientReady, index);
   if (!learning_iteration_) {
     gradient_order_.record(index); // See Note [Gradient order prediction].
   }
@@ -766,6 +795,7 @@ void Reducer::mark_ready(size_t index) {
 void Reducer::mark_dropped_ready(size_t index) {
   // See Note [Layer dropping]: nothing to copy unless the bucket travels.
   ready_[index] = true;
+  timeline_.instant(TimelineEvent::kGradientReady, index, /*value=*/1);
   gradient_order_.record_dropped(index);
   Bucket& bucket = buckets_[bucket_of_param_[index]];
   note_fill_stream(bucket.filled_on, params_[index].device());
@@ -874,6 +904,7 @@ void Reducer::launch(size_t bucket_index) {
     plan_confirmed_ = true;
     raise_if_out_of_step();
   }
+  TimelineRange range(timeline_, TimelineEvent::kBucketLaunch, bucket_index);
   // See Note [CUDA streams]: after every stream that filled the bucket.
   note_fill_stream(bucket.filled_on, bucket.params.front().device());
   if (options_.batched_grad_copy) {
@@ -893,11 +924,23 @@ void Reducer::launch(size_t bucket_index) {
   }
   if (comm_hook_ != nullptr) {
     c10d::GradBucket handed = grad_bucket(bucket_index, bucket.flat);
-    bucket.future = comm_hook_->runHook(handed);
+    {
+      TimelineRange hook_range(timeline_, TimelineEvent::kCommHook, bucket_index);
+      bucket.future = comm_hook_->runHook(handed);
+    }
+    if (timeline_.on() && bucket.future) {
+      range.set_value(bucket.flat.numel() * bucket.flat.element_size());
+      timeline_.on_completion(bucket.future, bucket_index);
+    }
     return;
   }
   std::vector<at::Tensor> tensors{bucket.sparse ? bucket.sparse_grad : bucket.flat};
   bucket.work = process_group_->allreduce(tensors);
+  if (timeline_.on()) {
+    range.set_value(tensors.front().is_sparse()
+        ? tensors.front()._values().nbytes() : tensors.front().nbytes());
+    timeline_.on_completion(*bucket.work, bucket_index);
+  }
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> Reducer::run_comm_hook(
@@ -964,6 +1007,7 @@ void Reducer::wait_for_launched_buckets() {
     Bucket& bucket = buckets_[b];
     if (bucket.work) {
       bucket.work->wait();
+      timeline_.awaited(b);
       if (bucket.sparse) {
         bucket.sparse_grad = bucket.work->result().front();
       }
@@ -1008,11 +1052,15 @@ void Reducer::finalize_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_INTERNAL_ASSERT(phase_ == Phase::kReducing && !learning_iteration_);
   TORCH_INTERNAL_ASSERT(next_bucket_ == buckets_.size());
+  TimelineRange range(timeline_, TimelineEvent::kFinalize);
   if (!options_.overlap_with_backward) {
     launch_all_buckets();
   }
   raise_if_out_of_step();
-  wait_for_launched_buckets();
+  {
+    TimelineRange wait_range(timeline_, TimelineEvent::kWaitForBuckets);
+    wait_for_launched_buckets();
+  }
   std::vector<bool> globally_used; // empty: every parameter counts as used
   if (options_.static_graph) {
     globally_used = static_used_globally_;
@@ -1062,6 +1110,7 @@ void Reducer::finish_learning_iteration_locked() {
     start_reducing();
   }
   TORCH_INTERNAL_ASSERT(phase_ == Phase::kReducing);
+  TimelineRange range(timeline_, TimelineEvent::kFinalize);
   static_unused_locally_.clear();
   for (size_t i = 0; i < params_.size(); ++i) {
     if (local_used_.data_ptr<int32_t>()[i] == 0) {
@@ -1075,7 +1124,10 @@ void Reducer::finish_learning_iteration_locked() {
   launch_all_buckets();
   launch_used_bitmap_allreduce();
   raise_if_out_of_step();
-  wait_for_launched_buckets();
+  {
+    TimelineRange wait_range(timeline_, TimelineEvent::kWaitForBuckets);
+    wait_for_launched_buckets();
+  }
   static_used_globally_ = wait_for_used_bitmap();
   graph_learned_ = true;
   learning_iteration_ = false;

@@ -19,6 +19,7 @@
 #include "reducer/layer_drop.h"
 #include "reducer/reducer_options.h"
 #include "reducer/step_check.h"
+#include "reducer/timeline.h"
 
 namespace ddp_ext::reducer {
 
@@ -213,6 +214,13 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // See ReducerOptions::overlap_with_backward. Not while reducing.
   void set_overlap_with_backward(bool overlap);
 
+  // Starts or stops recording the communication timeline; take_timeline()
+  // returns what was recorded (and sets `dropped` to the events the buffer
+  // had no room for), waiting at most `wait_ms` for the completions of
+  // launched buckets. See Note [Communication timeline].
+  void set_timeline(bool on);
+  std::vector<TimelineEvent> take_timeline(int64_t* dropped, int64_t wait_ms);
+
   // Called by the autograd hook of parameter `index` once its gradient
   // accumulator has run. `gradient_arrived` is false when autograd ran the
   // accumulator with no gradient (an output the loss did not use).
@@ -258,6 +266,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<size_t> agreed_order();
   void rebuild_buckets(const std::vector<std::vector<size_t>>& layout);
   LayoutInputs layout_inputs() const;
+  void reserve_timeline();
 
   const std::vector<at::Tensor> params_;
   const std::vector<std::string> param_names_;
@@ -335,6 +344,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   GradientOrder gradient_order_;
   bool order_vote_cast_ = false;
   int64_t own_order_vote_ = 0;
+
+  // See Note [Communication timeline]: off unless asked for.
+  Timeline timeline_;
 };
 
 } // namespace ddp_ext::reducer

@@ -65,7 +65,9 @@ void Reducer::conclude_gradient_order(bool launched_at_end) {
             return indices == bucket.param_indices;
           });
       if (changed) {
+        TimelineRange range(timeline_, TimelineEvent::kRebuild);
         rebuild_buckets(layout);
+        range.set_value(static_cast<int64_t>(buckets_.size()));
       }
       gradient_order_.rebuilt(changed);
     }

@@ -84,3 +84,20 @@ def test_layerdrop_records_bytes_and_parity(tmp_path):
     assert half["torch_bytes"] == no_drop["torch_bytes"], "torch's DDP sends every bucket"
     assert half["ours_bytes"] < no_drop["ours_bytes"]
     assert "| 0.5 |" in (tmp_path / "layerdrop.md").read_text()
+
+
+def test_timeline_draws_both_ddps(tmp_path):
+    _run_bench(tmp_path, "timeline", "--quick")
+    with open(tmp_path / "timeline.json") as f:
+        result = json.load(f)
+    for rank in result["ranks_data"]:
+        ours, theirs = rank["ours"], rank["torch"]
+        assert len(ours["ready_ms"]) == ours["parameters"]
+        for measured in (ours, theirs):
+            assert measured["buckets"], "no bucket drawn"
+            for bucket in measured["buckets"]:
+                assert bucket["bytes"] > 0 and bucket["done_ms"] >= bucket["launch_ms"] >= 0
+        assert sum(b["bytes"] for b in ours["buckets"]) == sum(b["bytes"] for b in theirs["buckets"])
+    assert result["cost"]["off"]["median_ms"] > 0 and result["cost"]["on"]["median_ms"] > 0
+    assert (tmp_path / "timeline.png").stat().st_size > 0
+    assert "| ddp_ext: bucket 0 |" in (tmp_path / "timeline.md").read_text()
