@@ -50,6 +50,11 @@ def soak(rank: int, world_size: int, job: SoakJob) -> dict:
         optimizer.zero_grad()
         if job.leak_bytes:
             leaked.append(torch.ones(job.leak_bytes // 4))
+        if i == 0:
+            # Free the garbage of start-up and of the first iteration (lazy
+            # initialisation) now: its collection would otherwise fall at
+            # some later iteration and show as a drop in the object count.
+            gc.collect()
         if i % job.sample_every == 0:
             samples.append((i, rss_bytes(), len(gc.get_objects())))
     seconds = time.perf_counter() - started

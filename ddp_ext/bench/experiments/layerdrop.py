@@ -189,8 +189,7 @@ def run(options: BenchOptions, progress) -> dict:
         "one rank carried (gradients plus the control allreduces), counted by a wrapping process group; expected "
         "kept: all gradient bytes minus p times the encoder layers' bytes, what dropping saves on average.",
         f"max |diff| vs local: after {PARITY_STEPS[options.quick]} SGD steps with dropout off, ddp_ext's "
-        "parameters against one "
-        "process training on the ranks' concatenated batches with the same drops.",
+        "parameters against one process training on the ranks' concatenated batches with the same drops.",
     ]
     return {"p": results, "notes": notes}
 
