@@ -687,12 +687,11 @@ void Reducer::start_reducing() {
   take_divide_factor();
   // See Note [Layer dropping].
   for (size_t dropped : drop_plan_.indices()) {
-    mark_dropped_ready(dropped);
+    mark_ready(dropped, /*arrived=*/false);
   }
   for (size_t index : accumulated_only_) {
     if (!ready_[index]) {
-      mark_ready(index);
-      gradient_order_.record_dropped(index);
+      mark_ready(index, /*arrived=*/false);
     }
   }
   for (size_t unused : unused_) {
@@ -764,7 +763,7 @@ void Reducer::on_gradient_ready(size_t index, bool gradient_arrived) {
   mark_ready(index);
 }
 
-void Reducer::mark_ready(size_t index) {
+void Reducer::mark_ready(size_t index, bool arrived) {
   TORCH_CHECK(
       !ready_[index],
       "Expected to mark a variable ready only once. On rank ",
@@ -778,29 +777,22 @@ void Reducer::mark_ready(size_t index) {
       "torch.utils.checkpoint(..., use_reentrant=False) or static_graph=True, "
       "and return from forward every tensor that depends on the parameter.");
   ready_[index] = true;
-  timeline_.instant(TimelineEvent::kGradientReady, index);
-  if (!learning_iteration_) {
-    gradient_order_.record(index); // See Note [Gradient order prediction].
+  // The timeline flags a dropped parameter (only one that did not arrive can be).
+  timeline_.instant(
+      TimelineEvent::kGradientReady, index, !arrived && drop_plan_.dropped(index));
+  // See Note [Gradient order prediction]: one with no gradient in this
+  // backward keeps its place.
+  if (!arrived) {
+    gradient_order_.record_dropped(index);
+  } else if (!learning_iteration_) {
+    gradient_order_.record(index);
   }
   Bucket& bucket = buckets_[bucket_of_param_[index]];
-  note_fill_stream(bucket.filled_on, params_[index].device());
-  if (!options_.batched_grad_copy) {
-    copy_into_bucket(index, /*scale=*/comm_hook_ == nullptr);
-  }
-  if (--bucket.pending == 0) {
-    launch_ready_buckets();
-  }
-}
-
-void Reducer::mark_dropped_ready(size_t index) {
-  // See Note [Layer dropping]: nothing to copy unless the bucket travels.
-  ready_[index] = true;
-  timeline_.instant(TimelineEvent::kGradientReady, index, /*value=*/1);
-  gradient_order_.record_dropped(index);
-  Bucket& bucket = buckets_[bucket_of_param_[index]];
-  note_fill_stream(bucket.filled_on, params_[index].device());
-  if (!bucket.dropped && !options_.batched_grad_copy) {
-    copy_into_bucket(index, /*scale=*/comm_hook_ == nullptr);
+  if (!bucket.dropped) { // See Note [Layer dropping]: it does not travel.
+    note_fill_stream(bucket.filled_on, params_[index].device());
+    if (!options_.batched_grad_copy) {
+      copy_into_bucket(index, /*scale=*/comm_hook_ == nullptr);
+    }
   }
   if (--bucket.pending == 0) {
     launch_ready_buckets();

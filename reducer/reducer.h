@@ -229,8 +229,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
  private:
   void enter(Phase from, Phase to);
   void start_reducing();
-  void mark_ready(size_t index);
-  void mark_dropped_ready(size_t index);
+  // `arrived`: false for a parameter marked ready when the backward starts
+  // because its layer was dropped (Note [Layer dropping]).
+  void mark_ready(size_t index, bool arrived = true);
   std::string dropped_gradient_message(size_t index) const;
   void copy_into_bucket(size_t index, bool scale);
   void copy_sparse_gradient(Bucket& bucket, size_t index, const at::Tensor& grad);
