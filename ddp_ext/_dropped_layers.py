@@ -28,13 +28,15 @@ class DroppedLayers:
                 seen.add(id(sub))
                 self.containers.append(sub)
                 prefixes.append(f"{name}." if name else "")
-        names: Dict[int, List[str]] = {}
-        for name, param in module.named_parameters(remove_duplicate=False):
-            names.setdefault(id(param), []).append(name)
         # layer_params[c][j]: reducer indices of the parameters of layer j of
         # container c. units[i]: the innermost layer parameter i belongs to.
         self.layer_params: List[List[List[int]]] = []
         self.units: List[int] = [-1] * len(params)
+        # Without a LayerDrop (most models) there is nothing to look up.
+        names: Dict[int, List[str]] = {}
+        if self.containers:
+            for name, param in module.named_parameters(remove_duplicate=False):
+                names.setdefault(id(param), []).append(name)
         depth = [0] * len(params)
         unit = 0
         for prefix, container in zip(prefixes, self.containers):
