@@ -194,13 +194,6 @@ def run(options: BenchOptions, progress) -> dict:
     return {"p": results, "notes": notes}
 
 
-def run_line(data: dict) -> str:
-    o = data["options"]
-    return (f"seed {o['seed']}; per variant and drop rate {o['warmup']} warm-up iterations, then {o['blocks']} "
-            f"blocks of {o['discard_per_block']} discarded + {o['block_iterations']} measured iterations, "
-            "variants alternating block by block.")
-
-
 def _mib(value: float) -> str:
     return f"{value / 2**20:.2f}"
 
