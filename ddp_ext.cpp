@@ -10,6 +10,8 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/headeronly/version.h>
 
+#include "compression/adaptive_precision.h"
+#include "compression/int8_codec.h"
 #include "process_groups/recording_backend.h"
 #include "process_groups/round_robin_backend.h"
 
@@ -206,6 +208,17 @@ void bind_reducer(py::module& m) {
           },
           py::arg("comm_hook_type"), py::arg("process_group"), NoGil())
       .def(
+          "_register_adaptive_precision",
+          [](Reducer& r, std::shared_ptr<ddp_ext::compression::AdaptivePrecision> state) {
+            // Keeps no state the reducer's rebuilds could invalidate: its
+            // error feedback follows parameters (compression/residuals.h).
+            r.register_comm_hook(
+                std::make_unique<ddp_ext::compression::AdaptivePrecisionCommHook>(
+                    std::move(state)),
+                /*stateless=*/true);
+          },
+          py::arg("state"), NoGil())
+      .def(
           "_run_comm_hook",
           [](Reducer& r, c10d::GradBucket& bucket) -> FuturePtr {
             return std::make_shared<torch::jit::PythonFutureWrapper>(
@@ -260,6 +273,84 @@ void bind_reducer(py::module& m) {
             return std::make_pair(std::move(rows), dropped);
           },
           py::arg("wait_ms") = 0);
+}
+
+void bind_compression(py::module& m) {
+  using namespace ddp_ext::compression;
+  py::module::import("torch.distributed");
+
+  py::class_<PolicyOptions>(m, "PolicyOptions")
+      .def(py::init<>())
+      .def_readwrite("warmup_iterations", &PolicyOptions::warmup_iterations)
+      .def_readwrite("check_every", &PolicyOptions::check_every)
+      .def_readwrite("critical_change", &PolicyOptions::critical_change)
+      .def_readwrite("reprobe_every", &PolicyOptions::reprobe_every)
+      .def_readwrite("int8_allowed", &PolicyOptions::int8_allowed)
+      .def_readwrite("off_when_slower", &PolicyOptions::off_when_slower);
+
+  // The pure decisions, for table tests.
+  py::class_<PrecisionPolicy>(m, "PrecisionPolicy")
+      .def(py::init<PolicyOptions>(), py::arg("options"))
+      .def(
+          "conclude_window",
+          [](PrecisionPolicy& policy, std::vector<double> sq_norms,
+             std::optional<double> cost_ms, int64_t iterations) {
+            policy.conclude_window(WindowReport{std::move(sq_norms), cost_ms}, iterations);
+          },
+          py::arg("bucket_sq_norms"), py::arg("cost_ms"), py::arg("iterations"))
+      .def_property_readonly(
+          "mode", [](const PrecisionPolicy& p) { return std::string(window_mode_name(p.mode())); })
+      .def("format", [](const PrecisionPolicy& p, size_t index) {
+        return std::string(precision_name(p.format(index)));
+      }, py::arg("bucket_index"))
+      .def_property_readonly("full_cost_ms", &PrecisionPolicy::full_cost_ms)
+      .def_property_readonly("compressed_cost_ms", &PrecisionPolicy::compressed_cost_ms);
+
+  py::class_<PrecisionDecision>(m, "PrecisionDecision")
+      .def_readonly("iteration", &PrecisionDecision::iteration)
+      .def_readonly("mode", &PrecisionDecision::mode)
+      .def_readonly("formats", &PrecisionDecision::formats)
+      .def_readonly("full_cost_ms", &PrecisionDecision::full_cost_ms)
+      .def_readonly("compressed_cost_ms", &PrecisionDecision::compressed_cost_ms);
+
+  py::class_<AdaptivePrecision, std::shared_ptr<AdaptivePrecision>>(
+      m, "AdaptivePrecision",
+      "State of the adaptive-precision communication hook; see "
+      "compression/adaptive_precision.h.")
+      .def(py::init([](ProcessGroupPtr group, PolicyOptions policy, int64_t int8_chunk) {
+             return std::make_shared<AdaptivePrecision>(
+                 std::move(group), AdaptivePrecisionOptions{policy, int8_chunk});
+           }),
+           py::arg("process_group"), py::arg("policy"), py::arg("int8_chunk"))
+      .def(
+          "run",
+          [](AdaptivePrecision& state, c10d::GradBucket& bucket) -> FuturePtr {
+            return std::make_shared<torch::jit::PythonFutureWrapper>(state.run(bucket));
+          },
+          py::arg("bucket"), NoGil())
+      .def_property_readonly("iterations", &AdaptivePrecision::iterations)
+      .def_property_readonly("bytes_sent", &AdaptivePrecision::bytes_sent)
+      .def_property_readonly("mode", &AdaptivePrecision::mode)
+      .def_property_readonly("formats", &AdaptivePrecision::formats)
+      .def("decisions", &AdaptivePrecision::decisions)
+      .def("residual", &AdaptivePrecision::residual, py::arg("bucket_index"));
+
+  m.def(
+      "int8_encode",
+      [](at::Tensor values, int64_t chunk) {
+        at::Tensor payload = at::empty({int8_payload_bytes(values.numel(), chunk)},
+                                       values.options().dtype(at::kByte));
+        encode_int8(values, payload, chunk);
+        return payload;
+      },
+      py::arg("values"), py::arg("chunk"), NoGil(),
+      "Encodes values (1-D float32) in place of what the codes miss; returns the payload.");
+  m.def(
+      "int8_decode_sum",
+      [](const std::vector<at::Tensor>& payloads, at::Tensor out, int64_t chunk) {
+        decode_sum_int8(payloads, out, chunk);
+      },
+      py::arg("payloads"), py::arg("out"), py::arg("chunk"), NoGil());
 }
 
 void bind_process_groups(py::module& m) {
@@ -321,5 +412,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       std::to_string(TORCH_VERSION_MAJOR) + "." +
       std::to_string(TORCH_VERSION_MINOR));
   bind_reducer(m);
+  bind_compression(m);
   bind_process_groups(m);
 }

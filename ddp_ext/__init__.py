@@ -7,6 +7,10 @@ Layers dropped at random, the same on every rank, and not communicated:
 
     self.layers = ddp_ext.LayerDrop([Block() for _ in range(12)], p=0.2)
 
+Gradients sent in as few bits as pay, with error feedback:
+
+    model.register_comm_hook(ddp_ext.AdaptivePrecision(), ddp_ext.adaptive_precision_hook)
+
 Round-robin process groups (importing ddp_ext also registers the
 torch.distributed backend "round_robin"):
 
@@ -23,14 +27,17 @@ from ddp_ext._loader import load_extension, native_module
 
 _C = native_module()
 
+from ddp_ext.compression import AdaptivePrecision, adaptive_precision_hook  # noqa: E402
 from ddp_ext.distributed import DistributedDataParallel  # noqa: E402
 from ddp_ext.layer_drop import LayerDrop  # noqa: E402
 from ddp_ext.round_robin import RoundRobinOptions, new_round_robin_group, round_robin_group  # noqa: E402
 from ddp_ext import mpi  # noqa: E402,F401  (registers "ddp_ext_mpi" and "mpi://")
 
 __all__ = [
+    "AdaptivePrecision",
     "DistributedDataParallel",
     "LayerDrop",
+    "adaptive_precision_hook",
     "RoundRobinOptions",
     "load_extension",
     "new_round_robin_group",

@@ -10,6 +10,10 @@ VERSION = "0.1.0"
 # Paths relative to the repository root. Listed by hand, never globbed.
 SOURCES = [
     "ddp_ext.cpp",
+    "compression/adaptive_precision.cpp",
+    "compression/int8_codec.cpp",
+    "compression/precision_policy.cpp",
+    "compression/residuals.cpp",
     "process_groups/recording_backend.cpp",
     "process_groups/round_robin_backend.cpp",
     "reducer/bucket_assignment.cpp",

@@ -26,6 +26,7 @@ from ddp_ext._arguments import (
     resolve_rebuild_buckets,
 )
 from ddp_ext._comm_hooks import check_comm_hook, hook_name
+from ddp_ext.compression import AdaptivePrecision, adaptive_precision_hook
 from ddp_ext._delayed_all_reduce import DelayedAllReduce
 from ddp_ext._dropped_layers import DroppedLayers
 from ddp_ext._join import DistributedDataParallelJoinHook
@@ -677,7 +678,15 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         holds gradients not yet divided by the world size; the future's value
         is the reduced buffer). Once only, between iterations."""
         check_comm_hook(hook)
-        self.reducer._register_comm_hook(state, hook)
+        if hook is adaptive_precision_hook:
+            # The same hook, run in C++ without the GIL.
+            if not isinstance(state, AdaptivePrecision):
+                raise TypeError(
+                    f"adaptive_precision_hook needs a ddp_ext.AdaptivePrecision as its state, got {type(state).__name__}"
+                )
+            self.reducer._register_adaptive_precision(state._bind(self.process_group))
+        else:
+            self.reducer._register_comm_hook(state, hook)
         self._comm_hooks.append((hook_name(hook), state))
 
     def _register_builtin_comm_hook(self, comm_hook_type) -> None:

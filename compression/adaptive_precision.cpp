@@ -1,0 +1,247 @@
+#include "compression/adaptive_precision.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "compression/int8_codec.h"
+
+namespace ddp_ext::compression {
+namespace {
+
+constexpr size_t kMaxDecisions = 10000;
+
+double milliseconds(std::chrono::steady_clock::duration d) {
+  return std::chrono::duration<double, std::milli>(d).count();
+}
+
+std::vector<std::string> format_names(const PrecisionPolicy& policy, size_t buckets) {
+  std::vector<std::string> names;
+  for (size_t b = 0; b < buckets; ++b) {
+    names.emplace_back(precision_name(policy.format(b)));
+  }
+  return names;
+}
+
+double squared_norm(const at::Tensor& flat) {
+  if (flat.scalar_type() == at::kFloat) {
+    return at::dot(flat, flat).item<double>();
+  }
+  const double norm = at::linalg_vector_norm(flat, 2, {}, false, at::kDouble).item<double>();
+  return norm * norm;
+}
+
+} // namespace
+
+AdaptivePrecision::AdaptivePrecision(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                     AdaptivePrecisionOptions options)
+    : group_(std::move(group)),
+      world_size_(group_->getSize()),
+      int8_chunk_(options.int8_chunk),
+      policy_(options.policy) {
+  TORCH_CHECK(int8_chunk_ > 0, "int8_chunk must be positive, got ", int8_chunk_);
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> AdaptivePrecision::run(c10d::GradBucket& bucket) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const size_t index = bucket.getIndex();
+  at::Tensor flat = bucket.getBufferRef().view({-1});
+  if (!last_index_ || index <= *last_index_) {
+    finish_iteration_cost();
+    ++iteration_;
+    if (iteration_ > 0 && iteration_ % policy_.options().check_every == 0) {
+      conclude_window(flat, lock);
+    }
+  }
+  last_index_ = index;
+  begin_bucket(index);
+
+  const auto start = Clock::now();
+  window_sq_norms_[index] += squared_norm(flat);
+  FuturePtr sent;
+  if (flat.scalar_type() != at::kFloat) {
+    sent = send_full(bucket, flat); // only float32 is compressed
+  } else {
+    switch (policy_.format(index)) {
+      case Precision::kFull:
+        sent = send_full(bucket, flat);
+        break;
+      case Precision::kHalf:
+        sent = send_half(bucket, flat);
+        break;
+      case Precision::kInt8:
+        sent = send_int8(bucket, flat);
+        break;
+    }
+  }
+  const auto launched = Clock::now();
+  encode_ms_ += milliseconds(launched - start);
+  last_launch_ = launched;
+  return sent;
+}
+
+void AdaptivePrecision::begin_bucket(size_t index) {
+  if (window_sq_norms_.size() <= index) {
+    window_sq_norms_.resize(index + 1, 0.0);
+  }
+}
+
+void AdaptivePrecision::finish_iteration_cost() {
+  std::optional<Clock::time_point> completed;
+  {
+    std::lock_guard<std::mutex> guard(completion_mutex_);
+    completed = std::exchange(last_completion_, std::nullopt);
+  }
+  if (last_launch_ && completed && *completed >= *last_launch_) {
+    window_cost_ms_ += encode_ms_ + milliseconds(*completed - *last_launch_);
+    ++window_costs_;
+  }
+  encode_ms_ = 0;
+  last_launch_.reset();
+}
+
+void AdaptivePrecision::conclude_window(const at::Tensor& like,
+                                        std::unique_lock<std::mutex>& lock) {
+  // See Note [Adaptive precision], Agreement: one float64 tensor of the
+  // window's per-bucket squared norms, this rank's mean cost, and whether
+  // it measured one; summed over ranks.
+  const size_t buckets = window_sq_norms_.size();
+  std::vector<double> figures(window_sq_norms_);
+  figures.push_back(window_costs_ > 0 ? window_cost_ms_ / window_costs_ : 0.0);
+  figures.push_back(window_costs_ > 0 ? 1.0 : 0.0);
+  at::Tensor agreed = at::tensor(figures, at::dtype(at::kDouble)).to(like.device());
+  std::vector<at::Tensor> tensors{agreed};
+  lock.unlock();
+  group_->allreduce(tensors)->wait();
+  at::Tensor summed = agreed.cpu();
+  lock.lock();
+
+  const double* values = summed.data_ptr<double>();
+  WindowReport report;
+  report.bucket_sq_norms.assign(values, values + buckets);
+  if (values[buckets + 1] > 0) {
+    report.cost_ms = values[buckets] / values[buckets + 1];
+  }
+  policy_.conclude_window(report, iteration_);
+  std::fill(window_sq_norms_.begin(), window_sq_norms_.end(), 0.0);
+  window_cost_ms_ = 0;
+  window_costs_ = 0;
+  if (decisions_.size() < kMaxDecisions) {
+    decisions_.push_back(PrecisionDecision{
+        iteration_, window_mode_name(policy_.mode()), format_names(policy_, buckets),
+        policy_.full_cost_ms(), policy_.compressed_cost_ms()});
+  }
+}
+
+AdaptivePrecision::FuturePtr AdaptivePrecision::complete_with(
+    FuturePtr sent, at::Tensor result, std::function<void()> finish) {
+  std::weak_ptr<AdaptivePrecision> weak = weak_from_this();
+  return sent->then(
+      [weak, result = std::move(result), finish = std::move(finish)](
+          c10::ivalue::Future& done) -> c10::IValue {
+        TORCH_CHECK(!done.hasError(), done.tryRetrieveErrorMessage());
+        finish();
+        if (auto self = weak.lock()) {
+          const auto now = Clock::now();
+          std::lock_guard<std::mutex> guard(self->completion_mutex_);
+          if (!self->last_completion_ || *self->last_completion_ < now) {
+            self->last_completion_ = now;
+          }
+        }
+        return c10::IValue(result);
+      },
+      c10::TensorType::get());
+}
+
+AdaptivePrecision::FuturePtr AdaptivePrecision::send_full(c10d::GradBucket& bucket,
+                                                          at::Tensor& flat) {
+  flat.div_(world_size_);
+  if (flat.scalar_type() == at::kFloat) {
+    // Whatever earlier roundings owed goes out now; nothing is left behind.
+    at::Tensor owed = residuals_.take(bucket.getIndex(), bucket.getParameters(), flat);
+    if (owed.defined()) {
+      flat.add_(owed);
+    }
+  }
+  bytes_sent_ += flat.numel() * flat.element_size();
+  std::vector<at::Tensor> tensors{flat};
+  return complete_with(group_->allreduce(tensors)->getFuture(), bucket.getBuffer(), [] {});
+}
+
+AdaptivePrecision::FuturePtr AdaptivePrecision::send_half(c10d::GradBucket& bucket,
+                                                          at::Tensor& flat) {
+  at::Tensor& owed = residuals_.of(bucket.getIndex(), bucket.getParameters(), flat);
+  owed.add_(flat, 1.0 / static_cast<double>(world_size_));
+  at::Tensor half = owed.to(at::kHalf);
+  owed.sub_(half);
+  bytes_sent_ += half.numel() * half.element_size();
+  std::vector<at::Tensor> tensors{half};
+  return complete_with(group_->allreduce(tensors)->getFuture(), bucket.getBuffer(),
+                       [flat, half] { flat.copy_(half); });
+}
+
+AdaptivePrecision::FuturePtr AdaptivePrecision::send_int8(c10d::GradBucket& bucket,
+                                                          at::Tensor& flat) {
+  at::Tensor& owed = residuals_.of(bucket.getIndex(), bucket.getParameters(), flat);
+  owed.add_(flat, 1.0 / static_cast<double>(world_size_));
+  const int64_t bytes = int8_payload_bytes(flat.numel(), int8_chunk_);
+  at::Tensor payload = at::empty({bytes}, flat.options().dtype(at::kByte));
+  encode_int8(owed, payload, int8_chunk_);
+  bytes_sent_ += bytes;
+  // See Note [Adaptive precision]: gathered, then summed in rank order.
+  std::vector<std::vector<at::Tensor>> gathered(1);
+  for (int64_t r = 0; r < world_size_; ++r) {
+    gathered[0].push_back(at::empty_like(payload));
+  }
+  std::vector<at::Tensor> inputs{payload};
+  auto sent = group_->allgather(gathered, inputs)->getFuture();
+  const int64_t chunk = int8_chunk_;
+  return complete_with(std::move(sent), bucket.getBuffer(),
+                       [flat, payloads = gathered[0], chunk]() mutable {
+                         decode_sum_int8(payloads, flat, chunk);
+                       });
+}
+
+int64_t AdaptivePrecision::iterations() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return iteration_ + 1;
+}
+
+int64_t AdaptivePrecision::bytes_sent() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return bytes_sent_;
+}
+
+std::string AdaptivePrecision::mode() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return window_mode_name(policy_.mode());
+}
+
+std::vector<std::string> AdaptivePrecision::formats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return format_names(policy_, window_sq_norms_.size());
+}
+
+std::vector<PrecisionDecision> AdaptivePrecision::decisions() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return decisions_;
+}
+
+at::Tensor AdaptivePrecision::residual(size_t index) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  at::Tensor values = residuals_.get(index);
+  return values.defined() ? values.clone() : values;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> AdaptivePrecisionCommHook::runHook(
+    c10d::GradBucket& bucket) {
+  return state_->run(bucket);
+}
+
+at::Tensor AdaptivePrecisionCommHook::parseHookResult(const c10::IValue& result) {
+  return c10d::detail::parseCppCommHookResult(result);
+}
+
+} // namespace ddp_ext::compression

@@ -1,0 +1,111 @@
+#pragma once
+
+#include <ATen/core/ivalue.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "compression/precision_policy.h"
+#include "compression/residuals.h"
+
+namespace ddp_ext::compression {
+
+struct AdaptivePrecisionOptions {
+  // When to choose what; see PolicyOptions.
+  PolicyOptions policy;
+  // Elements per int8 scale. Default: 1024 (scales add 0.4% to the bytes).
+  int64_t int8_chunk = 1024;
+};
+
+// One format decision, as the tests and reports see it.
+struct PrecisionDecision {
+  int64_t iteration;                // first iteration it applies to
+  std::string mode;                 // window_mode_name
+  std::vector<std::string> formats; // per bucket, precision_name
+  std::optional<double> full_cost_ms;
+  std::optional<double> compressed_cost_ms;
+};
+
+// The adaptive-precision communication hook's state and work; see Note
+// [Adaptive precision] in compression/precision_policy.h. Follows torch's
+// hook contract: run() takes a bucket of gradients not yet divided by the
+// world size and returns a future whose value is the averaged bucket. One
+// instance per DDP model.
+class AdaptivePrecision : public std::enable_shared_from_this<AdaptivePrecision> {
+ public:
+  AdaptivePrecision(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                    AdaptivePrecisionOptions options);
+
+  c10::intrusive_ptr<c10::ivalue::Future> run(c10d::GradBucket& bucket);
+
+  // Synchronising iterations begun (counted at each iteration's first bucket).
+  int64_t iterations() const;
+  // Bytes this rank handed to collectives for buckets (payloads only, not
+  // the once-a-window agreement of a few numbers).
+  int64_t bytes_sent() const;
+  std::string mode() const;
+  std::vector<std::string> formats() const;
+  std::vector<PrecisionDecision> decisions() const;
+  // What bucket `index` owes to later iterations (error feedback); undefined
+  // if nothing. A copy.
+  at::Tensor residual(size_t index) const;
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
+
+  void begin_bucket(size_t index);
+  void finish_iteration_cost();
+  void conclude_window(const at::Tensor& like, std::unique_lock<std::mutex>& lock);
+  FuturePtr send_full(c10d::GradBucket& bucket, at::Tensor& flat);
+  FuturePtr send_half(c10d::GradBucket& bucket, at::Tensor& flat);
+  FuturePtr send_int8(c10d::GradBucket& bucket, at::Tensor& flat);
+  // The future's value becomes `result`, once `finish` has run on completion.
+  FuturePtr complete_with(FuturePtr sent, at::Tensor result,
+                          std::function<void()> finish);
+
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  const int64_t world_size_;
+  const int64_t int8_chunk_;
+
+  mutable std::mutex mutex_; // everything below but the completion time
+  PrecisionPolicy policy_;
+  Residuals residuals_;
+  std::vector<PrecisionDecision> decisions_;
+  int64_t iteration_ = -1;
+  std::optional<size_t> last_index_;
+  int64_t bytes_sent_ = 0;
+  // The window under way: per-bucket squared norms, and per-iteration costs.
+  std::vector<double> window_sq_norms_;
+  double window_cost_ms_ = 0;
+  int64_t window_costs_ = 0;
+  // The iteration under way: time spent encoding, and when its last bucket
+  // had been handed to the process group.
+  double encode_ms_ = 0;
+  std::optional<Clock::time_point> last_launch_;
+
+  std::mutex completion_mutex_;
+  std::optional<Clock::time_point> last_completion_;
+};
+
+// Registers an AdaptivePrecision with a ddp_ext Reducer (no Python, no GIL).
+class AdaptivePrecisionCommHook : public c10d::CommHookInterface {
+ public:
+  explicit AdaptivePrecisionCommHook(std::shared_ptr<AdaptivePrecision> state)
+      : state_(std::move(state)) {}
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override;
+  at::Tensor parseHookResult(const c10::IValue& result) override;
+
+ private:
+  std::shared_ptr<AdaptivePrecision> state_;
+};
+
+} // namespace ddp_ext::compression
