@@ -29,6 +29,10 @@ namespace ddp_ext::compression {
 // and added to the next gradient sent, so the sum of what a rank sent over
 // any stretch of iterations differs from the sum of its gradients by its
 // current residual only: one rounding's worth, never an accumulation.
+// Float16's allreduce also rounds the sum on the wire, which no rank sees;
+// and a parameter no rank used keeps its .grad (find_unused_parameters), so
+// what it owed and sent in that iteration is dropped. A full-precision
+// window sends every residual and frees it.
 //
 // The choice follows two measurements, both agreed across ranks:
 //

@@ -369,3 +369,66 @@ def test_bytes_sent_follow_the_format():
     assert r["sent"][:2] == [r["full"]] * 2  # warm-up: float32
     assert set(r["formats"]) == {"int8"}
     assert r["sent"][-1] <= r["full"] / 4 * 1.01 + 4 * 8  # a quarter, plus the scales
+
+
+class FixedMany(nn.Module):
+    """loss = sum_k sum(w_k * x_k), with the terms built in the order given:
+    gradients arrive in the reverse of that order."""
+
+    NUMELS = (300, 200, 100)
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.ParameterList(nn.Parameter(torch.zeros(n)) for n in self.NUMELS)
+
+    def forward(self, xs, order):
+        return sum((self.w[k] * xs[k]).sum() for k in order)
+
+
+def _feedback_across_rebuilds(rank, world_size, _):
+    module = FixedMany()
+    # One parameter per bucket; the order flips at step 8, and ddp_ext lays
+    # the buckets out again once the new order holds.
+    ddp = ddp_ext.DistributedDataParallel(module, bucket_cap_mb=1e-6, rebuild_buckets="continuous")
+    # int8 from iteration 2 on (float16 would add the rounding of its sums).
+    state = AdaptivePrecision(warmup_iterations=2, check_every=1, critical_change=1e9, off_when_slower=False)
+    ddp.register_comm_hook(state, adaptive_precision_hook)
+    optimizer = torch.optim.SGD(module.parameters(), lr=1.0)
+    exact = [torch.zeros(n) for n in FixedMany.NUMELS]
+    layouts = []
+    for step in range(24):
+        xs = [_rank_gradient(rank, 100 * k + step, n) for k, n in enumerate(FixedMany.NUMELS)]
+        ddp(xs, (0, 1, 2) if step < 8 else (2, 0, 1)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        layouts.append(ddp.bucket_indices())
+        for k, n in enumerate(FixedMany.NUMELS):
+            exact[k] -= sum(_rank_gradient(r, 100 * k + step, n) for r in range(world_size)) / world_size
+    owed = [torch.zeros(n) for n in FixedMany.NUMELS]
+    for b, indices in enumerate(ddp.bucket_indices()):
+        residual = state.residual(b)
+        offset = 0
+        for k in indices:
+            owed[k] += residual[offset:offset + FixedMany.NUMELS[k]]
+            offset += FixedMany.NUMELS[k]
+    for t in owed:
+        dist.all_reduce(t)
+    return dict(
+        weights=[w.detach().clone() for w in module.w], exact=exact, owed=owed, layouts=layouts,
+        formats=[d.formats for d in state.decisions()],
+    )
+
+
+REBUILDS = CaseTable(_feedback_across_rebuilds, [Only("rebuilds")])
+
+
+def test_error_feedback_follows_parameters_when_buckets_are_rebuilt():
+    r = REBUILDS.results(2, Only("rebuilds"))[0]
+    distinct = []
+    for layout in r["layouts"]:
+        if layout not in distinct:
+            distinct.append(layout)
+    assert len(distinct) >= 2, distinct  # the layout changed after step 8
+    assert r["formats"][0] == ["fp32"] * 3 and all(f == ["int8"] * 3 for f in r["formats"][1:]), r["formats"]
+    for weights, exact, owed in zip(r["weights"], r["exact"], r["owed"]):
+        torch.testing.assert_close(weights, exact + owed, rtol=0, atol=2e-5)
