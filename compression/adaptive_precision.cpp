@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "compression/accumulate.h"
 #include "compression/int8_codec.h"
 
 namespace ddp_ext::compression {
@@ -23,14 +24,6 @@ std::vector<std::string> format_names(const PrecisionPolicy& policy, size_t buck
     names.emplace_back(precision_name(policy.format(b)));
   }
   return names;
-}
-
-double squared_norm(const at::Tensor& flat) {
-  if (flat.scalar_type() == at::kFloat) {
-    return at::dot(flat, flat).item<double>();
-  }
-  const double norm = at::linalg_vector_norm(flat, 2, {}, false, at::kDouble).item<double>();
-  return norm * norm;
 }
 
 } // namespace
@@ -59,7 +52,6 @@ c10::intrusive_ptr<c10::ivalue::Future> AdaptivePrecision::run(c10d::GradBucket&
   begin_bucket(index);
 
   const auto start = Clock::now();
-  window_sq_norms_[index] += squared_norm(flat);
   FuturePtr sent;
   if (flat.scalar_type() != at::kFloat) {
     sent = send_full(bucket, flat); // only float32 is compressed
@@ -157,6 +149,7 @@ AdaptivePrecision::FuturePtr AdaptivePrecision::complete_with(
 
 AdaptivePrecision::FuturePtr AdaptivePrecision::send_full(c10d::GradBucket& bucket,
                                                           at::Tensor& flat) {
+  window_sq_norms_[bucket.getIndex()] += squared_norm(flat);
   flat.div_(world_size_);
   if (flat.scalar_type() == at::kFloat) {
     // Whatever earlier roundings owed goes out now; nothing is left behind.
@@ -173,7 +166,8 @@ AdaptivePrecision::FuturePtr AdaptivePrecision::send_full(c10d::GradBucket& buck
 AdaptivePrecision::FuturePtr AdaptivePrecision::send_half(c10d::GradBucket& bucket,
                                                           at::Tensor& flat) {
   at::Tensor& owed = residuals_.of(bucket.getIndex(), bucket.getParameters(), flat);
-  owed.add_(flat, 1.0 / static_cast<double>(world_size_));
+  window_sq_norms_[bucket.getIndex()] +=
+      accumulate_scaled(owed, flat, 1.0 / static_cast<double>(world_size_));
   at::Tensor half = owed.to(at::kHalf);
   owed.sub_(half);
   bytes_sent_ += half.numel() * half.element_size();
@@ -185,7 +179,8 @@ AdaptivePrecision::FuturePtr AdaptivePrecision::send_half(c10d::GradBucket& buck
 AdaptivePrecision::FuturePtr AdaptivePrecision::send_int8(c10d::GradBucket& bucket,
                                                           at::Tensor& flat) {
   at::Tensor& owed = residuals_.of(bucket.getIndex(), bucket.getParameters(), flat);
-  owed.add_(flat, 1.0 / static_cast<double>(world_size_));
+  window_sq_norms_[bucket.getIndex()] +=
+      accumulate_scaled(owed, flat, 1.0 / static_cast<double>(world_size_));
   const int64_t bytes = int8_payload_bytes(flat.numel(), int8_chunk_);
   at::Tensor payload = at::empty({bytes}, flat.options().dtype(at::kByte));
   encode_int8(owed, payload, int8_chunk_);

@@ -10,6 +10,7 @@ VERSION = "0.1.0"
 # Paths relative to the repository root. Listed by hand, never globbed.
 SOURCES = [
     "ddp_ext.cpp",
+    "compression/accumulate.cpp",
     "compression/adaptive_precision.cpp",
     "compression/int8_codec.cpp",
     "compression/precision_policy.cpp",
