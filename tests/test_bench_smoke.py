@@ -115,4 +115,5 @@ def test_bucket_auto_writes_the_auto_row(tmp_path):
     assert auto["auto_cap_mb"] in ("1+25", "1", "2.5", "5", "10", "25", "50")
     assert auto["history"][-1][1] == "settled" and auto["tuning"]["iterations"] > 10
     assert set(auto["summary"]) == {"default", "5", "auto"}
+    assert auto["same_cap_fixed"] in (None, "default", "5")
     assert "| auto / best fixed [block range] |" in (tmp_path / "bucket.md").read_text()

@@ -102,7 +102,12 @@ def _auto_results(model: str, per_rank: list) -> dict:
     merged = merge_ranks([r[model][AUTO]["samples"] for r in per_rank])
     medians = {k: stats.median_ms(blocks) for k, blocks in merged.items()}
     best = min((k for k in merged if k != AUTO), key=medians.get)
+    # The fixed variant with the caps auto ended on, if the run measured it:
+    # auto against it is what timing and agreeing cost, without the choice.
+    same = {"1+25": "default"}.get(_cap_mb_text(mine["final_cap_mb"]), _cap_mb_text(mine["final_cap_mb"]))
     return {
+        "same_cap_fixed": same if same in merged else None,
+        "auto_vs_same_cap": stats.ratio(merged[AUTO], merged[same]) if same in merged else None,
         "auto_ms": medians[AUTO],
         "auto_cap_mb": _cap_mb_text(mine["final_cap_mb"]),
         "best_fixed_ms": medians[best],
@@ -146,7 +151,8 @@ def run(options: BenchOptions, progress) -> dict:
         notes.append(
             'auto: bucket_cap_mb="auto", tuned on its own replica until it settled, then measured in one interleaved '
             "run with ddp_ext at its default caps (1 MiB first bucket, then 25 MiB) and at every cap above; "
-            "best fixed = the fixed setting with the lowest median in that same run. Tuning tries 1+25, 1, 2.5, 5, "
+            "best fixed = the fixed setting with the lowest median in that same run; same cap fixed = the fixed "
+            "setting with the caps auto settled on, where the run measured it. Tuning tries 1+25, 1, 2.5, 5, "
             "10, 25 and 50 MiB, those giving the same layout once (see Note [Auto-tuned bucket caps])."
         )
     return {"models": models, "notes": notes}
@@ -166,10 +172,12 @@ def table(data: dict) -> str:
         rows = [[model, a["auto_cap_mb"], f"{a['tuning']['iterations']} ({a['tuning']['seconds']:.0f} s)",
                  markdown.ms_iqr(a["summary"][AUTO]), a["best_fixed_cap_mb"],
                  markdown.ms_iqr(a["summary"][a["best_fixed_cap_mb"]]), markdown.ms_iqr(a["summary"]["default"]),
-                 markdown.ratio_spread(a["auto_vs_best"])]
+                 markdown.ratio_spread(a["auto_vs_best"]),
+                 markdown.ratio_spread(a["auto_vs_same_cap"]) if a.get("auto_vs_same_cap") else "not measured"]
                 for model, a in autos.items()]
         headers = ["model", "auto settled on (MiB)", "iterations to settle", "auto ms (IQR)", "best fixed cap",
-                   "best fixed ms (IQR)", "default ms (IQR)", "auto / best fixed [block range]"]
+                   "best fixed ms (IQR)", "default ms (IQR)", "auto / best fixed [block range]",
+                   "auto / same cap fixed [block range]"]
         text += "\n\n" + markdown.table(headers, rows)
     return text
 
