@@ -25,7 +25,9 @@ machine (paper section 5.2), so "auto" measures instead of guessing.
    synchronising forward, the ranks allreduce (MAX) their figure (the
    slowest rank sets the pace) and their iteration counts, one float64
    triple per trial or window, never per iteration. Counts that differ
-   raise on every rank instead of pairing collectives wrongly. A rank that
+   raise on every rank instead of pairing collectives wrongly; they start
+   from 0 when the tuner restarts (a new process group, a copy of the
+   wrapper), which every rank does at the same point. A rank that
    joined under Join keeps counting and takes part from its shadow loop
    (ddp_ext/_join.py), so its buckets follow its peers'.
 4. Re-laying. Reducer::set_bucket_caps re-cuts the buckets in their current
@@ -70,6 +72,7 @@ class AutoBuckets:
         self._candidates = [caps_bytes(c) for c in policy.candidates_mb]
         self._opened: Optional[float] = None  # start of the synchronising iteration timed
         self._due = False  # a decision waits for the next synchronising forward
+        self._counted = 0  # intervals recorded since the last restart: equal on every rank
 
     @property
     def policy(self) -> TunerPolicy:
@@ -83,6 +86,7 @@ class AutoBuckets:
         iteration a joined rank shadows), after Join's collectives."""
         now = self._clock()
         if self._opened is not None:
+            self._counted += 1
             self._due = self.tuner.record(now - self._opened) or self._due
         self._opened = now if synchronising else None
         if synchronising and self._due:
@@ -98,7 +102,7 @@ class AutoBuckets:
         group = ddp.process_group
         if group.size() == 1:
             return figure
-        count = float(self.tuner.iteration)
+        count = float(self._counted)
         values = torch.tensor([figure, count, -count], dtype=torch.float64, device=ddp.device)
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
         agreed, most, fewest = values.tolist()
@@ -145,3 +149,4 @@ class AutoBuckets:
         self.tuner.restart()
         self._opened = None
         self._due = False
+        self._counted = 0

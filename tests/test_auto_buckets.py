@@ -8,6 +8,7 @@ Note [Auto-tuned bucket caps] in ddp_ext/_auto_buckets.py), close to local
 training and to torch's DDP.
 """
 
+import copy
 import dataclasses
 import warnings
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -359,13 +360,36 @@ def _hook(rank, world_size):
                 logged=ddp._get_ddp_logging_data()["bucket_cap_auto"])
 
 
+def _steps(ddp, rank, world_size, steps, first=0):
+    for step in range(first, first + steps):
+        args, target = models.rank_batch("stack_reversed", step, 0, rank, world_size, 4)
+        models.MODELS["stack_reversed"].loss(ddp(*args), target).backward()
+        ddp._auto_buckets._clock.now += cost_on(rank, step, len(ddp.bucket_indices()))
+
+
+def _copy(rank, world_size):
+    """A deep copy keeps the caps in use and tunes again from a warm-up."""
+    ddp = reference.ext_ddp(models.build("stack_reversed"), bucket_cap_mb="auto")
+    ddp._auto_buckets = AutoBuckets(POLICY, clock=FakeClock())
+    _steps(ddp, rank, world_size, 30)
+    twin = copy.deepcopy(ddp)
+    kept = dict(current=(ddp.bucket_tuner.current, twin.bucket_tuner.current),
+                cap=(ddp.bucket_bytes_cap, twin.bucket_bytes_cap),
+                buckets=(len(ddp.bucket_indices()), len(twin.bucket_indices())), twin_phase=twin.bucket_tuner.phase.value)
+    before = len(twin.bucket_tuner.history)
+    _steps(twin, rank, world_size, 30)
+    return dict(kept, twin_history=[(e.kind, e.candidate) for e in twin.bucket_tuner.history[before:]])
+
+
 def _scenario(rank, world_size, s: Scenario):
     if s.id == "join":
         return dict(auto=_join(rank, world_size, True), fixed=_join(rank, world_size, False))
+    if s.id == "copy":
+        return _copy(rank, world_size)
     return _hook(rank, world_size)
 
 
-SCENARIOS = [Scenario("join"), Scenario("python_hook")]
+SCENARIOS = [Scenario("join"), Scenario("python_hook"), Scenario("copy")]
 SCENARIO_TABLE = CaseTable(_scenario, SCENARIOS)
 
 
@@ -388,3 +412,13 @@ def test_a_python_hook_freezes_the_caps():
         assert r["phase"] == "frozen" and r["logged"] == "frozen"
         assert r["history"] == [(0, "frozen")]
         assert set(r["counts"]) == {1}, f"rank {rank}: the layout's caps changed after the hook: {r['counts']}"
+
+
+def test_a_copy_keeps_its_caps_and_tunes_again():
+    results = SCENARIO_TABLE.results(2, SCENARIOS[2])
+    for r in results:
+        assert r["current"][0] == r["current"][1] != 0, r  # settled away from the default by step 30
+        assert r["cap"][0] == r["cap"][1] and r["buckets"][0] == r["buckets"][1], r
+        assert r["twin_phase"] == "warmup"
+        assert ("settled", 3) in r["twin_history"] and len(r["twin_history"]) > 2, r["twin_history"]
+    assert results[0]["twin_history"] == results[1]["twin_history"]
