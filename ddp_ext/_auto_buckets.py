@@ -15,8 +15,10 @@ machine (paper section 5.2), so "auto" measures instead of guessing.
 2. Deciding. ddp_ext/_bucket_tuner.py holds the policy, pure: a warm-up on
    torch's default caps (1 MiB first bucket, then 25 MiB), then each
    candidate whose layout differs from the others' for a few iterations
-   (the first after a switch untimed), in two rounds, the second in reverse
-   order; the lowest median wins. Once settled, windows of iterations are
+   (the first after a switch untimed), in three rounds that alternate
+   direction (a slow drift of the machine favours no candidate); the lowest
+   median of a candidate's three figures wins, so one trial that a burst of
+   load disturbed does not decide. Once settled, windows of iterations are
    timed; several windows in a row clearly slower than the settled figure
    start tuning again.
 3. Agreeing. Every rank must re-lay the same buckets at the same point, or

@@ -21,7 +21,7 @@ class TunerPolicy:
     warmup: int = 3  # synchronising iterations timed before the first trial
     discard: int = 1  # iterations left untimed after each switch of caps
     trial: int = 5  # iterations timed per candidate and round
-    rounds: int = 2  # passes over the candidates, the second in reverse order
+    rounds: int = 3  # passes over the candidates, alternately in reverse order
     window: int = 20  # iterations per drift check once settled
     drift: float = 0.15  # a window this much slower than the settled figure drifts
     sustain: int = 3  # consecutive drifting windows that start tuning again

@@ -31,7 +31,7 @@ RUN_LENGTHS = {"blocks": 5}
 KINDS = (OURS, TORCH)
 AUTO = "auto"
 # Iterations the auto replica may take to settle before the run gives up
-# (the default policy needs about 90 with seven distinct layouts).
+# (the default policy needs 126 with seven distinct layouts).
 SETTLE_LIMIT = 400
 
 
