@@ -6,12 +6,13 @@ Which bucket cap is fastest depends on the model, the network and the
 machine (paper section 5.2), so "auto" measures instead of guessing.
 
 1. Timing. An iteration is timed on each rank from the start of a
-   synchronising forward to the start of the next forward with gradients
-   enabled: the whole step without no_sync, and with no_sync the one step
-   that communicates (its forward, backward and optimizer step), not the
-   micro-batches that only accumulate. Forwards under torch.no_grad are not
-   seen; an evaluation between steps lengthens one interval, which the
-   medians below ignore.
+   training step (a synchronising forward in training mode, as the step
+   check counts them, Note [Ranks out of step] in reducer/step_check.h) to
+   the start of the next forward with gradients enabled: the whole step
+   without no_sync, and with no_sync the one step that communicates (its
+   forward, backward and optimizer step), not the micro-batches that only
+   accumulate. Forwards under torch.no_grad are not seen; an evaluation
+   between steps lengthens one interval, which the medians below ignore.
 2. Deciding. ddp_ext/_bucket_tuner.py holds the policy, pure: a warm-up on
    torch's default caps (1 MiB first bucket, then 25 MiB), then each
    candidate whose layout differs from the others' for a few iterations
@@ -23,15 +24,16 @@ machine (paper section 5.2), so "auto" measures instead of guessing.
    start tuning again.
 3. Agreeing. Every rank must re-lay the same buckets at the same point, or
    their allreduces stop matching. Decisions fall due after the same number
-   of synchronising iterations on every rank; there, at the start of the
-   synchronising forward, the ranks allreduce (MAX) their figure (the
-   slowest rank sets the pace) and their iteration counts, one float64
-   triple per trial or window, never per iteration. Counts that differ
-   raise on every rank instead of pairing collectives wrongly; they start
-   from 0 when the tuner restarts (a new process group, a copy of the
-   wrapper), which every rank does at the same point. A rank that
-   joined under Join keeps counting and takes part from its shadow loop
-   (ddp_ext/_join.py), so its buckets follow its peers'.
+   of training steps on every rank; there, at the start of the step's
+   forward, the ranks allreduce (MAX) their figure (the slowest rank sets
+   the pace) and their counts, one float64 triple per trial or window,
+   never per iteration. The step check keeps the ranks' training steps
+   equal, so their decisions fall due together; the counts are compared as
+   a backstop, and raise if they differ. They start from 0 when the tuner
+   restarts (a new process group, a copy of the wrapper), which every rank
+   does at the same point. A rank that joined under Join keeps counting and
+   takes part from its shadow loop (ddp_ext/_join.py), so its buckets
+   follow its peers'.
 4. Re-laying. Reducer::set_bucket_caps re-cuts the buckets in their current
    order (the one agreed by Note [Gradient order prediction] in
    reducer/gradient_order.h) and makes later gradient-order rebuilds use the
@@ -85,7 +87,8 @@ class AutoBuckets:
 
     def forward(self, ddp, synchronising: bool) -> None:
         """At the start of every forward with gradients enabled (and of every
-        iteration a joined rank shadows), after Join's collectives."""
+        iteration a joined rank shadows), after Join's collectives;
+        `synchronising`: it is a training step."""
         now = self._clock()
         if self._opened is not None:
             self._counted += 1

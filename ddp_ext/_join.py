@@ -44,7 +44,7 @@ class DistributedDataParallelJoinHook(JoinHook):
         # The next forward syncs buffers only after a synchronising one.
         ddp.require_forward_param_sync = should_sync
         if ddp._auto_buckets is not None:
-            ddp._auto_buckets.forward(ddp, synchronising=should_sync)
+            ddp._auto_buckets.forward(ddp, synchronising=should_sync and ddp.module.training)
         if not should_sync:
             return
         ddp._match_all_reduce_for_bwd_pass()

@@ -428,7 +428,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         if self._join_config.enable:
             self._check_global_requires_backward_grad_sync(is_joined_rank=False)
         if self._auto_buckets is not None and torch.is_grad_enabled():
-            self._auto_buckets.forward(self, synchronising=self.require_backward_grad_sync)
+            # Training steps only, as the step check counts them (Note [Ranks out of step]).
+            self._auto_buckets.forward(self, synchronising=self.require_backward_grad_sync and self.module.training)
         if self.device_ids:
             device = torch.device(self.device_type, self.device_ids[0])
             inputs, kwargs = _map_tensors((inputs, kwargs), lambda t: t.to(device, non_blocking=True))

@@ -381,7 +381,23 @@ def _copy(rank, world_size):
     return dict(kept, twin_history=[(e.kind, e.candidate) for e in twin.bucket_tuner.history[before:]])
 
 
+def _eval_on_one_rank(rank, world_size):
+    """Rank 1 also runs a forward in eval mode, gradients enabled, every 4
+    steps: not a training step, so decisions stay in step."""
+    ddp = reference.ext_ddp(models.build("stack_reversed"), bucket_cap_mb="auto")
+    ddp._auto_buckets = AutoBuckets(POLICY, clock=FakeClock())
+    for step in range(30):
+        if rank == 1 and step % 4 == 0:
+            ddp.eval()
+            ddp(*models.rank_batch("stack_reversed", step, 0, rank, world_size, 4)[0])
+            ddp.train()
+        _steps(ddp, rank, world_size, 1, first=step)
+    return [(e.iteration, e.kind, e.candidate, e.figure) for e in ddp.bucket_tuner.history]
+
+
 def _scenario(rank, world_size, s: Scenario):
+    if s.id == "eval_on_one_rank":
+        return _eval_on_one_rank(rank, world_size)
     if s.id == "join":
         return dict(auto=_join(rank, world_size, True), fixed=_join(rank, world_size, False))
     if s.id == "copy":
@@ -389,7 +405,7 @@ def _scenario(rank, world_size, s: Scenario):
     return _hook(rank, world_size)
 
 
-SCENARIOS = [Scenario("join"), Scenario("python_hook"), Scenario("copy")]
+SCENARIOS = [Scenario("join"), Scenario("python_hook"), Scenario("copy"), Scenario("eval_on_one_rank")]
 SCENARIO_TABLE = CaseTable(_scenario, SCENARIOS)
 
 
@@ -422,3 +438,9 @@ def test_a_copy_keeps_its_caps_and_tunes_again():
         assert r["twin_phase"] == "warmup"
         assert ("settled", 3) in r["twin_history"] and len(r["twin_history"]) > 2, r["twin_history"]
     assert results[0]["twin_history"] == results[1]["twin_history"]
+
+
+def test_an_eval_forward_on_one_rank_is_not_a_step():
+    histories = SCENARIO_TABLE.results(2, SCENARIOS[3])
+    assert histories[0] == histories[1]
+    assert ("settled", 3) in [(kind, c) for _, kind, c, _ in histories[0]], histories[0]
