@@ -375,7 +375,8 @@ def _copy(rank, world_size):
     twin = copy.deepcopy(ddp)
     kept = dict(current=(ddp.bucket_tuner.current, twin.bucket_tuner.current),
                 cap=(ddp.bucket_bytes_cap, twin.bucket_bytes_cap),
-                buckets=(len(ddp.bucket_indices()), len(twin.bucket_indices())), twin_phase=twin.bucket_tuner.phase.value)
+                buckets=(len(ddp.bucket_indices()), len(twin.bucket_indices())),
+                twin_phase=twin.bucket_tuner.phase.value)
     before = len(twin.bucket_tuner.history)
     _steps(twin, rank, world_size, 30)
     return dict(kept, twin_history=[(e.kind, e.candidate) for e in twin.bucket_tuner.history[before:]])
