@@ -177,6 +177,9 @@ void bind_reducer(py::module& m) {
       .def_property_readonly("overlap_fraction", without_gil(&Reducer::overlap_fraction))
       .def_property_readonly("launch_delay", without_gil(&Reducer::launch_delay))
       .def("observed_order", &Reducer::observed_order, NoGil())
+      .def_property_readonly("bucket_caps", without_gil(&Reducer::bucket_caps))
+      .def("_layout_for_caps", &Reducer::layout_for_caps, py::arg("caps"), NoGil())
+      .def("_set_bucket_caps", &Reducer::set_bucket_caps, py::arg("caps"), NoGil())
 
       .def_property_readonly("learning_static_graph",
                              without_gil(&Reducer::learning_static_graph))

@@ -167,16 +167,36 @@ class BucketCaps:
     bucket_bytes_cap: int  # torch's attribute of the same name
     caps_bytes: List[int]  # cap of the 1st, 2nd, ... bucket of each kind; the last repeats
     custom_list: bool  # bucket_cap_mb_list was given
+    auto: bool = False  # bucket_cap_mb="auto": caps_bytes is where tuning starts
+
+
+# ddp_ext's bucket_cap_mb value for self-tuning buckets; see Note [Auto-tuned
+# bucket caps] in ddp_ext/_auto_buckets.py.
+AUTO_BUCKET_CAP = "auto"
 
 
 def resolve_bucket_caps(bucket_cap_mb, bucket_cap_mb_list: Optional[Sequence[float]]) -> BucketCaps:
     """Caps per bucket, in bytes. A list caps each bucket in turn and wins over
     `bucket_cap_mb`; with neither, the first bucket is capped at 1 MiB and the
-    others at 25 MiB, as in torch's DDP. See _cap_bytes for odd values."""
+    others at 25 MiB, as in torch's DDP. See _cap_bytes for odd values.
+    "auto" starts from that default and is tuned later."""
     if bucket_cap_mb_list is not None and not isinstance(bucket_cap_mb_list, Iterable):
         raise TypeError(
             f"bucket_cap_mb_list must be a list of bucket caps in MiB, got {type(bucket_cap_mb_list).__name__}"
         )
+    if isinstance(bucket_cap_mb, str):
+        if bucket_cap_mb != AUTO_BUCKET_CAP:
+            raise ValueError(
+                f"bucket_cap_mb must be a number of MiB, or {AUTO_BUCKET_CAP!r} for buckets that ddp_ext "
+                f"tunes while training, got {bucket_cap_mb!r}"
+            )
+        if bucket_cap_mb_list:
+            raise ValueError(
+                f"bucket_cap_mb={AUTO_BUCKET_CAP!r} tunes the bucket caps itself, so it cannot be combined "
+                f"with bucket_cap_mb_list={list(bucket_cap_mb_list)!r}: pass one or the other"
+            )
+        default = resolve_bucket_caps(None, None)
+        return BucketCaps(default.bucket_bytes_cap, default.caps_bytes, False, auto=True)
     if bucket_cap_mb_list:
         caps = [_cap_bytes(f"bucket_cap_mb_list[{i}]", cap) for i, cap in enumerate(bucket_cap_mb_list)]
         return BucketCaps(max(caps), caps, True)

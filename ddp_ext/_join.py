@@ -8,7 +8,9 @@ collective those ranks' forward and backward issue:
 1. the buffer broadcast of a synchronising forward (after agreeing on the
    rank to broadcast from),
 2. the allreduce telling joined ranks whether this iteration synchronises
-   gradients,
+   gradients, and with bucket_cap_mb="auto" the tuner's agreement when one
+   falls due (Note [Auto-tuned bucket caps] in ddp_ext/_auto_buckets.py;
+   the joined rank re-lays its buckets as its peers do),
 3. the step check of the backward (see Note [Ranks out of step] in
    reducer/step_check.h), as a rank with no step; it carries the vote on
    rebuilding buckets (Note [Gradient order prediction] in
@@ -41,6 +43,8 @@ class DistributedDataParallelJoinHook(JoinHook):
         should_sync = ddp._check_global_requires_backward_grad_sync(is_joined_rank=True)
         # The next forward syncs buffers only after a synchronising one.
         ddp.require_forward_param_sync = should_sync
+        if ddp._auto_buckets is not None:
+            ddp._auto_buckets.forward(ddp, synchronising=should_sync and ddp.module.training)
         if not should_sync:
             return
         ddp._match_all_reduce_for_bwd_pass()

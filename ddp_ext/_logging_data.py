@@ -61,6 +61,10 @@ def logging_data(ddp) -> Dict[str, Any]:
             data["rebuilt_per_bucket_param_indices"] = ", ".join(
                 " ".join(map(str, bucket)) for bucket in reducer.bucket_indices()
             )
+    if getattr(ddp, "_auto_buckets", None) is not None:
+        # ddp_ext's own: bucket_cap_mb="auto", where its tuner stands (see
+        # Note [Auto-tuned bucket caps]); bucket_cap_bytes is the cap in use.
+        data["bucket_cap_auto"] = ddp._auto_buckets.tuner.phase.value
     if ddp._comm_hooks:
         data["comm_hook"] = ddp._comm_hooks[-1][0]
     return data

@@ -25,6 +25,7 @@ from ddp_ext._arguments import (
     resolve_process_group,
     resolve_rebuild_buckets,
 )
+from ddp_ext._auto_buckets import AutoBuckets
 from ddp_ext._comm_hooks import check_comm_hook, hook_name
 from ddp_ext.compression import AdaptivePrecision, adaptive_precision_hook
 from ddp_ext._delayed_all_reduce import DelayedAllReduce
@@ -75,6 +76,14 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
     iterations and every rank agrees; ``"never"`` keeps the construction
     layout (reverse registration order). Results do not depend on it beyond
     float rounding, and ranks stay bitwise equal.
+
+    ``bucket_cap_mb="auto"`` (ddp_ext's addition) tunes the bucket caps while
+    training: after a short warm-up on the default caps it times a few
+    iterations with each candidate cap, keeps the fastest (every rank the
+    same), and tunes again if iterations later get persistently slower. It
+    needs ``rebuild_buckets`` "once" or "continuous" and no
+    ``bucket_cap_mb_list``; a Python communication hook stops it. See Note
+    [Auto-tuned bucket caps] in ddp_ext/_auto_buckets.py.
     """
 
     def __init__(
@@ -86,7 +95,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         broadcast_buffers: Optional[bool] = None,
         init_sync: bool = True,
         process_group: Optional[dist.ProcessGroup] = None,
-        bucket_cap_mb: Optional[float] = None,
+        bucket_cap_mb: Union[float, str, None] = None,
         find_unused_parameters: bool = False,
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
@@ -136,6 +145,13 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
             self.device_mesh = device_mesh
         buffer_sync = resolve_buffer_sync(broadcast_buffers, forward_sync_buffers)
         caps = resolve_bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
+        rebuild_mode = resolve_rebuild_buckets(rebuild_buckets)
+        if caps.auto and rebuild_mode == "never":
+            raise ValueError(
+                "bucket_cap_mb='auto' re-lays the buckets as it tunes their caps, and "
+                "rebuild_buckets='never' keeps the construction layout: use 'auto' with "
+                "rebuild_buckets='once' or 'continuous' (the default), or a fixed bucket_cap_mb with 'never'"
+            )
 
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         delayed_params = []
@@ -215,7 +231,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.batched_grad_copy = batched_grad_copy
-        self.rebuild_buckets = resolve_rebuild_buckets(rebuild_buckets)
+        self.rebuild_buckets = rebuild_mode
         self.mixed_precision = mixed_precision
         self.static_graph = False
         self.require_backward_grad_sync = True
@@ -253,6 +269,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         if self._dropped_layers and init_sync:
             self._dropped_layers.agree_with_rank_0(self._broadcast_from_rank_0)
         self.reducer = None if self._delay_all_reduce_all_params else self._build_reducer()
+        # See Note [Auto-tuned bucket caps]; None: fixed caps.
+        self._auto_buckets = AutoBuckets() if caps.auto and self.reducer is not None else None
         self._parameter_watch = ParameterWatch(module, self.parameters_to_ignore)
         if static_graph:
             self._set_static_graph()
@@ -410,6 +428,9 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
             self._sync_buffers()
         if self._join_config.enable:
             self._check_global_requires_backward_grad_sync(is_joined_rank=False)
+        if self._auto_buckets is not None and torch.is_grad_enabled():
+            # Training steps only, as the step check counts them (Note [Ranks out of step]).
+            self._auto_buckets.forward(self, synchronising=self.require_backward_grad_sync and self.module.training)
         if self.device_ids:
             device = torch.device(self.device_type, self.device_ids[0])
             inputs, kwargs = _map_tensors((inputs, kwargs), lambda t: t.to(device, non_blocking=True))
@@ -688,6 +709,10 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         else:
             self.reducer._register_comm_hook(state, hook)
         self._comm_hooks.append((hook_name(hook), state))
+        if self._auto_buckets is not None and hook is not adaptive_precision_hook:
+            # See Note [Auto-tuned bucket caps], point 5 (the adaptive hook's
+            # error feedback follows parameters to any layout).
+            self._auto_buckets.freeze(f"the communication hook {hook_name(hook)} may keep state per bucket")
 
     def _register_builtin_comm_hook(self, comm_hook_type) -> None:
         """A C++ hook that runs without the GIL: ALLREDUCE or FP16_COMPRESS."""
@@ -754,6 +779,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         if not dist.distributed_c10d._rank_not_in_group(new_process_group):
             self.process_group = new_process_group
             self.reducer._update_process_group(new_process_group)
+            if self._auto_buckets is not None:
+                self._auto_buckets.restart()
 
     def set_overlap_with_backward(self, overlap: bool) -> None:
         """ddp_ext only. With False, every allreduce waits until the backward pass
@@ -783,6 +810,14 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         """ddp_ext only. Parameter indices (among those that require grad and
         are not ignored) per bucket, in launch order."""
         return self.reducer.bucket_indices()
+
+    @property
+    def bucket_tuner(self):
+        """ddp_ext only. With bucket_cap_mb="auto", the tuner's state: its
+        phase, the candidate in use (`current`, an index into
+        `policy.candidates_mb`) and its `history` of trials and decisions.
+        None with fixed caps."""
+        return None if self._auto_buckets is None else self._auto_buckets.tuner
 
     @property
     def _has_rebuilt_buckets(self) -> bool:
@@ -826,6 +861,9 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         self.__dict__.setdefault("require_forward_param_sync", True)
         self.__dict__.setdefault("require_backward_grad_sync", True)
         self.__dict__.setdefault("rebuild_buckets", "continuous")
+        self.__dict__.setdefault("_auto_buckets", None)
+        if self._auto_buckets is not None:
+            self._auto_buckets.restart()  # the copy times its own iterations
         self._delayed = None
         self._timeline = None
         self._delay_all_reduce_all_params = not self._named_params_for_reducer(self.module)

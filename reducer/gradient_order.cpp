@@ -129,9 +129,12 @@ bool GradientOrder::watching() const {
       (first_done_ || !first_due_);
 }
 
+bool GradientOrder::first_pending() const {
+  return mode_ != BucketRebuild::kNever && first_due_ && !first_done_;
+}
+
 bool GradientOrder::consulting() const {
-  const bool first_pending = mode_ != BucketRebuild::kNever && first_due_ && !first_done_;
-  return first_pending || watching();
+  return first_pending() || watching();
 }
 
 int64_t GradientOrder::vote() const {
@@ -226,7 +229,7 @@ void GradientOrder::update_vote(const std::vector<size_t>& bucket_of, size_t buc
   if (observed_ == 0) {
     return;
   }
-  if (mode_ != BucketRebuild::kNever && first_due_ && !first_done_) {
+  if (first_pending()) {
     // The first rebuild, as torch's DDP: to the first observed order.
     vote_ = true;
     if (voted_order_.empty()) {
@@ -269,6 +272,28 @@ std::vector<std::vector<size_t>> GradientOrder::layout_for(
   return assign_buckets_in_order(specs_, order, caps_);
 }
 
+std::vector<std::vector<size_t>> GradientOrder::layout_for(
+    const std::vector<size_t>& order, const std::vector<int64_t>& caps) const {
+  return assign_buckets_in_order(specs_, order, caps);
+}
+
+void GradientOrder::set_caps(std::vector<int64_t> caps) {
+  TORCH_CHECK(!caps.empty(), "set_caps needs at least one cap");
+  caps_ = std::move(caps);
+  forget_candidate();
+  if (!first_pending()) {
+    vote_ = false;
+    voted_order_.clear();
+  }
+}
+
+void GradientOrder::forget_candidate() {
+  streak_ = 0;
+  candidate_order_.clear();
+  candidate_bucket_of_.clear();
+  candidate_buckets_ = 0;
+}
+
 void GradientOrder::restart() {
   rebuilt(false);
   first_done_ = false;
@@ -276,12 +301,9 @@ void GradientOrder::restart() {
 
 void GradientOrder::rebuilt(bool changed) {
   first_done_ = true;
-  streak_ = 0;
+  forget_candidate();
   vote_ = false;
   voted_order_.clear();
-  candidate_order_.clear();
-  candidate_bucket_of_.clear();
-  candidate_buckets_ = 0;
   if (changed) {
     ++rebuilds_;
   }

@@ -182,8 +182,18 @@ class GradientOrder {
   const std::vector<size_t>& voted_order() const {
     return voted_order_;
   }
-  // Buckets for `order`, as every rank builds them.
+  // Buckets for `order`, as every rank builds them (with the current caps,
+  // or with `caps`).
   std::vector<std::vector<size_t>> layout_for(const std::vector<size_t>& order) const;
+  std::vector<std::vector<size_t>> layout_for(
+      const std::vector<size_t>& order, const std::vector<int64_t>& caps) const;
+  // Rebuilds from now on use `caps` (Note [Auto-tuned bucket caps] in
+  // ddp_ext/_auto_buckets.py). The watch starts over: its candidate was laid
+  // out with the old caps. A first rebuild still due stays due.
+  void set_caps(std::vector<int64_t> caps);
+  const std::vector<int64_t>& caps() const {
+    return caps_;
+  }
   // An agreed rebuild happened; `changed`: the layout differs from before.
   void rebuilt(bool changed);
   // Forgets the watch and makes the first rebuild due again (a new process
@@ -217,11 +227,13 @@ class GradientOrder {
 
  private:
   bool watching() const;
+  bool first_pending() const;
+  void forget_candidate();
   void derive_order();
   void place_dropped();
 
   const std::vector<TensorSpec> specs_;
-  const std::vector<int64_t> caps_;
+  std::vector<int64_t> caps_; // see set_caps
   std::vector<int64_t> bytes_;
   BucketRebuild mode_;
   RebuildPolicy policy_;

@@ -612,11 +612,7 @@ void Reducer::prepare_for_backward(
   if (timeline_.on()) {
     reserve_timeline();
   }
-  for (auto& bucket : buckets_) {
-    bucket.pending = bucket.param_indices.size();
-    bucket.dropped = drop_plan_.drops_all(bucket.param_indices);
-    bucket.filled_on.reset();
-  }
+  arm_buckets();
   used_work_.reset();
   stashed_grads_.clear();
   std::vector<size_t> previously_unused = std::move(unused_);
@@ -638,6 +634,14 @@ void Reducer::prepare_for_backward(
   is_unused_.assign(params_.size(), false);
   for (size_t index : unused_) {
     is_unused_[index] = true;
+  }
+}
+
+void Reducer::arm_buckets() {
+  for (auto& bucket : buckets_) {
+    bucket.pending = bucket.param_indices.size();
+    bucket.dropped = drop_plan_.drops_all(bucket.param_indices);
+    bucket.filled_on.reset();
   }
 }
 

@@ -204,6 +204,16 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::optional<double> overlap_fraction() const;
   std::optional<double> launch_delay() const;
 
+  // See Note [Auto-tuned bucket caps] in ddp_ext/_auto_buckets.py. The caps
+  // buckets are assigned with (the k-th bucket of each kind capped at
+  // caps[k], the last repeating), the layout `caps` would give the current
+  // bucket order without applying it, and re-laying the buckets with `caps`
+  // (between iterations only; returns whether the layout changed). Every
+  // rank must set the same caps at the same point.
+  std::vector<int64_t> bucket_caps() const;
+  std::vector<std::vector<size_t>> layout_for_caps(
+      const std::vector<int64_t>& caps) const;
+  bool set_bucket_caps(const std::vector<int64_t>& caps);
 
   // Whether every synchronising iteration so far left the same parameters
   // unused (what static_graph requires).
@@ -266,6 +276,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void conclude_gradient_order(bool launched_at_end);
   std::vector<size_t> agreed_order();
   void rebuild_buckets(const std::vector<std::vector<size_t>>& layout);
+  std::vector<size_t> layout_order_locked() const;
+  // Refills each bucket's pending count for the backward being armed.
+  void arm_buckets();
   LayoutInputs layout_inputs() const;
   void reserve_timeline();
 

@@ -1,7 +1,9 @@
 // The Reducer's side of gradient order prediction: casting its vote, and
 // rebuilding the buckets when every rank agreed. The bookkeeping and the
 // decision live in reducer/gradient_order.h; see Note [Gradient order
-// prediction] there.
+// prediction] there. Also re-laying the buckets with other caps, which the
+// wrapper's tuner decides (Note [Auto-tuned bucket caps] in
+// ddp_ext/_auto_buckets.py).
 
 #include "reducer/reducer.h"
 
@@ -9,6 +11,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <string>
 #include <utility>
 
 namespace ddp_ext::reducer {
@@ -128,6 +131,55 @@ void Reducer::rebuild_buckets(const std::vector<std::vector<size_t>>& layout) {
     }
   }
   arenas_ = std::move(arenas);
+}
+
+std::vector<size_t> Reducer::layout_order_locked() const {
+  std::vector<size_t> order;
+  order.reserve(params_.size());
+  for (const Bucket& bucket : buckets_) {
+    order.insert(order.end(), bucket.param_indices.begin(), bucket.param_indices.end());
+  }
+  return order;
+}
+
+std::vector<int64_t> Reducer::bucket_caps() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return gradient_order_.caps();
+}
+
+std::vector<std::vector<size_t>> Reducer::layout_for_caps(
+    const std::vector<int64_t>& caps) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return gradient_order_.layout_for(layout_order_locked(), caps);
+}
+
+bool Reducer::set_bucket_caps(const std::vector<int64_t>& caps) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(!caps.empty(), "set_bucket_caps needs at least one cap");
+  for (int64_t cap : caps) {
+    TORCH_CHECK(cap > 0, "bucket caps are positive byte counts, got ", cap);
+  }
+  TORCH_CHECK(
+      phase_ != Phase::kReducing,
+      "DistributedDataParallel on rank ", process_group_->getRank(),
+      " cannot change its bucket caps while gradients are being reduced; "
+      "change them between iterations");
+  // The buckets keep their order (the agreed one, see Note [Gradient order
+  // prediction]); only where they are cut changes. Safe for the reasons a
+  // rebuild is: nothing is in flight, and .grad views move with the buckets.
+  const auto layout = gradient_order_.layout_for(layout_order_locked(), caps);
+  gradient_order_.set_caps(caps);
+  options_.bucket_caps = caps;
+  if (layout == bucket_indices_locked()) {
+    return false;
+  }
+  TimelineRange range(timeline_, TimelineEvent::kRebuild);
+  rebuild_buckets(layout);
+  range.set_value(static_cast<int64_t>(buckets_.size()));
+  if (phase_ == Phase::kExpectingGradients) {
+    arm_buckets(); // a forward already armed the old buckets
+  }
+  return true;
 }
 
 } // namespace ddp_ext::reducer

@@ -140,6 +140,11 @@ BUILD = {
     "bucket_cap_mb_list_not_a_list": (mlp, lambda r, w, m: dict(bucket_cap_mb_list=5)),
     "bucket_cap_mb_list_negative": (mlp, lambda r, w, m: dict(bucket_cap_mb_list=[-1])),
     "bucket_cap_mb_list_empty": (mlp, lambda r, w, m: dict(bucket_cap_mb_list=[])),
+    "bucket_cap_mb_auto": (mlp, lambda r, w, m: dict(bucket_cap_mb="auto")),
+    "bucket_cap_mb_Auto": (mlp, lambda r, w, m: dict(bucket_cap_mb="Auto")),
+    "bucket_cap_mb_fast": (mlp, lambda r, w, m: dict(bucket_cap_mb="fast")),
+    "bucket_cap_mb_auto_with_list": (mlp, lambda r, w, m: dict(bucket_cap_mb="auto", bucket_cap_mb_list=[1, 25])),
+    "bucket_cap_mb_auto_rebuild_never": (mlp, lambda r, w, m: dict(bucket_cap_mb="auto", rebuild_buckets="never")),
     "mixed_precision_not_a_config": (mlp, lambda r, w, m: dict(mixed_precision="bf16")),
     "delay_all_reduce_named_params_not_pairs": (
         mlp, lambda r, w, m: dict(delay_all_reduce_named_params=[1, 2], param_to_hook_all_reduce=m[0].weight)),
@@ -178,6 +183,12 @@ ROWS = [
     # Negative caps mean a bucket per parameter, as for bucket_cap_mb; torch fails in pybind11.
     Row("bucket_cap_mb_list_negative", TRAINS, torch=RAISES),
     Row("bucket_cap_mb_list_empty", TRAINS, torch=TRAINS),
+    # ddp_ext's self-tuning buckets (torch's DDP has no "auto").
+    Row("bucket_cap_mb_auto", TRAINS),
+    Row("bucket_cap_mb_Auto", RAISES, "ValueError", ("bucket_cap_mb", "'Auto'", "'auto'")),
+    Row("bucket_cap_mb_fast", RAISES, "ValueError", ("bucket_cap_mb", "'fast'", "'auto'")),
+    Row("bucket_cap_mb_auto_with_list", RAISES, "ValueError", ("bucket_cap_mb_list", "one or the other")),
+    Row("bucket_cap_mb_auto_rebuild_never", RAISES, "ValueError", ("rebuild_buckets='never'", "'continuous'")),
     Row("mixed_precision_not_a_config", RAISES, "TypeError", ("mixed_precision", "_MixedPrecision"), torch=RAISES),
     Row("delay_all_reduce_named_params_not_pairs", RAISES, "TypeError", ("delay_all_reduce_named_params", "pairs"),
         torch=RAISES),

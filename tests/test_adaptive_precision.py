@@ -432,3 +432,42 @@ def test_error_feedback_follows_parameters_when_buckets_are_rebuilt():
     assert r["formats"][0] == ["fp32"] * 3 and all(f == ["int8"] * 3 for f in r["formats"][1:]), r["formats"]
     for weights, exact, owed in zip(r["weights"], r["exact"], r["owed"]):
         torch.testing.assert_close(weights, exact + owed, rtol=0, atol=2e-5)
+
+
+def _with_auto_buckets(rank, world_size, _):
+    from ddp_ext._auto_buckets import AutoBuckets
+    from ddp_ext._bucket_tuner import TunerPolicy
+
+    c = reference.case("deep", steps=30)
+    layouts = []
+    tuners = []
+
+    def make(module, **kwargs):
+        ddp = reference.ext_ddp(module, bucket_cap_mb="auto", **kwargs)
+        # A short tuning: three candidate layouts, two timed iterations each.
+        ddp._auto_buckets = AutoBuckets(
+            TunerPolicy(candidates_mb=((1, 25), (0.0005,), (0.002,)), warmup=2, trial=2, rounds=1, window=5)
+        )
+        state = AdaptivePrecision(warmup_iterations=2, check_every=2, off_when_slower=False)
+        ddp.register_comm_hook(state, adaptive_precision_hook)
+        tuners.append(ddp.bucket_tuner)
+        return ddp
+
+    trace = reference.train_ddp(make, c, rank, world_size, on_step=lambda ddp, m: layouts.append(ddp.bucket_indices()))
+    tuner = tuners[0]
+    return dict(trace=trace, layouts=layouts, phase=tuner.phase.value, tried={e.candidate for e in tuner.history})
+
+
+AUTO = CaseTable(_with_auto_buckets, [Only("auto")])
+
+
+def test_bucket_tuning_goes_on_with_the_adaptive_hook():
+    results = AUTO.results(2, Only("auto"))
+    # Not frozen (a Python hook would freeze it): it tried every candidate.
+    assert results[0]["phase"] == "settled" and results[0]["tried"] == {0, 1, 2}, results[0]
+    distinct = {str(layout) for layout in results[0]["layouts"]}
+    assert len(distinct) >= 2, "the tuner never changed the layout"
+    local = reference.train_local(reference.case("deep", steps=30), 2, concat=True)
+    for r in results:
+        assert r["trace"]["digest"] == results[0]["trace"]["digest"]
+        assert_states_close(r["trace"]["params"], local["params"], "auto", rtol=2e-2, atol=2e-3)

@@ -101,3 +101,19 @@ def test_timeline_draws_both_ddps(tmp_path):
     assert result["cost"]["off"]["median_ms"] > 0 and result["cost"]["on"]["median_ms"] > 0
     assert (tmp_path / "timeline.png").stat().st_size > 0
     assert "| ddp_ext: bucket 0 |" in (tmp_path / "timeline.md").read_text()
+
+
+def test_bucket_auto_writes_the_auto_row(tmp_path):
+    # Settling takes the tuner's own iterations (about 90), whatever the run lengths.
+    _run_bench(tmp_path, "bucket", "--auto", "--models", "resnet50", "--bucket-cap-mb", "5", *SHORTEST_RUN)
+    with open(tmp_path / "bucket.json") as f:
+        result = json.load(f)
+    auto = result["models"]["resnet50"]["auto"]
+    for key in ("auto_ms", "best_fixed_ms", "default_ms"):
+        assert auto[key] > 0, f"{key} = {auto[key]}"
+    assert auto["best_fixed_cap_mb"] in ("default", "5")
+    assert auto["auto_cap_mb"] in ("1+25", "1", "2.5", "5", "10", "25", "50")
+    assert auto["history"][-1][1] == "settled" and auto["tuning"]["iterations"] > 10
+    assert set(auto["summary"]) == {"default", "5", "auto"}
+    assert auto["same_cap_fixed"] in (None, "default", "5")
+    assert "| auto / best fixed [block range] |" in (tmp_path / "bucket.md").read_text()

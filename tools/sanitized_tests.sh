@@ -17,7 +17,8 @@ PYTHON="${PYTHON:-python}"
 TESTS=(test_unused_parameters.py test_static_graph.py test_no_sync.py test_reducer_lifetime.py
        test_hook_lifetime.py test_parity_local.py test_contract_parity.py test_communication.py
        test_buckets.py test_faults.py test_out_of_step.py test_gradient_order.py test_rebuild_buckets.py
-       test_rebuild_buckets_contract.py test_layer_drop.py test_adaptive_precision.py)
+       test_rebuild_buckets_contract.py test_layer_drop.py test_adaptive_precision.py
+       test_auto_buckets.py)
 TESTS+=($(cd "$ROOT/tests" && ls test_round_robin_*.py))
 
 # gcc's runtimes; -print-file-name echoes the bare name when it has none.

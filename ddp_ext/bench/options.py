@@ -31,6 +31,7 @@ class BenchOptions:
     blocks: int = 10  # measured blocks per variant, variants alternating block by block
     block_iterations: int = 5  # measured iterations per block
     discard_per_block: int = 1  # unmeasured iterations at the start of each block (the switch)
+    auto: bool = False  # bucket: also measure bucket_cap_mb="auto" beside ddp_ext's fixed caps
     world_sizes: Tuple[int, ...] = (1, 2, 3, 4)  # scale
     sync_every: Tuple[int, ...] = (1, 2, 4, 8)  # nosync
     rr_groups: Tuple[int, ...] = (1, 3, 5)  # roundrobin and allreduce

@@ -1,6 +1,6 @@
 """The implementations under comparison, each wrapping its own identical replica."""
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -17,12 +17,12 @@ KINDS = (OURS, TORCH, LOCAL)
 LABELS = {OURS: "ddp_ext", TORCH: "torch DDP", LOCAL: "local"}
 
 
-def make_replica(kind: str, workload: Workload, seed: int, bucket_cap_mb: Optional[float] = None,
+def make_replica(kind: str, workload: Workload, seed: int, bucket_cap_mb: Union[float, str, None] = None,
                  process_group: Optional[dist.ProcessGroup] = None, device: Optional[torch.device] = None) -> nn.Module:
     """A replica built from `seed`, wrapped as `kind`, on `device` (default:
     where the workload builds it, the CPU). bucket_cap_mb None keeps the
     wrappers' defaults (25 MiB with a 1 MiB first bucket, in both); any
-    other value goes to both wrappers unchanged."""
+    other value goes to both wrappers unchanged ("auto": ddp_ext's only)."""
     model = workload.build(seed)
     if device is not None:
         model = model.to(device)

@@ -3,8 +3,16 @@
 For every cap, ddp_ext and torch's DDP are built with it and alternate block by
 block; the caps themselves run one after another. Cap 0 is the paper's "every
 gradient communicated on its own": see options.ONE_PARAMETER_PER_BUCKET_MB.
+
+With --auto, each model then gets one more interleaved run, of ddp_ext only:
+its default caps, every cap above, and bucket_cap_mb="auto" (tuned until it
+settles before the blocks start), all alternating block by block, so that
+auto is compared with the best fixed cap measured beside it.
 """
 
+import time
+
+from ddp_ext._bucket_tuner import TunerPhase
 from ddp_ext.bench import stats
 from ddp_ext.bench.interleave import merge_ranks, run_interleaved
 from ddp_ext.bench.launcher import launch
@@ -21,6 +29,10 @@ TITLE = "Per-iteration latency vs bucket size"
 RUN_LENGTHS = {"blocks": 5}
 
 KINDS = (OURS, TORCH)
+AUTO = "auto"
+# Iterations the auto replica may take to settle before the run gives up
+# (the default policy needs 126 with seven distinct layouts).
+SETTLE_LIMIT = 400
 
 
 def _cap_label(cap) -> str:
@@ -41,7 +53,75 @@ def _measure(rank, world_size, job):
             samples = run_interleaved(variants, **options.run_lengths(), progress=progress,
                                       label=f"{model}, bucket_cap_mb {_cap_label(cap)}")
             measured[model][_cap_label(cap)] = (samples, len(replicas[OURS].bucket_indices()))
+        if options.auto:
+            measured[model][AUTO] = _measure_auto(options, workload, batch, progress, model)
     return measured
+
+
+def _settle(step: TrainingStep, ddp) -> dict:
+    """Steps the auto replica until its tuner settles (at the same iteration
+    on every rank: its decisions are agreed)."""
+    started = time.perf_counter()
+    iterations = 0
+    while ddp.bucket_tuner.phase is not TunerPhase.SETTLED:
+        if iterations == SETTLE_LIMIT:
+            raise RuntimeError(f"bucket_cap_mb='auto' did not settle in {SETTLE_LIMIT} iterations")
+        step()
+        iterations += 1
+    return {"iterations": iterations, "seconds": time.perf_counter() - started}
+
+
+def _measure_auto(options: BenchOptions, workload: Workload, batch, progress, model: str) -> dict:
+    caps = [None] + [c for c in options.bucket_cap_mb if c is not None]
+    replicas = {_cap_label(c): make_replica(OURS, workload, options.seed, effective_bucket_cap_mb(c)) for c in caps}
+    replicas[AUTO] = make_replica(OURS, workload, options.seed, AUTO)
+    variants = {k: TrainingStep(replica, batch) for k, replica in replicas.items()}
+    tuning = _settle(variants[AUTO], replicas[AUTO])
+    settled = replicas[AUTO]._auto_buckets.caps_mb()
+    samples = run_interleaved(variants, **options.run_lengths(), progress=progress,
+                              label=f"{model}, ddp_ext fixed caps and auto")
+    tuner = replicas[AUTO].bucket_tuner
+    return {
+        "samples": samples,
+        "buckets": {k: len(r.bucket_indices()) for k, r in replicas.items()},
+        "tuning": tuning,
+        "settled_cap_mb": list(settled),
+        "final_cap_mb": list(replicas[AUTO]._auto_buckets.caps_mb()),
+        "history": [[e.iteration, e.kind, list(tuner.policy.candidates_mb[e.candidate]), e.figure]
+                    for e in tuner.history],
+    }
+
+
+def _cap_mb_text(caps) -> str:
+    """[1, 25] -> "1+25"; [5] -> "5"."""
+    return "+".join(f"{c:g}" for c in caps)
+
+
+def _auto_results(model: str, per_rank: list) -> dict:
+    mine = per_rank[0][model][AUTO]
+    merged = merge_ranks([r[model][AUTO]["samples"] for r in per_rank])
+    medians = {k: stats.median_ms(blocks) for k, blocks in merged.items()}
+    best = min((k for k in merged if k != AUTO), key=medians.get)
+    # The fixed variant with the caps auto ended on, if the run measured it:
+    # auto against it is what timing and agreeing cost, without the choice.
+    same = {"1+25": "default"}.get(_cap_mb_text(mine["final_cap_mb"]), _cap_mb_text(mine["final_cap_mb"]))
+    return {
+        "same_cap_fixed": same if same in merged else None,
+        "auto_vs_same_cap": stats.ratio(merged[AUTO], merged[same]) if same in merged else None,
+        "auto_ms": medians[AUTO],
+        "auto_cap_mb": _cap_mb_text(mine["final_cap_mb"]),
+        "best_fixed_ms": medians[best],
+        "best_fixed_cap_mb": best,
+        "default_ms": medians["default"],
+        "auto_vs_best": stats.ratio(merged[AUTO], merged[best]),
+        "auto_vs_default": stats.ratio(merged[AUTO], merged["default"]),
+        "tuning": mine["tuning"],
+        "settled_cap_mb": _cap_mb_text(mine["settled_cap_mb"]),
+        "history": mine["history"],
+        "buckets": mine["buckets"],
+        "summary": {k: stats.summarize(blocks) for k, blocks in merged.items()},
+        "samples_ms": {k: stats.values(blocks) for k, blocks in merged.items()},
+    }
 
 
 def run(options: BenchOptions, progress) -> dict:
@@ -58,6 +138,8 @@ def run(options: BenchOptions, progress) -> dict:
                 "samples_ms": {k: stats.values(merged[k]) for k in KINDS},
             }
         models[model] = {"caps": caps, "workload": Workload(model, options.preset).describe()}
+        if options.auto:
+            models[model]["auto"] = _auto_results(model, per_rank)
     notes = [
         "bucket_cap_mb 0 is measured as a cap of 1 byte (2^-20 MiB): ddp_ext rejects caps <= 0, and "
         "1 byte puts every parameter in a bucket of its own in both DDPs, which is what 0 means in the paper.",
@@ -65,6 +147,14 @@ def run(options: BenchOptions, progress) -> dict:
         "An explicit cap applies to every bucket in both DDPs (both use a 1 MiB first bucket only "
         "with their default cap).",
     ]
+    if options.auto:
+        notes.append(
+            'auto: bucket_cap_mb="auto", tuned on its own replica until it settled, then measured in one interleaved '
+            "run with ddp_ext at its default caps (1 MiB first bucket, then 25 MiB) and at every cap above; "
+            "best fixed = the fixed setting with the lowest median in that same run; same cap fixed = the fixed "
+            "setting with the caps auto settled on, where the run measured it. Tuning tries 1+25, 1, 2.5, 5, "
+            "10, 25 and 50 MiB, those giving the same layout once (see Note [Auto-tuned bucket caps])."
+        )
     return {"models": models, "notes": notes}
 
 
@@ -76,7 +166,20 @@ def table(data: dict) -> str:
                          markdown.ms_iqr(c["summary"][TORCH]), markdown.ratio_spread(c["ratio"])])
     headers = ["model", "bucket_cap_mb", "ddp_ext buckets", "ddp_ext ms (IQR)", "torch DDP ms (IQR)",
                "ddp_ext / torch [block range]"]
-    return markdown.table(headers, rows)
+    text = markdown.table(headers, rows)
+    autos = {m: r["auto"] for m, r in data["models"].items() if "auto" in r}
+    if autos:
+        rows = [[model, a["auto_cap_mb"], f"{a['tuning']['iterations']} ({a['tuning']['seconds']:.0f} s)",
+                 markdown.ms_iqr(a["summary"][AUTO]), a["best_fixed_cap_mb"],
+                 markdown.ms_iqr(a["summary"][a["best_fixed_cap_mb"]]), markdown.ms_iqr(a["summary"]["default"]),
+                 markdown.ratio_spread(a["auto_vs_best"]),
+                 markdown.ratio_spread(a["auto_vs_same_cap"]) if a.get("auto_vs_same_cap") else "not measured"]
+                for model, a in autos.items()]
+        headers = ["model", "auto settled on (MiB)", "iterations to settle", "auto ms (IQR)", "best fixed cap",
+                   "best fixed ms (IQR)", "default ms (IQR)", "auto / best fixed [block range]",
+                   "auto / same cap fixed [block range]"]
+        text += "\n\n" + markdown.table(headers, rows)
+    return text
 
 
 def plot(data: dict, path: str) -> None:

@@ -1,0 +1,158 @@
+"""bucket_cap_mb="auto": the wrapper's side of self-tuning buckets.
+
+Note [Auto-tuned bucket caps]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Which bucket cap is fastest depends on the model, the network and the
+machine (paper section 5.2), so "auto" measures instead of guessing.
+
+1. Timing. An iteration is timed on each rank from the start of a
+   training step (a synchronising forward in training mode, as the step
+   check counts them, Note [Ranks out of step] in reducer/step_check.h) to
+   the start of the next forward with gradients enabled: the whole step
+   without no_sync, and with no_sync the one step that communicates (its
+   forward, backward and optimizer step), not the micro-batches that only
+   accumulate. Forwards under torch.no_grad are not seen; an evaluation
+   between steps lengthens one interval, which the medians below ignore.
+2. Deciding. ddp_ext/_bucket_tuner.py holds the policy, pure: a warm-up on
+   torch's default caps (1 MiB first bucket, then 25 MiB), then each
+   candidate whose layout differs from the others' for a few iterations
+   (the first after a switch untimed), in three rounds that alternate
+   direction (a slow drift of the machine favours no candidate); the lowest
+   median of a candidate's three figures wins, so one trial that a burst of
+   load disturbed does not decide. Once settled, windows of iterations are
+   timed; several windows in a row clearly slower than the settled figure
+   start tuning again.
+3. Agreeing. Every rank must re-lay the same buckets at the same point, or
+   their allreduces stop matching. Decisions fall due after the same number
+   of training steps on every rank; there, at the start of the step's
+   forward, the ranks allreduce (MAX) their figure (the slowest rank sets
+   the pace) and their counts, one float64 triple per trial or window,
+   never per iteration. The step check keeps the ranks' training steps
+   equal, so their decisions fall due together; the counts are compared as
+   a backstop, and raise if they differ. They start from 0 when the tuner
+   restarts (a new process group, a copy of the wrapper), which every rank
+   does at the same point. A rank that joined under Join keeps counting and
+   takes part from its shadow loop (ddp_ext/_join.py), so its buckets
+   follow its peers'.
+4. Re-laying. Reducer::set_bucket_caps re-cuts the buckets in their current
+   order (the one agreed by Note [Gradient order prediction] in
+   reducer/gradient_order.h) and makes later gradient-order rebuilds use the
+   new caps. It runs between iterations, where a rebuild is safe for the
+   reasons that Note gives, .grad views included. Results do not change:
+   each gradient is averaged the same way in any bucket. With two ranks the
+   sums are bitwise the same; with more, a gradient's place in its bucket
+   can change the order a collective adds the ranks' values, so the last
+   bit may differ, as with any cap or rebuild; the ranks stay equal.
+5. What stops it. A Python communication hook may keep state per bucket
+   (PowerSGD's error feedback), so registering one freezes the tuner on the
+   caps in use, as it stops continuous rebuilds; the built-in C++ hooks keep
+   no such state, and the adaptive-precision hook's error feedback follows
+   parameters to any layout (compression/residuals.h). rebuild_buckets="never" promises the construction layout,
+   so it is refused with "auto", and so is bucket_cap_mb_list.
+"""
+
+import time
+import warnings
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ddp_ext._bucket_tuner import BucketTuner, TunerPhase, TunerPolicy
+
+MIB = 1024 * 1024
+
+
+def caps_bytes(caps_mb: Sequence[float]) -> List[int]:
+    return [max(1, int(cap * MIB)) for cap in caps_mb]
+
+
+class AutoBuckets:
+    """Times one wrapper's iterations, agrees on decisions, and re-lays its
+    buckets; see the Note."""
+
+    def __init__(self, policy: TunerPolicy = TunerPolicy(), clock: Callable[[], float] = time.perf_counter):
+        self.tuner = BucketTuner(policy)
+        self._clock = clock  # seconds; tests give a fake one
+        self._candidates = [caps_bytes(c) for c in policy.candidates_mb]
+        self._opened: Optional[float] = None  # start of the synchronising iteration timed
+        self._due = False  # a decision waits for the next synchronising forward
+        self._counted = 0  # intervals recorded since the last restart: equal on every rank
+
+    @property
+    def policy(self) -> TunerPolicy:
+        return self.tuner.policy
+
+    def caps_mb(self, candidate: Optional[int] = None) -> tuple:
+        return self.policy.candidates_mb[self.tuner.current if candidate is None else candidate]
+
+    def forward(self, ddp, synchronising: bool) -> None:
+        """At the start of every forward with gradients enabled (and of every
+        iteration a joined rank shadows), after Join's collectives;
+        `synchronising`: it is a training step."""
+        now = self._clock()
+        if self._opened is not None:
+            self._counted += 1
+            self._due = self.tuner.record(now - self._opened) or self._due
+        self._opened = now if synchronising else None
+        if synchronising and self._due:
+            self._due = False
+            agreed = self._agree(ddp, self.tuner.figure())
+            candidate = self.tuner.decide(agreed, lambda: self._distinct(ddp))
+            if candidate is not None:
+                self._apply(ddp, candidate)
+            # Deciding and re-laying are not the iteration's own time.
+            self._opened = self._clock()
+
+    def _agree(self, ddp, figure: float) -> float:
+        group = ddp.process_group
+        if group.size() == 1:
+            return figure
+        count = float(self._counted)
+        values = torch.tensor([figure, count, -count], dtype=torch.float64, device=ddp.device)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+        agreed, most, fewest = values.tolist()
+        if most != -fewest:
+            raise RuntimeError(
+                f"DistributedDataParallel with bucket_cap_mb='auto' on rank {group.rank()}: the ranks "
+                f"disagree on how many synchronising iterations they ran (between {int(-fewest)} and "
+                f"{int(most)}; this rank {int(count)}), so they cannot agree on bucket caps. Every rank "
+                "must run the same synchronising forwards (see torch.distributed.algorithms.join.Join "
+                "for uneven inputs)."
+            )
+        return agreed
+
+    def _distinct(self, ddp) -> List[int]:
+        """Candidates whose caps lay the buckets out differently, each layout
+        once (its first candidate)."""
+        seen = set()
+        distinct = []
+        for index, caps in enumerate(self._candidates):
+            layout = tuple(map(tuple, ddp.reducer._layout_for_caps(caps)))
+            if layout not in seen:
+                seen.add(layout)
+                distinct.append(index)
+        return distinct
+
+    def _apply(self, ddp, candidate: int) -> None:
+        caps = self._candidates[candidate]
+        ddp.reducer._set_bucket_caps(caps)
+        ddp._bucket_caps_bytes = caps
+        ddp.bucket_bytes_cap = max(caps)
+
+    def freeze(self, why: str) -> None:
+        if self.tuner.phase is TunerPhase.FROZEN:
+            return
+        self.tuner.freeze()
+        warnings.warn(
+            f"bucket_cap_mb='auto' stops tuning: {why}. The buckets keep their current caps "
+            f"({', '.join(f'{c:g}' for c in self.caps_mb())} MiB).",
+            stacklevel=3,
+        )
+
+    def restart(self) -> None:
+        """Tunes again from a warm-up (a new process group; a copy)."""
+        self.tuner.restart()
+        self._opened = None
+        self._due = False
+        self._counted = 0
