@@ -76,8 +76,15 @@ class AdaptivePrecision:
     def _bind(self, process_group: Optional[dist.ProcessGroup] = None):
         """The native state, made on first use for `process_group` (or the
         group given at construction, or the default group)."""
+        if self.process_group is not None and process_group is not None and process_group is not self.process_group:
+            raise ValueError(
+                "AdaptivePrecision: this state reduces over another process group than this DDP model's; "
+                "make one AdaptivePrecision per DDP model, with its process group"
+            )
         if self._native is None:
-            group = self.process_group or process_group or dist.distributed_c10d._get_default_group()
+            group = self.process_group if self.process_group is not None else process_group
+            if group is None:
+                group = dist.distributed_c10d._get_default_group()
             self.process_group = group
             policy = _C.PolicyOptions()
             policy.warmup_iterations = self.warmup_iterations
@@ -87,11 +94,6 @@ class AdaptivePrecision:
             policy.int8_allowed = self.int8 and group.size() <= INT8_MAX_WORLD_SIZE
             policy.off_when_slower = self.off_when_slower
             self._native = _C.AdaptivePrecision(group, policy, self.int8_chunk)
-        elif process_group is not None and process_group is not self.process_group:
-            raise ValueError(
-                "AdaptivePrecision: this state already reduces over another process group; "
-                "make one AdaptivePrecision per DDP model"
-            )
         return self._native
 
     # What the hook has done so far (zeros and empty lists before its first bucket).
@@ -128,7 +130,12 @@ class AdaptivePrecision:
         return self._native.residual(bucket_index) if self._native else None
 
     def __getstate__(self):
-        raise TypeError("AdaptivePrecision holds a process group and cannot be pickled")
+        # Like torch's hook states: the options travel, the process group and
+        # what was measured and owed do not; a copy starts afresh on the
+        # default group (or the one its DDP model registers it with).
+        state = dict(self.__dict__)
+        state.update(process_group=None, _native=None)
+        return state
 
 
 def adaptive_precision_hook(state: AdaptivePrecision, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

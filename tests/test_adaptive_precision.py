@@ -471,3 +471,37 @@ def test_bucket_tuning_goes_on_with_the_adaptive_hook():
     for r in results:
         assert r["trace"]["digest"] == results[0]["trace"]["digest"]
         assert_states_close(r["trace"]["params"], local["params"], "auto", rtol=2e-2, atol=2e-3)
+
+
+def _state_and_groups(rank, world_size, _):
+    import copy
+    import pickle
+
+    other = dist.new_group(list(range(world_size)))
+    ddp = ddp_ext.DistributedDataParallel(models.build("mlp"))
+    wrong = AdaptivePrecision(process_group=other)
+    try:
+        ddp.register_comm_hook(wrong, adaptive_precision_hook)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    state = AdaptivePrecision(check_every=3, int8=False)
+    ddp.register_comm_hook(state, adaptive_precision_hook)
+    args, target = models.rank_batch("mlp", 0, 0, rank, world_size, 4)
+    models.MODELS["mlp"].loss(ddp(*args), target).backward()
+    copied = pickle.loads(pickle.dumps(state))
+    deep = copy.deepcopy(state)
+    return dict(
+        refused=refused, iterations=state.iterations, copied=(copied.check_every, copied.int8, copied.iterations),
+        deep_group=deep.process_group, same_group=state.process_group is ddp.process_group,
+    )
+
+
+GROUPS = CaseTable(_state_and_groups, [Only("groups")])
+
+
+def test_state_belongs_to_one_process_group_and_copies_start_afresh():
+    r = GROUPS.results(2, Only("groups"))[0]
+    assert "another process group than this DDP model's" in r["refused"]
+    assert r["same_group"] and r["iterations"] == 1
+    assert r["copied"] == (3, False, 0) and r["deep_group"] is None
