@@ -344,7 +344,8 @@ def plot(data: dict, path: str) -> None:
         ax.set_xticks(xs, models)
         ax.set_ylabel(label)
     bytes_ax.set_yscale("log")
-    time_ax.legend(fontsize="x-small")
+    time_ax.set_ylim(0, time_ax.get_ylim()[1] * 1.5)  # room for the legend above the bars
+    time_ax.legend(fontsize="x-small", ncol=2)
     loss_ax.set_xlabel("iteration")
     loss_ax.set_ylabel("training loss (mean over ranks)")
     loss_ax.set_title("digits: loss, test accuracy")
