@@ -10,7 +10,8 @@ start-up behaviour (HookSettings.settle_iterations). Then, untimed:
   leaves out its small statistics allreduce;
 - costs: each format's steps on one tensor the size of the gradients
   (codec_costs.py), what compression adds against what it saves.
-Finally every variant trains on the digits (compression_convergence.py).
+Finally every variant trains on the digits (compression_convergence.py),
+from CONVERGENCE_SEEDS seeds, every variant from the same ones.
 """
 
 import dataclasses
@@ -38,7 +39,8 @@ TITLE = "Gradient compression: torch's hooks and ddp_ext's adaptive precision"
 # 40 unmeasured iterations: past every variant's settle_iterations (30 for the
 # adaptive hook's defaults, 10 for PowerSGD here).
 RUN_LENGTHS = {"warmup": 40}
-COUNTED_ITERATIONS = {False: 10, True: 2}  # bytes pass, after settling (10: one adaptive window)
+COUNTED_ITERATIONS = {False: 30, True: 2}  # bytes pass, after settling (30: three adaptive windows)
+CONVERGENCE_SEEDS = {False: 3, True: 1}
 COST_REPEATS = {False: 7, True: 2}
 TARGETS = {"bytes": 0.35, "ms": 0.85, "accuracy_points": 0.5}
 COLORS = {"torch": figures.COLORS["torch"], "torch_fp16": "tab:red", "torch_powersgd1": "tab:brown",
@@ -122,10 +124,12 @@ def _measure(rank, world_size, job):
         measured["models"][model] = {"samples": samples, "adaptive": adaptive, "bytes": counted, "costs": costs}
         dist.barrier()
     for variant in VARIANTS:
-        measured["convergence"][variant] = train_and_test(rank, world_size, variant, options.preset, options.seed,
-                                                          hooks, options.quick)
+        runs = [train_and_test(rank, world_size, variant, options.preset, options.seed + k, hooks, options.quick)
+                for k in range(CONVERGENCE_SEEDS[options.quick])]
+        measured["convergence"][variant] = runs
         if rank == 0:
-            progress.say(f"convergence, {variant}: test accuracy {measured['convergence'][variant]['test_accuracy']:.1f}%")
+            accuracies = ", ".join(f"{run['test_accuracy']:.1f}%" for run in runs)
+            progress.say(f"convergence, {variant}: test accuracy {accuracies}")
     return measured
 
 
@@ -163,25 +167,39 @@ def _model_results(options, model, per_rank):
     }
 
 
-def _convergence_results(per_rank):
+def _seed_result(runs, seed):
+    """One seed's run of one variant, from every rank's record of it."""
+    last_epoch = min(runs[0]["iterations_per_epoch"], runs[0]["iterations"])
+    mean_losses = np.mean([run["losses"] for run in runs], axis=0)
+    result = {"seed": seed, "final_loss": float(np.mean(mean_losses[-last_epoch:])),
+              "test_accuracy": runs[0]["test_accuracy"], "test_loss": runs[0]["test_loss"],
+              "losses": mean_losses.tolist()}
+    if "decisions" in runs[0]:
+        result["decisions"] = runs[0]["decisions"]
+    return result
+
+
+def _convergence_results(options, per_rank):
     results = {}
     for v in VARIANTS:
-        runs = [r["convergence"][v] for r in per_rank]
-        last_epoch = min(runs[0]["iterations_per_epoch"], runs[0]["iterations"])
-        mean_losses = np.mean([run["losses"] for run in runs], axis=0)
+        seeds = [_seed_result([r["convergence"][v][k] for r in per_rank], options.seed + k)
+                 for k in range(len(per_rank[0]["convergence"][v]))]
+        accuracies = [s["test_accuracy"] for s in seeds]
+        first = per_rank[0]["convergence"][v][0]
         results[v] = {
-            "final_loss": float(np.mean(mean_losses[-last_epoch:])),
-            "test_accuracy": runs[0]["test_accuracy"],
-            "test_loss": runs[0]["test_loss"],
-            "losses": mean_losses.tolist(),
-            "iterations": runs[0]["iterations"],
-            "test_images": runs[0]["test_images"],
+            "final_loss": float(np.mean([s["final_loss"] for s in seeds])),
+            "test_accuracy": float(np.mean(accuracies)),
+            "test_accuracy_range": [min(accuracies), max(accuracies)],
+            "test_loss": float(np.mean([s["test_loss"] for s in seeds])),
+            "seeds": seeds,
+            "iterations": first["iterations"],
+            "test_images": first["test_images"],
         }
-        if v in ADAPTIVE_VARIANTS:
-            results[v]["decisions"] = runs[0]["decisions"]
     for v in ADAPTIVE_VARIANTS:
         results[v]["accuracy_vs_ours_points"] = _target(
             results[v]["test_accuracy"] - results[OURS]["test_accuracy"], TARGETS["accuracy_points"], at_most=False)
+        results[v]["accuracy_vs_ours_points_per_seed"] = [
+            s["test_accuracy"] - o["test_accuracy"] for s, o in zip(results[v]["seeds"], results[OURS]["seeds"])]
     return results
 
 
@@ -192,7 +210,7 @@ def run(options: BenchOptions, progress) -> dict:
         progress.say(f"warning: --warmup {options.warmup} < {needed}: timed blocks include hooks' start-up")
     per_rank = launch(_measure, options.world_size, (options, progress), options.threads, options.timeout_s)
     models = {model: _model_results(options, model, per_rank) for model in options.models}
-    convergence = _convergence_results(per_rank)
+    convergence = _convergence_results(options, per_rank)
     return {"models": models, "convergence": convergence, "hooks": dataclasses.asdict(hooks), "settle_iterations": needed,
             "notes": _notes(options, hooks, convergence)}
 
@@ -221,9 +239,11 @@ def _notes(options, hooks, convergence):
         f"{TARGETS['ms']}, test accuracy within {TARGETS['accuracy_points']} points of ddp_ext without a hook.",
         f"Convergence: the narrow ResNet-50 of nosync's convergence run on the digits, {BATCH_SIZE} images per "
         f"rank, SGD with learning rate {LEARNING_RATE}, {any_run['iterations']} iterations "
-        f"({EPOCHS if not options.quick else 'under one'} epoch(s)) from the same seed and data order for every "
-        f"variant; final loss: mean training loss of the last epoch; test accuracy on "
-        f"{any_run['test_images']} held-out digits ({TEST_FRACTION:.0%}).",
+        f"({EPOCHS if not options.quick else 'under one'} epoch(s)); each of {len(any_run['seeds'])} seed(s) "
+        f"({', '.join(str(s['seed']) for s in any_run['seeds'])}) fixes the test split, the initial parameters and the data order, "
+        "the same for every variant. final_loss: mean training loss of the last epoch; test accuracy on "
+        f"{any_run['test_images']} held-out digits ({TEST_FRACTION:.0%}); both the mean over the seeds, with "
+        "the range of the accuracy.",
     ]
 
 
@@ -268,10 +288,11 @@ def _adaptive_table(data):
                          _mib(m["bytes"]), _mib(counted["bytes_sent_per_iteration"]),
                          _windows_text(counted["decisions"])])
     for v in ADAPTIVE_VARIANTS:
-        records = data["convergence"][v]["decisions"]
-        modes = sorted({d["mode"] for d in records})
-        rows.append(["digits (convergence)", LABELS[v], f"modes {', '.join(modes)}; last "
-                     + _windows_text(records[-1:]), _costs_text(records), "-", "-", "-", "-"])
+        for run in data["convergence"][v]["seeds"]:
+            records = run["decisions"]
+            modes = ", ".join(f"{m} x{sum(d['mode'] == m for d in records)}" for m in sorted({d["mode"] for d in records}))
+            rows.append([f"digits, seed {run['seed']}", LABELS[v], f"windows: {modes}; last "
+                         + _windows_text(records[-1:]), _costs_text(records), "-", "-", "-", "-"])
     headers = ["run", "variant", "windows in effect in the timed blocks (from iteration: mode (formats))",
                "cost full / compressed ms", "bytes_sent MiB/iter (timed)", "counted MiB/iter",
                "bytes_sent MiB/iter (counted pass)", "windows in the counted pass"]
@@ -294,9 +315,12 @@ def _convergence_table(data):
     conv = data["convergence"]
     rows = []
     for v, r in conv.items():
-        rows.append([LABELS[v], f"{r['final_loss']:.4f}", f"{r['test_accuracy']:.2f}",
+        low, high = r["test_accuracy_range"]
+        rows.append([LABELS[v], f"{r['final_loss']:.4f}", f"{r['test_accuracy']:.2f} [{low:.2f}-{high:.2f}]",
+                     ", ".join(f"{s['test_accuracy']:.2f}" for s in r["seeds"]),
                      f"{r['test_accuracy'] - conv[OURS]['test_accuracy']:+.2f}", f"{r['test_loss']:.4f}"])
-    return markdown.table(["variant", "final_loss", "test_accuracy %", "vs ddp_ext (points)", "test loss"], rows)
+    headers = ["variant", "final_loss", "test_accuracy % [min-max]", "per seed", "vs ddp_ext (points)", "test loss"]
+    return markdown.table(headers, rows)
 
 
 def _targets_lines(data):
@@ -306,8 +330,9 @@ def _targets_lines(data):
             lines.append(f"- {model}: {name} = {t['value']:.3f} (target <= {t['target']}): "
                          f"{'met' if t['met'] else 'not met'}")
     t = data["convergence"][ADAPTIVE]["accuracy_vs_ours_points"]
-    lines.append(f"- digits: adaptive test accuracy - ddp_ext's = {t['value']:+.2f} points (target within "
-                 f"{t['target']}): {'met' if t['met'] else 'not met'}")
+    per_seed = ", ".join(f"{d:+.2f}" for d in data["convergence"][ADAPTIVE]["accuracy_vs_ours_points_per_seed"])
+    lines.append(f"- digits: adaptive test accuracy - ddp_ext's = {t['value']:+.2f} points, mean over seeds ({per_seed}) "
+                 f"(target within {t['target']}): {'met' if t['met'] else 'not met'}")
     return "\n".join(lines)
 
 
@@ -338,7 +363,7 @@ def plot(data: dict, path: str) -> None:
         bytes_ax.bar(xs + offset, [data["models"][m]["variants"][v]["bytes"] / 2**20 for m in models], width,
                      color=COLORS[v])
         conv = data["convergence"][v]
-        loss_ax.plot(conv["losses"], color=COLORS[v], linewidth=1,
+        loss_ax.plot(conv["seeds"][0]["losses"], color=COLORS[v], linewidth=1,
                      label=f"{LABELS[v]}: {conv['test_accuracy']:.1f}%")
     for ax, label in ((time_ax, "median per-iteration latency (ms), IQR bars"), (bytes_ax, "MiB sent per iteration")):
         ax.set_xticks(xs, models)
@@ -348,6 +373,7 @@ def plot(data: dict, path: str) -> None:
     time_ax.legend(fontsize="x-small", ncol=2)
     loss_ax.set_xlabel("iteration")
     loss_ax.set_ylabel("training loss (mean over ranks)")
-    loss_ax.set_title("digits: loss, test accuracy")
+    loss_ax.set_title(f"digits: loss (seed {data['convergence'][TORCH]['seeds'][0]['seed']}), "
+                      "mean test accuracy")
     loss_ax.legend(fontsize="x-small")
     figures.save(figure, path, f"{TITLE} ({data['options']['world_size']} ranks, {data['options']['preset']} preset)")
