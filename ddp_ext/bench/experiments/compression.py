@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ddp_ext.bench import codec_costs, stats
 from ddp_ext.bench.compression_convergence import train_and_test
 from ddp_ext.bench.compression_variants import (
-    ADAPTIVE, ADAPTIVE_ALWAYS, ADAPTIVE_VARIANTS, LABELS, OURS, QUICK_HOOKS, TORCH, VARIANTS, HookSettings, decisions,
+    ADAPTIVE, ADAPTIVE_VARIANTS, LABELS, OURS, QUICK_HOOKS, TORCH, VARIANTS, HookSettings, decisions,
     in_effect, wrap,
 )
 from ddp_ext.bench.counting_group import CountingProcessGroup
@@ -211,8 +211,8 @@ def run(options: BenchOptions, progress) -> dict:
     per_rank = launch(_measure, options.world_size, (options, progress), options.threads, options.timeout_s)
     models = {model: _model_results(options, model, per_rank) for model in options.models}
     convergence = _convergence_results(options, per_rank)
-    return {"models": models, "convergence": convergence, "hooks": dataclasses.asdict(hooks), "settle_iterations": needed,
-            "notes": _notes(options, hooks, convergence)}
+    return {"models": models, "convergence": convergence, "hooks": dataclasses.asdict(hooks),
+            "settle_iterations": needed, "notes": _notes(options, hooks, convergence)}
 
 
 def _notes(options, hooks, convergence):
@@ -240,7 +240,8 @@ def _notes(options, hooks, convergence):
         f"Convergence: the narrow ResNet-50 of nosync's convergence run on the digits, {BATCH_SIZE} images per "
         f"rank, SGD with learning rate {LEARNING_RATE}, {any_run['iterations']} iterations "
         f"({EPOCHS if not options.quick else 'under one'} epoch(s)); each of {len(any_run['seeds'])} seed(s) "
-        f"({', '.join(str(s['seed']) for s in any_run['seeds'])}) fixes the test split, the initial parameters and the data order, "
+        f"({', '.join(str(s['seed']) for s in any_run['seeds'])}) fixes the test split, the initial parameters "
+        "and the data order, "
         "the same for every variant. final_loss: mean training loss of the last epoch; test accuracy on "
         f"{any_run['test_images']} held-out digits ({TEST_FRACTION:.0%}); both the mean over the seeds, with "
         "the range of the accuracy.",
@@ -290,7 +291,8 @@ def _adaptive_table(data):
     for v in ADAPTIVE_VARIANTS:
         for run in data["convergence"][v]["seeds"]:
             records = run["decisions"]
-            modes = ", ".join(f"{m} x{sum(d['mode'] == m for d in records)}" for m in sorted({d["mode"] for d in records}))
+            modes = ", ".join(f"{m} x{sum(d['mode'] == m for d in records)}"
+                              for m in sorted({d["mode"] for d in records}))
             rows.append([f"digits, seed {run['seed']}", LABELS[v], f"windows: {modes}; last "
                          + _windows_text(records[-1:]), _costs_text(records), "-", "-", "-", "-"])
     headers = ["run", "variant", "windows in effect in the timed blocks (from iteration: mode (formats))",
@@ -331,8 +333,8 @@ def _targets_lines(data):
                          f"{'met' if t['met'] else 'not met'}")
     t = data["convergence"][ADAPTIVE]["accuracy_vs_ours_points"]
     per_seed = ", ".join(f"{d:+.2f}" for d in data["convergence"][ADAPTIVE]["accuracy_vs_ours_points_per_seed"])
-    lines.append(f"- digits: adaptive test accuracy - ddp_ext's = {t['value']:+.2f} points, mean over seeds ({per_seed}) "
-                 f"(target within {t['target']}): {'met' if t['met'] else 'not met'}")
+    lines.append(f"- digits: adaptive test accuracy - ddp_ext's = {t['value']:+.2f} points, mean over seeds "
+                 f"({per_seed}) (target within {t['target']}): {'met' if t['met'] else 'not met'}")
     return "\n".join(lines)
 
 
