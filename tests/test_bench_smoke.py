@@ -4,7 +4,8 @@
 write compare.json with positive medians and ratios for both models, plus the
 figure and the markdown table. `order` must record the rebuilds and overlap
 that its models' gradient orders imply (counts, not timings); `layerdrop` the
-bytes each drop rate sends and its agreement with local training.
+bytes each drop rate sends and its agreement with local training; `compression`
+the bytes each hook sends (allreduced and allgathered) and its accuracy.
 """
 
 import json
@@ -117,3 +118,26 @@ def test_bucket_auto_writes_the_auto_row(tmp_path):
     assert set(auto["summary"]) == {"default", "5", "auto"}
     assert auto["same_cap_fixed"] in (None, "default", "5")
     assert "| auto / best fixed [block range] |" in (tmp_path / "bucket.md").read_text()
+
+
+def test_compression_records_time_bytes_and_accuracy(tmp_path):
+    # --quick shortens the adaptive hook's warm-up and windows to 2 iterations.
+    _run_bench(tmp_path, "compression", "--quick", "--models", "bert")
+    with open(tmp_path / "compression.json") as f:
+        result = json.load(f)
+    variants = result["models"]["bert"]["variants"]
+    for name, measured in variants.items():
+        assert measured["ms"] > 0 and measured["bytes"] > 0, name
+    full = variants["ours"]["bytes"]
+    assert abs(variants["torch"]["bytes"] - full) < 0.01 * full
+    assert abs(variants["torch_fp16"]["bytes"] - full / 2) < 0.01 * full
+    assert variants["torch_powersgd1"]["bytes"] < variants["torch_powersgd4"]["bytes"] < 0.1 * full
+    # Compressing whatever it costs: 8-bit codes plus scales, a quarter of the bytes.
+    always = variants["ours_adaptive_always"]
+    assert {f for d in always["bytes_counted"]["decisions"] for f in d["formats"]} == {"int8"}
+    assert 0.25 * full <= always["bytes"] < 0.26 * full
+    # The hook's own count leaves out only its small statistics allreduce.
+    assert 0 < always["bytes"] - always["bytes_counted"]["bytes_sent_per_iteration"] < 1024
+    for measured in result["convergence"].values():
+        assert measured["final_loss"] > 0 and 0 <= measured["test_accuracy"] <= 100
+    assert "| bert | ddp_ext + adaptive |" in (tmp_path / "compression.md").read_text()
