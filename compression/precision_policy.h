@@ -60,7 +60,9 @@ namespace ddp_ext::compression {
 // window's first iteration the hook allreduces, in one small float64
 // tensor, the window's per-bucket squared norms and its cost; every rank
 // then runs this pure policy on the same numbers and chooses the same
-// formats for the same iterations.
+// formats for the same iterations. Every collective is issued from the hook
+// call itself, never from a completion callback (decoding runs there), so
+// the ranks issue them in bucket order whatever the timing.
 
 enum class Precision : int8_t { kFull = 0, kHalf = 1, kInt8 = 2 };
 
