@@ -120,7 +120,6 @@ class PrecisionPolicy {
   // The format of bucket `index` in the current window.
   Precision format(size_t index) const;
   WindowMode mode() const { return mode_; }
-  const std::vector<Precision>& formats() const { return formats_; }
   std::optional<double> full_cost_ms() const { return full_cost_ms_; }
   std::optional<double> compressed_cost_ms() const { return compressed_cost_ms_; }
   const PolicyOptions& options() const { return options_; }

@@ -65,19 +65,6 @@ at::Tensor Residuals::get(size_t index) const {
   return index < entries_.size() ? entries_[index].values : at::Tensor();
 }
 
-double Residuals::total_abs() const {
-  double total = 0;
-  for (const Entry& entry : entries_) {
-    if (entry.values.defined()) {
-      total += entry.values.abs().sum().item<double>();
-    }
-  }
-  for (const auto& [param, values] : orphans_) {
-    total += values.abs().sum().item<double>();
-  }
-  return total;
-}
-
 void Residuals::release_to_orphans(Entry& entry) {
   if (entry.values.defined() && !entry.params.empty()) {
     int64_t offset = 0;

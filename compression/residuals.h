@@ -31,9 +31,6 @@ class Residuals {
   at::Tensor take(size_t index, const std::vector<at::Tensor>& params,
                   const at::Tensor& like);
 
-  // Sum of the absolute values of every residual (for tests and reports).
-  double total_abs() const;
-
   // The residual of bucket `index`, undefined if it owes nothing.
   at::Tensor get(size_t index) const;
 

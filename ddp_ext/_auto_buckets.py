@@ -58,9 +58,8 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ddp_ext._arguments import MIB
 from ddp_ext._bucket_tuner import BucketTuner, TunerPhase, TunerPolicy
-
-MIB = 1024 * 1024
 
 
 def caps_bytes(caps_mb: Sequence[float]) -> List[int]:

@@ -15,7 +15,6 @@
   error.
 """
 
-import contextlib
 import dataclasses
 
 import pytest
