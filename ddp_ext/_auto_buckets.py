@@ -47,7 +47,7 @@ machine (paper section 5.2), so "auto" measures instead of guessing.
    (PowerSGD's error feedback), so registering one freezes the tuner on the
    caps in use, as it stops continuous rebuilds; the built-in C++ hooks keep
    no such state, and the adaptive-precision hook's error feedback follows
-   parameters to any layout (compression/residuals.h). rebuild_buckets="never" promises the construction layout,
+   parameters to any layout (comm_hooks/compression/residuals.h). rebuild_buckets="never" promises the construction layout,
    so it is refused with "auto", and so is bucket_cap_mb_list.
 """
 

@@ -9,18 +9,18 @@ VERSION = "0.1.0"
 
 # Paths relative to the repository root. Listed by hand, never globbed.
 SOURCES = [
-    "ddp_ext.cpp",
-    "compression/accumulate.cpp",
-    "compression/adaptive_precision.cpp",
-    "compression/int8_codec.cpp",
-    "compression/precision_policy.cpp",
-    "compression/residuals.cpp",
+    "bindings/core.cpp",
+    "comm_hooks/builtin_hooks.cpp",
+    "comm_hooks/compression/accumulate.cpp",
+    "comm_hooks/compression/adaptive_precision.cpp",
+    "comm_hooks/compression/int8_codec.cpp",
+    "comm_hooks/compression/precision_policy.cpp",
+    "comm_hooks/compression/residuals.cpp",
+    "process_groups/broadcast_coalesced.cpp",
     "process_groups/recording_backend.cpp",
-    "process_groups/round_robin_backend.cpp",
+    "process_groups/round_robin/backend.cpp",
     "reducer/bucket_assignment.cpp",
     "reducer/bucket_layout.cpp",
-    "reducer/broadcast_coalesced.cpp",
-    "reducer/builtin_comm_hooks.cpp",
     "reducer/gradient_order.cpp",
     "reducer/layer_drop.cpp",
     "reducer/reducer.cpp",
@@ -32,21 +32,21 @@ SOURCES = [
 
 # The pybind11 entry point, compiled on its own; every other source is
 # compiled as one generated unit (see ddp_ext/_units.py).
-BINDING_SOURCE = "ddp_ext.cpp"
+BINDING_SOURCE = "bindings/core.cpp"
 
 # The MPI backend, a module of its own (ddp_ext._mpi), built only where MPI
 # is found (see ddp_ext/_mpi_build.py): binding source first, as above.
 MPI_SOURCES = [
-    "ddp_ext_mpi.cpp",
-    "process_groups/mpi_backend.cpp",
-    "process_groups/mpi_communicator.cpp",
-    "process_groups/mpi_datatype.cpp",
-    "process_groups/mpi_progress.cpp",
-    "process_groups/mpi_rendezvous.cpp",
-    "process_groups/mpi_runtime.cpp",
-    "process_groups/mpi_work.cpp",
+    "bindings/mpi.cpp",
+    "process_groups/mpi/backend.cpp",
+    "process_groups/mpi/communicator.cpp",
+    "process_groups/mpi/datatype.cpp",
+    "process_groups/mpi/progress.cpp",
+    "process_groups/mpi/rendezvous.cpp",
+    "process_groups/mpi/runtime.cpp",
+    "process_groups/mpi/work.cpp",
 ]
-MPI_BINDING_SOURCE = "ddp_ext_mpi.cpp"
+MPI_BINDING_SOURCE = "bindings/mpi.cpp"
 
 # Includes are rooted at the repository: `#include "reducer/reducer.h"`.
 INCLUDE_DIRS = ["."]

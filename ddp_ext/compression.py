@@ -6,7 +6,7 @@ Each bucket is sent at full precision, float16, or 8 bits with one scale per
 chunk, chosen per bucket every `check_every` iterations from statistics the
 ranks agree on; what rounding drops is carried into the next iteration (error
 feedback), and compression turns itself off while it costs more time than it
-saves. See Note [Adaptive precision] in compression/precision_policy.h.
+saves. See Note [Adaptive precision] in comm_hooks/compression/precision_policy.h.
 
 The same line works on torch's DistributedDataParallel (the hook then runs
 through Python); on ddp_ext's it runs in C++ without the GIL.

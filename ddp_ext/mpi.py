@@ -21,7 +21,7 @@ that needs it, and says how to install MPI where there is none.
 - Subgroups (dist.new_group(ranks, backend="ddp_ext_mpi")) get communicators
   of their own over those ranks. torch's global ranks must be MPI's.
 
-See Note [MPI process group] in process_groups/mpi_backend.h.
+See Note [MPI process group] in process_groups/mpi/backend.h.
 """
 
 import atexit

@@ -4,7 +4,7 @@ turns running collectives (paper sections 3.3 and 5.4).
 A round-robin group is an ordinary ``torch.distributed.ProcessGroup`` whose
 backend, ddp_ext's C++ ``RoundRobinBackend``, sends each collective to the
 next of its child groups. See Note [Round-robin process group] in
-process_groups/round_robin_backend.h. Three ways to get one:
+process_groups/round_robin/backend.h. Three ways to get one:
 
     rr = ddp_ext.new_round_robin_group(num_groups=3, backend="gloo")
     rr = ddp_ext.round_robin_group([g1, g2, g3])

@@ -80,8 +80,8 @@ namespace ddp_ext::reducer {
 // buffer, is copied into the bucket if it is another tensor, then written
 // back to .grad like an allreduced bucket. Python hooks run through torch's
 // c10d::PythonCommHook (it takes the GIL); built-in hooks are plain C++
-// (reducer/builtin_comm_hooks.h), and so is the adaptive-precision hook
-// (Note [Adaptive precision] in compression/precision_policy.h). A hook
+// (comm_hooks/builtin_hooks.h), and so is the adaptive-precision hook
+// (Note [Adaptive precision] in comm_hooks/compression/precision_policy.h). A hook
 // that raises, or returns no future, raises from the backward pass on the
 // rank where it did.
 //

@@ -1,4 +1,4 @@
-#include "reducer/builtin_comm_hooks.h"
+#include "comm_hooks/builtin_hooks.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

@@ -1,9 +1,9 @@
-#include "process_groups/mpi_rendezvous.h"
+#include "process_groups/mpi/rendezvous.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/tensor.h>
 
-#include "process_groups/mpi_backend.h"
+#include "process_groups/mpi/backend.h"
 
 namespace ddp_ext::process_groups::mpi {
 

@@ -10,7 +10,7 @@ namespace ddp_ext::compression {
 
 // Note [Adaptive precision]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~
-// The adaptive-precision hook (compression/adaptive_precision.h) sends each
+// The adaptive-precision hook (comm_hooks/compression/adaptive_precision.h) sends each
 // float32 bucket in one of three formats, chosen per bucket for a window of
 // `check_every` synchronising iterations:
 //

@@ -1,4 +1,4 @@
-#include "compression/accumulate.h"
+#include "comm_hooks/compression/accumulate.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

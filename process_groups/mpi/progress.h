@@ -12,8 +12,8 @@
 #include <thread>
 #include <vector>
 
-#include "process_groups/mpi_runtime.h"
-#include "process_groups/mpi_work.h"
+#include "process_groups/mpi/runtime.h"
+#include "process_groups/mpi/work.h"
 
 namespace ddp_ext::process_groups::mpi {
 

@@ -7,16 +7,16 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/headeronly/version.h>
 
-#include "process_groups/mpi_backend.h"
-#include "process_groups/mpi_rendezvous.h"
-#include "process_groups/mpi_runtime.h"
+#include "process_groups/mpi/backend.h"
+#include "process_groups/mpi/rendezvous.h"
+#include "process_groups/mpi/runtime.h"
 
 namespace py = pybind11;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace ddp_ext::process_groups::mpi;
   using NoGil = py::call_guard<py::gil_scoped_release>;
-  m.doc() = "ddp_ext's MPI c10d backend; see process_groups/mpi_backend.h";
+  m.doc() = "ddp_ext's MPI c10d backend; see process_groups/mpi/backend.h";
   m.attr("torch_version") = py::str(
       std::to_string(TORCH_VERSION_MAJOR) + "." +
       std::to_string(TORCH_VERSION_MINOR));
@@ -47,7 +47,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<MpiBackend, c10d::Backend, c10::intrusive_ptr<MpiBackend>>(
       m, "MpiBackend",
-      "c10d Backend over MPI; see process_groups/mpi_backend.h.")
+      "c10d Backend over MPI; see process_groups/mpi/backend.h.")
       .def_static(
           "world",
           [](MpiBackendOptions options) {

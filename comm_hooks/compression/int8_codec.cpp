@@ -1,4 +1,4 @@
-#include "compression/int8_codec.h"
+#include "comm_hooks/compression/int8_codec.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -12,7 +12,7 @@ namespace ddp_ext::process_groups {
 // Pure bookkeeping with no torch dependency: RoundRobinBackend asks it which
 // child gets the next collective. Every rank owns its own selector, and they
 // agree because every rank makes the same sequence of collective calls (see
-// Note [Round-robin process group] in round_robin_backend.h).
+// Note [Round-robin process group] in process_groups/round_robin/backend.h).
 //
 // next() is safe to call from several threads at once; each call gets its own
 // turn. (Which thread gets which turn is then up to the scheduler, so callers

@@ -4,7 +4,7 @@
 #include <memory>
 #include <vector>
 
-#include "process_groups/mpi_runtime.h"
+#include "process_groups/mpi/runtime.h"
 
 namespace ddp_ext::process_groups::mpi {
 

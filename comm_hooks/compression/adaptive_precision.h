@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "compression/precision_policy.h"
-#include "compression/residuals.h"
+#include "comm_hooks/compression/precision_policy.h"
+#include "comm_hooks/compression/residuals.h"
 
 namespace ddp_ext::compression {
 
@@ -36,7 +36,7 @@ struct PrecisionDecision {
 };
 
 // The adaptive-precision communication hook's state and work; see Note
-// [Adaptive precision] in compression/precision_policy.h. Follows torch's
+// [Adaptive precision] in comm_hooks/compression/precision_policy.h. Follows torch's
 // hook contract: run() takes a bucket of gradients not yet divided by the
 // world size and returns a future whose value is the averaged bucket. One
 // instance per DDP model.

@@ -1,4 +1,4 @@
-#include "compression/adaptive_precision.h"
+#include "comm_hooks/compression/adaptive_precision.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -6,8 +6,8 @@
 #include <algorithm>
 #include <utility>
 
-#include "compression/accumulate.h"
-#include "compression/int8_codec.h"
+#include "comm_hooks/compression/accumulate.h"
+#include "comm_hooks/compression/int8_codec.h"
 
 namespace ddp_ext::compression {
 namespace {

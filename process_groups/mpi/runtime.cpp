@@ -1,4 +1,4 @@
-#include "process_groups/mpi_runtime.h"
+#include "process_groups/mpi/runtime.h"
 
 #include <c10/util/Exception.h>
 

@@ -10,14 +10,14 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/headeronly/version.h>
 
-#include "compression/adaptive_precision.h"
-#include "compression/int8_codec.h"
+#include "comm_hooks/compression/adaptive_precision.h"
+#include "comm_hooks/compression/int8_codec.h"
 #include "process_groups/recording_backend.h"
-#include "process_groups/round_robin_backend.h"
+#include "process_groups/round_robin/backend.h"
 
-#include "reducer/broadcast_coalesced.h"
+#include "process_groups/broadcast_coalesced.h"
 #include "reducer/bucket_assignment.h"
-#include "reducer/builtin_comm_hooks.h"
+#include "comm_hooks/builtin_hooks.h"
 #include "reducer/gradient_order.h"
 #include "reducer/reducer.h"
 
@@ -214,7 +214,7 @@ void bind_reducer(py::module& m) {
           "_register_adaptive_precision",
           [](Reducer& r, std::shared_ptr<ddp_ext::compression::AdaptivePrecision> state) {
             // Keeps no state the reducer's rebuilds could invalidate: its
-            // error feedback follows parameters (compression/residuals.h).
+            // error feedback follows parameters (comm_hooks/compression/residuals.h).
             r.register_comm_hook(
                 std::make_unique<ddp_ext::compression::AdaptivePrecisionCommHook>(
                     std::move(state)),
@@ -319,7 +319,7 @@ void bind_compression(py::module& m) {
   py::class_<AdaptivePrecision, std::shared_ptr<AdaptivePrecision>>(
       m, "AdaptivePrecision",
       "State of the adaptive-precision communication hook; see "
-      "compression/adaptive_precision.h.")
+      "comm_hooks/compression/adaptive_precision.h.")
       .def(py::init([](ProcessGroupPtr group, PolicyOptions policy, int64_t int8_chunk) {
              return std::make_shared<AdaptivePrecision>(
                  std::move(group), AdaptivePrecisionOptions{policy, int8_chunk});
@@ -370,7 +370,7 @@ void bind_process_groups(py::module& m) {
   py::class_<RoundRobinBackend, c10d::Backend, c10::intrusive_ptr<RoundRobinBackend>>(
       m, "RoundRobinBackend",
       "c10d Backend that sends each collective to the next of its child "
-      "process groups in turn; see process_groups/round_robin_backend.h.")
+      "process groups in turn; see process_groups/round_robin/backend.h.")
       .def(py::init<std::vector<ProcessGroupPtr>, RoundRobinBackendOptions>(),
            py::arg("children"), py::arg("options") = RoundRobinBackendOptions())
       .def_property_readonly("children", &RoundRobinBackend::children)

@@ -1,4 +1,4 @@
-#include "reducer/broadcast_coalesced.h"
+#include "process_groups/broadcast_coalesced.h"
 
 #include <ATen/ATen.h>
 

@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "process_groups/mpi_communicator.h"
-#include "process_groups/mpi_progress.h"
+#include "process_groups/mpi/communicator.h"
+#include "process_groups/mpi/progress.h"
 
 namespace ddp_ext::process_groups::mpi {
 

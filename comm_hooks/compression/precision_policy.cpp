@@ -1,4 +1,4 @@
-#include "compression/precision_policy.h"
+#include "comm_hooks/compression/precision_policy.h"
 
 #include <c10/util/Exception.h>
 

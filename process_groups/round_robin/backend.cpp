@@ -1,4 +1,4 @@
-#include "process_groups/round_robin_backend.h"
+#include "process_groups/round_robin/backend.h"
 
 #include <c10/util/Exception.h>
 

@@ -1,4 +1,4 @@
-#include "process_groups/mpi_work.h"
+#include "process_groups/mpi/work.h"
 
 #include <ATen/core/jit_type.h>
 #include <c10/util/Exception.h>

@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "process_groups/round_robin_backend_options.h"
-#include "process_groups/round_robin_selector.h"
+#include "process_groups/round_robin/options.h"
+#include "process_groups/round_robin/selector.h"
 
 namespace ddp_ext::process_groups {
 

@@ -3,7 +3,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
-#include "process_groups/mpi_runtime.h"
+#include "process_groups/mpi/runtime.h"
 
 namespace ddp_ext::process_groups::mpi {
 

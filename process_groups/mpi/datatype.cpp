@@ -1,4 +1,4 @@
-#include "process_groups/mpi_datatype.h"
+#include "process_groups/mpi/datatype.h"
 
 #include <c10/util/Exception.h>
 

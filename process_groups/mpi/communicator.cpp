@@ -1,4 +1,4 @@
-#include "process_groups/mpi_communicator.h"
+#include "process_groups/mpi/communicator.h"
 
 #include <c10/util/Exception.h>
 

@@ -1,4 +1,4 @@
-#include "process_groups/mpi_backend.h"
+#include "process_groups/mpi/backend.h"
 
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
@@ -8,7 +8,7 @@
 #include <numeric>
 #include <utility>
 
-#include "process_groups/mpi_datatype.h"
+#include "process_groups/mpi/datatype.h"
 
 namespace ddp_ext::process_groups::mpi {
 

@@ -1,4 +1,4 @@
-#include "compression/residuals.h"
+#include "comm_hooks/compression/residuals.h"
 
 #include <ATen/ATen.h>
 

@@ -1,4 +1,4 @@
-#include "process_groups/mpi_progress.h"
+#include "process_groups/mpi/progress.h"
 
 #include <c10/util/Exception.h>
 
