@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("matplotlib", reason="the benchmark suite needs matplotlib (the `bench` extra)")
 
 from ddp_ext.bench.experiments.faults import error_kind  # noqa: E402
-from ddp_ext.bench.fault_injection import FAULTS, WRAPPERS  # noqa: E402
+from ddp_ext.bench.workloads.fault_injection import FAULTS, WRAPPERS  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

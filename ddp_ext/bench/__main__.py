@@ -4,11 +4,11 @@ import argparse
 import shlex
 import sys
 
-from ddp_ext.bench import extra
+from ddp_ext.bench.harness import extra
 from ddp_ext.bench.experiment_names import NAMES, OWN_MODELS
-from ddp_ext.bench.options import BenchOptions, device_problem, quick_lengths
-from ddp_ext.bench.round_robin import RoundRobinUnavailable
-from ddp_ext.bench.workloads import MODELS, PRESETS
+from ddp_ext.bench.harness.options import BenchOptions, device_problem, quick_lengths
+from ddp_ext.bench.harness.round_robin import RoundRobinUnavailable
+from ddp_ext.bench.workloads.presets import MODELS, PRESETS
 
 DOC_PATH = "docs/BENCHMARKS.md"
 QUICK_SOAK_ITERATIONS = 100

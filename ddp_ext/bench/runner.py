@@ -5,9 +5,9 @@ import os
 import time
 
 from ddp_ext.bench.experiments import EXPERIMENTS
-from ddp_ext.bench.machine import describe_machine, load_average
-from ddp_ext.bench.options import BenchOptions
-from ddp_ext.bench.progress import Progress
+from ddp_ext.bench.harness.machine import describe_machine, load_average
+from ddp_ext.bench.harness.options import BenchOptions
+from ddp_ext.bench.harness.progress import Progress
 from ddp_ext.bench.reporting import results, section
 
 

@@ -9,14 +9,14 @@ own overhead, since there is no one to communicate with.
 
 import torch
 
-from ddp_ext.bench import stats
-from ddp_ext.bench.interleave import merge_ranks, run_interleaved
-from ddp_ext.bench.launcher import launch
-from ddp_ext.bench.options import BenchOptions, effective_bucket_cap_mb
-from ddp_ext.bench.replicas import KINDS, LABELS, LOCAL, OURS, TORCH, make_replica
+from ddp_ext.bench.harness import stats
+from ddp_ext.bench.harness.interleave import merge_ranks, run_interleaved
+from ddp_ext.bench.harness.launcher import launch
+from ddp_ext.bench.harness.options import BenchOptions, effective_bucket_cap_mb
+from ddp_ext.bench.workloads.replicas import KINDS, LABELS, LOCAL, OURS, TORCH, make_replica
 from ddp_ext.bench.reporting import figures, markdown
-from ddp_ext.bench.training_step import TrainingStep
-from ddp_ext.bench.workloads import Workload, input_seed
+from ddp_ext.bench.workloads.training_step import TrainingStep
+from ddp_ext.bench.workloads.presets import Workload, input_seed
 
 NAME = "compare"
 FIGURE = "none (the issue's performance target)"

@@ -14,7 +14,7 @@ the document get one appended at the end.
 import os
 import re
 
-from ddp_ext.bench.progress import Progress
+from ddp_ext.bench.harness.progress import Progress
 from ddp_ext.bench.reporting import results
 
 BEGIN = "<!-- BEGIN GENERATED: {name} -->"

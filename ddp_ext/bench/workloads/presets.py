@@ -14,7 +14,7 @@ from typing import Dict, Tuple, Union
 import torch
 from torch import nn
 
-from ddp_ext.bench.models import BertConfig, BertEncoder, resnet50
+from ddp_ext.bench.workloads.models import BertConfig, BertEncoder, resnet50
 
 MODELS = ("resnet50", "bert")
 PRESETS = ("small", "paper")

@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ddp_ext import _C
+from ddp_ext.bench.harness import product
 
 CHUNK = 1024  # elements per 8-bit scale, the hook's default
 STEPS = ("fp32 allreduce", "fp16 casts", "fp16 allreduce", "int8 encode", "int8 allgather", "int8 decode and sum")
@@ -31,7 +31,7 @@ def measure(numel: int, repeats: int, seed: int) -> dict:
     """Median milliseconds per step for `numel` float32 values on this rank."""
     world = dist.get_world_size()
     values = torch.randn(numel, generator=torch.Generator().manual_seed(seed + dist.get_rank()))
-    payload = _C.int8_encode(values.clone(), CHUNK)
+    payload = product.int8_encode(values.clone(), CHUNK)
     gathered = [torch.empty_like(payload) for _ in range(world)]
     out = torch.empty(numel)
     # Scratch copies for the in-place steps (what they leave there is not used).
@@ -46,9 +46,9 @@ def measure(numel: int, repeats: int, seed: int) -> dict:
         STEPS[0]: lambda: dist.all_reduce(summed),
         STEPS[1]: casts,
         STEPS[2]: lambda: dist.all_reduce(half),
-        STEPS[3]: lambda: _C.int8_encode(residual, CHUNK),
+        STEPS[3]: lambda: product.int8_encode(residual, CHUNK),
         STEPS[4]: lambda: dist.all_gather(gathered, payload),
-        STEPS[5]: lambda: _C.int8_decode_sum(gathered, out, CHUNK),
+        STEPS[5]: lambda: product.int8_decode_sum(gathered, out, CHUNK),
     }
     costs = {name: _timed(fn, repeats) for name, fn in steps.items()}
     return {"numel": numel, "ms": costs, "int8_payload_bytes": payload.numel()}

@@ -17,7 +17,7 @@ from typing import Callable, Dict, List
 
 import torch.distributed as dist
 
-from ddp_ext.bench.progress import Progress
+from ddp_ext.bench.harness.progress import Progress
 
 Sample = Dict[str, float]  # milliseconds per phase, with "total"
 Blocks = List[List[Sample]]  # samples per block

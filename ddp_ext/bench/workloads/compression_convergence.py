@@ -9,9 +9,10 @@ synchronised step, so rank 0's is the model.
 import torch
 from torch.nn import functional as F
 
-from ddp_ext.bench.compression_variants import ADAPTIVE_VARIANTS, HookSettings, decisions, wrap
-from ddp_ext.bench.digits import rank_batches, train_test_split
-from ddp_ext.bench.models import resnet50
+from ddp_ext.bench.workloads.compression_variants import ADAPTIVE_VARIANTS, HookSettings, decisions, wrap
+from ddp_ext.bench.workloads.digits import rank_batches, train_test_split
+from ddp_ext.bench.workloads.models import resnet50
+from ddp_ext.bench.workloads.nosync_convergence import BASE_WIDTH
 
 BATCH_SIZE = 32  # images per rank per iteration
 LEARNING_RATE = 0.05
@@ -31,8 +32,6 @@ def train_and_test(rank: int, world_size: int, variant: str, preset: str, seed: 
     train, (test_images, test_labels) = train_test_split(TEST_FRACTION, seed)
     per_epoch = iterations_per_epoch(world_size, len(train[0]))
     total = QUICK_ITERATIONS if quick else EPOCHS * per_epoch
-    from ddp_ext.bench.experiments.nosync_convergence import BASE_WIDTH  # (the experiments package imports this module)
-
     torch.manual_seed(seed)
     model = resnet50(base_width=BASE_WIDTH[preset], num_classes=10, in_channels=1, zero_init_residual=True)
     ddp, state = wrap(variant, model, hooks)

@@ -17,7 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import ddp_ext
-from ddp_ext.bench.in_order_hook import InOrder, in_order_hook
+from ddp_ext.bench.workloads.in_order_hook import InOrder, in_order_hook
 
 TORCH, TORCH_FP16, TORCH_PSGD1, TORCH_PSGD4 = "torch", "torch_fp16", "torch_powersgd1", "torch_powersgd4"
 OURS, ADAPTIVE, ADAPTIVE_ALWAYS = "ours", "ours_adaptive", "ours_adaptive_always"

@@ -3,7 +3,7 @@
 as launcher.launch does with spawned processes over Gloo.
 
 The parent pickles (fn, job, threads) into a temporary directory and runs
-`mpirun -np N python -m ddp_ext.bench.mpi_launcher DIR`; each rank joins the
+`mpirun -np N python -m ddp_ext.bench.harness.mpi_launcher DIR`; each rank joins the
 default group with init_method "mpi://", runs fn(rank, world_size, job) and
 pickles its return value, or its traceback, into DIR.
 """
@@ -18,7 +18,7 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, List
 
-from ddp_ext.bench.launcher import RanksFailed
+from ddp_ext.bench.harness.ranks import RanksFailed, values_in_rank_order
 
 BACKEND = "ddp_ext_mpi"
 
@@ -48,7 +48,7 @@ def launch(fn: Callable[[int, int, Any], Any], world_size: int, job: Any, thread
     with tempfile.TemporaryDirectory(prefix="ddp_ext_bench_mpi_") as tmp:
         with open(os.path.join(tmp, "job.pkl"), "wb") as f:
             pickle.dump((fn, job, threads, timeout), f)
-        argv = [sys.executable, "-m", "ddp_ext.bench.mpi_launcher", tmp]
+        argv = [sys.executable, "-m", "ddp_ext.bench.harness.mpi_launcher", tmp]
         try:
             done = subprocess.run(mpirun_command(world_size, argv), timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -59,13 +59,9 @@ def launch(fn: Callable[[int, int, Any], Any], world_size: int, job: Any, thread
             if os.path.exists(path):
                 with open(path, "rb") as f:
                     outcomes[rank] = pickle.load(f)
-    failed = [f"--- rank {r} ---\n{value}" for r, (ok, value) in sorted(outcomes.items()) if not ok]
-    missing = [r for r in range(world_size) if r not in outcomes]
-    if failed or missing or done.returncode != 0:
-        raise RanksFailed(f"benchmark ranks failed (mpirun exit status {done.returncode}):\n" + "\n".join(failed)
-                          + (f"\nranks {missing} reported nothing" if missing else ""))
-    return [outcomes[r][1] for r in range(world_size)]
-
+    return values_in_rank_order(outcomes, world_size,
+                                f"benchmark ranks failed (mpirun exit status {done.returncode})",
+                                "reported nothing", failed_anyway=done.returncode != 0)
 
 def _rank_main(directory: str) -> None:
     import torch

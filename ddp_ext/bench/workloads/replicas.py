@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ddp_ext import DistributedDataParallel as OurDDP
-from ddp_ext.bench.workloads import Workload
+from ddp_ext.bench.workloads.presets import Workload
 
 OURS = "ours"  # ddp_ext.DistributedDataParallel
 TORCH = "torch"  # torch.nn.parallel.DistributedDataParallel

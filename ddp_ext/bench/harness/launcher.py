@@ -16,15 +16,16 @@ import time
 import traceback
 from typing import Any, Callable, List
 
+from ddp_ext.bench.harness import mpi_launcher
+from ddp_ext.bench.harness.ranks import RanksFailed, values_in_rank_order
+
+__all__ = ["RanksFailed", "launch"]
+
 BACKEND = "gloo"
 # Ranks that stop reporting for this long are considered hung.
 DEFAULT_TIMEOUT_S = 3600.0
 # After one rank fails, how long the others get to report their own errors.
 GRACE_AFTER_FAILURE_S = 10.0
-
-
-class RanksFailed(RuntimeError):
-    pass
 
 
 def _rank_main(fn, rank, world_size, store_path, threads, job, results, backend=BACKEND):
@@ -74,9 +75,7 @@ def launch(fn: Callable[[int, int, Any], Any], world_size: int, job: Any, thread
     fn must be a module-level function and job and the return values picklable.
     backend "ddp_ext_mpi" starts the ranks with mpirun instead (mpi_launcher).
     """
-    if backend == "ddp_ext_mpi":
-        from ddp_ext.bench import mpi_launcher
-
+    if backend == mpi_launcher.BACKEND:
         return mpi_launcher.launch(fn, world_size, job, threads, timeout)
     print(f"starting {world_size} rank(s) over {backend}, {threads} thread(s) each", file=sys.stderr, flush=True)
     context = multiprocessing.get_context("spawn")
@@ -98,11 +97,5 @@ def launch(fn: Callable[[int, int, Any], Any], world_size: int, job: Any, thread
                     proc.kill()
             for proc in procs:
                 proc.join(timeout=10)
-    failed = [f"--- rank {r} ---\n{value}" for r, (ok, value) in sorted(outcomes.items()) if not ok]
-    missing = [r for r in range(world_size) if r not in outcomes]
-    if failed or missing:
-        message = "\n".join(failed)
-        if missing:
-            message += f"\nranks {missing} did not finish within {timeout:.0f} s"
-        raise RanksFailed(f"benchmark ranks failed:\n{message}")
-    return [outcomes[r][1] for r in range(world_size)]
+    return values_in_rank_order(outcomes, world_size, "benchmark ranks failed",
+                                f"did not finish within {timeout:.0f} s")

@@ -19,7 +19,7 @@ def effective_bucket_cap_mb(cap: Optional[float]) -> Optional[float]:
 @dataclasses.dataclass
 class BenchOptions:
     experiment: str
-    preset: str = "small"  # workload sizes, see workloads.SIZES
+    preset: str = "small"  # workload sizes, see workloads.presets.SIZES
     world_size: int = 2  # ranks (processes) per run
     bucket_cap_mb: Tuple[Optional[float], ...] = (None,)  # None: each DDP's own default
     models: Tuple[str, ...] = ("resnet50", "bert")

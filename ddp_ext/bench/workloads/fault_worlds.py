@@ -1,6 +1,6 @@
 """Starts ranks that may die on purpose: `run_world(fn, world_size, job, ...)`.
 
-Unlike launcher.launch, a rank that is killed or raises does not fail the
+Unlike harness.launcher.launch, a rank that is killed or raises does not fail the
 run: every rank's outcome comes back (what fn returned, or the traceback of
 what it raised, and the process's exit code), and ranks still running at the
 deadline are killed and marked hung. Each rank joins a Gloo group through a

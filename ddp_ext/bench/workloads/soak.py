@@ -11,7 +11,7 @@ from typing import Sequence, Tuple
 
 import numpy as np
 
-from ddp_ext.bench import fault_injection
+from ddp_ext.bench.workloads import fault_injection
 
 
 @dataclasses.dataclass(frozen=True)

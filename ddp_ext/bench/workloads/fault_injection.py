@@ -191,7 +191,7 @@ class FaultRun:
 
 
 def run_fault(wrapper: str, fault: str, world_size: int, victim: int = 1, pg_timeout_s: float = 20.0) -> FaultRun:
-    from ddp_ext.bench.fault_worlds import run_world
+    from ddp_ext.bench.workloads.fault_worlds import run_world
 
     assert wrapper in WRAPPERS and fault in FAULTS and 0 <= victim < world_size
     with tempfile.TemporaryDirectory(prefix="ddp_ext_fault_") as tmp:

@@ -4,7 +4,7 @@ from typing import Dict, List
 
 import numpy as np
 
-from ddp_ext.bench.interleave import Blocks
+from ddp_ext.bench.harness.interleave import Blocks
 
 
 def values(blocks: Blocks, phase: str = "total") -> List[float]:
