@@ -3,8 +3,8 @@
 import torch
 import torch.distributed as dist
 
-from ddp_ext.bench.workloads.compression_variants import in_effect
 from ddp_ext.bench.harness.recording_group import RecordingProcessGroup
+from ddp_ext.bench.workloads.compression_variants import in_effect
 from ddp_ext.bench.workloads.in_order_hook import InOrder, in_order_hook
 
 

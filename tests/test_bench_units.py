@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-from ddp_ext.bench.harness import stats
 from ddp_ext.bench.experiments.allreduce import splits
 from ddp_ext.bench.experiments.order import around_last_rebuild
+from ddp_ext.bench.harness import stats
 from ddp_ext.bench.harness.interleave import merge_ranks, rotated
 from ddp_ext.bench.harness.machine import git_commit
 from ddp_ext.bench.harness.options import ONE_PARAMETER_PER_BUCKET_MB, device_problem, effective_bucket_cap_mb

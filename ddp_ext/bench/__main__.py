@@ -4,8 +4,8 @@ import argparse
 import shlex
 import sys
 
-from ddp_ext.bench.harness import extra
 from ddp_ext.bench.experiment_names import NAMES, OWN_MODELS
+from ddp_ext.bench.harness import extra
 from ddp_ext.bench.harness.options import BenchOptions, device_problem, quick_lengths
 from ddp_ext.bench.harness.round_robin import RoundRobinUnavailable
 from ddp_ext.bench.workloads.presets import MODELS, PRESETS

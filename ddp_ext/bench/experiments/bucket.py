@@ -12,15 +12,15 @@ auto is compared with the best fixed cap measured beside it.
 
 import time
 
-from ddp_ext.bench.harness.product import TunerPhase, settled_caps_mb
 from ddp_ext.bench.harness import stats
 from ddp_ext.bench.harness.interleave import merge_ranks, run_interleaved
 from ddp_ext.bench.harness.launcher import launch
 from ddp_ext.bench.harness.options import BenchOptions, effective_bucket_cap_mb
-from ddp_ext.bench.workloads.replicas import LABELS, OURS, TORCH, make_replica
+from ddp_ext.bench.harness.product import TunerPhase, settled_caps_mb
 from ddp_ext.bench.reporting import figures, markdown
-from ddp_ext.bench.workloads.training_step import TrainingStep
 from ddp_ext.bench.workloads.presets import Workload, input_seed
+from ddp_ext.bench.workloads.replicas import LABELS, OURS, TORCH, make_replica
+from ddp_ext.bench.workloads.training_step import TrainingStep
 
 NAME = "bucket"
 FIGURE = "Figs. 6-7"

@@ -26,13 +26,13 @@ from ddp_ext.bench.workloads.compression_variants import (
     ADAPTIVE, ADAPTIVE_VARIANTS, LABELS, OURS, QUICK_HOOKS, TORCH, VARIANTS, HookSettings, decisions,
     in_effect, wrap,
 )
-from ddp_ext.bench.harness.recording_group import RecordingProcessGroup
 from ddp_ext.bench.harness.interleave import merge_ranks, run_interleaved
 from ddp_ext.bench.harness.launcher import launch
 from ddp_ext.bench.harness.options import BenchOptions
+from ddp_ext.bench.harness.recording_group import RecordingProcessGroup
 from ddp_ext.bench.reporting import figures, markdown
-from ddp_ext.bench.workloads.training_step import TrainingStep
 from ddp_ext.bench.workloads.presets import Workload, input_seed
+from ddp_ext.bench.workloads.training_step import TrainingStep
 
 NAME = "compression"
 FIGURE = "none (gradient compression hooks)"

@@ -16,11 +16,11 @@ import re
 
 import numpy as np
 
-from ddp_ext.bench.workloads.fault_injection import FAULTS, WRAPPERS, run_fault
-from ddp_ext.bench.workloads.fault_worlds import run_world
 from ddp_ext.bench.harness.interleave import rotated
 from ddp_ext.bench.harness.options import BenchOptions
 from ddp_ext.bench.reporting import figures, markdown
+from ddp_ext.bench.workloads.fault_injection import FAULTS, WRAPPERS, run_fault
+from ddp_ext.bench.workloads.fault_worlds import run_world
 from ddp_ext.bench.workloads.soak import SoakJob, slope_per_100, soak
 
 NAME = "faults"

@@ -29,14 +29,14 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from ddp_ext import DistributedDataParallel as OurDDP
 from ddp_ext import LayerDrop
 from ddp_ext.bench.harness import stats
-from ddp_ext.bench.harness.recording_group import RecordingProcessGroup
 from ddp_ext.bench.harness.interleave import merge_ranks, run_interleaved
 from ddp_ext.bench.harness.launcher import launch
-from ddp_ext.bench.workloads.models import BertEncoder
 from ddp_ext.bench.harness.options import BenchOptions
+from ddp_ext.bench.harness.recording_group import RecordingProcessGroup
 from ddp_ext.bench.reporting import figures, markdown
-from ddp_ext.bench.workloads.training_step import LEARNING_RATE, TrainingStep
+from ddp_ext.bench.workloads.models import BertEncoder
 from ddp_ext.bench.workloads.presets import SIZES, input_seed
+from ddp_ext.bench.workloads.training_step import LEARNING_RATE, TrainingStep
 
 NAME = "layerdrop"
 FIGURE = "none (section 6.2.2, layer dropping)"

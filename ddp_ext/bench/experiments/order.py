@@ -22,11 +22,11 @@ from ddp_ext import DistributedDataParallel as OurDDP
 from ddp_ext.bench.harness import stats
 from ddp_ext.bench.harness.interleave import merge_ranks, run_interleaved
 from ddp_ext.bench.harness.launcher import launch
-from ddp_ext.bench.workloads.models.ordered import CLASSES, DEPTH, ORDERED_MODELS, WIDTH, layer_bytes
 from ddp_ext.bench.harness.options import BenchOptions, effective_bucket_cap_mb
 from ddp_ext.bench.reporting import figures, markdown
-from ddp_ext.bench.workloads.training_step import TrainingStep
+from ddp_ext.bench.workloads.models.ordered import CLASSES, DEPTH, ORDERED_MODELS, WIDTH, layer_bytes
 from ddp_ext.bench.workloads.presets import input_seed
+from ddp_ext.bench.workloads.training_step import TrainingStep
 
 NAME = "order"
 FIGURE = "none (section 6.2.1, gradient order prediction)"

@@ -32,8 +32,8 @@ from ddp_ext import DistributedDataParallel as OurDDP
 from ddp_ext.bench.harness.launcher import launch
 from ddp_ext.bench.harness.options import BenchOptions
 from ddp_ext.bench.reporting import figures, markdown
-from ddp_ext.bench.workloads.training_step import LEARNING_RATE
 from ddp_ext.bench.workloads.presets import Workload, input_seed
+from ddp_ext.bench.workloads.training_step import LEARNING_RATE
 
 NAME = "timeline"
 FIGURE = "none (ddp_ext's communication timeline)"

@@ -5,7 +5,7 @@ import importlib.util
 from typing import List
 
 # Import name -> distribution name, as listed in pyproject.toml's `bench` extra.
-REQUIREMENTS = {"matplotlib": "matplotlib", "scipy": "scipy", "sklearn": "scikit-learn"}
+REQUIREMENTS = {"matplotlib": "matplotlib", "PIL": "pillow", "scipy": "scipy", "sklearn": "scikit-learn"}
 
 INSTALL_COMMAND = 'pip install "ddp_ext[bench]"'
 

@@ -23,7 +23,7 @@ class BenchOptions:
     world_size: int = 2  # ranks (processes) per run
     bucket_cap_mb: Tuple[Optional[float], ...] = (None,)  # None: each DDP's own default
     models: Tuple[str, ...] = ("resnet50", "bert")
-    out: str = "bench_out"  # directory for <experiment>.json/.png/.md
+    out: str = "bench_out"  # directory for <experiment>.json, .png and .samples.json.gz
     tag: str = ""  # appended to the output file names: <experiment>-<tag>.json
     seed: int = 0  # model initialisation and synthetic inputs
     threads: int = 1  # torch intra-op threads per rank (torch.set_num_threads)

@@ -18,9 +18,9 @@ import torch
 from torch.nn import functional as F
 
 from ddp_ext import DistributedDataParallel
+from ddp_ext.bench.harness.options import BenchOptions
 from ddp_ext.bench.workloads.digits import rank_batches
 from ddp_ext.bench.workloads.models import resnet50
-from ddp_ext.bench.harness.options import BenchOptions
 
 # (batch size per rank, learning rate), as in the paper's Fig. 11 (a) and (b).
 CONFIGS = ((8, 0.02), (256, 0.06))
