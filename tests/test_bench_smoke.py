@@ -114,8 +114,7 @@ def test_timeline_draws_both_ddps(tmp_path):
 def test_bucket_auto_writes_the_auto_row(tmp_path):
     # Settling takes the tuner's own iterations (about 90), whatever the run lengths.
     done = _run_bench(tmp_path, "bucket", "--auto", "--models", "resnet50", "--bucket-cap-mb", "5", *SHORTEST_RUN)
-    with open(tmp_path / "bucket.json") as f:
-        result = json.load(f)
+    result = results.read_result(str(tmp_path), "bucket")  # the tuner's history is a series: in the samples
     auto = result["models"]["resnet50"]["auto"]
     for key in ("auto_ms", "best_fixed_ms", "default_ms"):
         assert auto[key] > 0, f"{key} = {auto[key]}"
