@@ -17,7 +17,6 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="the benchmark suite needs matplotlib (the `bench` extra)")
 
-from ddp_ext._bucket_tuner import DEFAULT_CANDIDATES_MB  # noqa: E402
 from ddp_ext.bench.reporting import figures, results  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -121,9 +120,9 @@ def test_bucket_auto_writes_the_auto_row(tmp_path):
     fixed_ms = {k: auto["summary"][k]["median_ms"] for k in ("default", "5")}
     assert auto["best_fixed_cap_mb"] == min(fixed_ms, key=fixed_ms.get)
     # The caps auto ended on are those the tuner's last decision settled on.
-    iteration, kind, settled_caps, _ = auto["history"][-1]
+    _, kind, settled_caps, _ = auto["history"][-1]
     assert kind == "settled" and auto["tuning"]["iterations"] > 10
-    assert tuple(settled_caps) in DEFAULT_CANDIDATES_MB
+    assert settled_caps and all(cap > 0 for cap in settled_caps)
     assert auto["auto_cap_mb"] == auto["settled_cap_mb"] == "+".join(f"{c:g}" for c in settled_caps)
     assert set(auto["summary"]) == {"default", "5", "auto"}
     # Auto is set against the fixed run with its caps where this run measured them (default = 1+25).
