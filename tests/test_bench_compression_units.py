@@ -3,9 +3,9 @@
 import torch
 import torch.distributed as dist
 
-from ddp_ext.bench.compression_variants import in_effect
-from ddp_ext.bench.counting_group import CountingProcessGroup
-from ddp_ext.bench.in_order_hook import InOrder, in_order_hook
+from ddp_ext.bench.harness.recording_group import RecordingProcessGroup
+from ddp_ext.bench.workloads.compression_variants import in_effect
+from ddp_ext.bench.workloads.in_order_hook import InOrder, in_order_hook
 
 
 def test_in_effect_keeps_the_decision_in_force_and_those_after_it():
@@ -35,17 +35,12 @@ def test_in_order_hook_starts_a_bucket_once_the_previous_one_is_done():
     assert in_order_hook(chain, "b3") is not None and started[-1] == "b3"  # previous done: starts at once
 
 
-def test_counting_group_counts_allreduce_and_allgather_inputs():
-    if dist.is_initialized():
-        import pytest
-
-        pytest.skip("a default process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        group = CountingProcessGroup(dist.distributed_c10d._get_default_group())
-        group.allreduce([torch.zeros(10)]).wait()
-        group.allgather([[torch.empty(3, dtype=torch.uint8)]], [torch.zeros(3, dtype=torch.uint8)]).wait()
-        assert (group.allreduce_bytes, group.allgather_bytes) == (40, 3)
-        assert group.take() == 43 and group.take() == 0
-    finally:
-        dist.destroy_process_group()
+def test_recording_group_records_collectives_and_counts_allreduce_and_allgather_bytes():
+    # A group of its own (no default group): the test runs whatever ran before it.
+    group = RecordingProcessGroup(dist.ProcessGroupGloo(dist.HashStore(), 0, 1))
+    group.allreduce([torch.zeros(10)]).wait()
+    group.broadcast([torch.zeros(2, dtype=torch.float16)]).wait()
+    group.allgather([[torch.empty(3, dtype=torch.uint8)]], [torch.zeros(3, dtype=torch.uint8)]).wait()
+    assert group.take_bytes() == 43 and group.take_bytes() == 0  # the broadcast is not counted
+    group.allreduce([torch.zeros(4, dtype=torch.float64)]).wait()
+    assert group.take() == [("allreduce", [("float64", 4)])] and group.take() == [] and group.take_bytes() == 0

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from ddp_ext.bench import extra
+from ddp_ext.bench.harness import extra
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

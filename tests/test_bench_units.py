@@ -5,13 +5,13 @@ import sys
 
 import pytest
 
-from ddp_ext.bench import stats
 from ddp_ext.bench.experiments.allreduce import splits
 from ddp_ext.bench.experiments.order import around_last_rebuild
-from ddp_ext.bench.interleave import merge_ranks, rotated
-from ddp_ext.bench.machine import git_commit
-from ddp_ext.bench.options import ONE_PARAMETER_PER_BUCKET_MB, device_problem, effective_bucket_cap_mb
-from ddp_ext.bench.reporting.document import replace_block
+from ddp_ext.bench.harness import stats
+from ddp_ext.bench.harness.interleave import merge_ranks, rotated
+from ddp_ext.bench.harness.machine import git_commit
+from ddp_ext.bench.harness.options import ONE_PARAMETER_PER_BUCKET_MB, device_problem, effective_bucket_cap_mb
+from ddp_ext.bench.reporting.document import assemble, results_named
 
 
 def _blocks(*blocks):
@@ -64,18 +64,21 @@ def test_allreduce_splits(total, expected):
     assert splits(total) == expected
 
 
-def test_replace_block_keeps_text_outside_markers():
-    document = ("intro\n<!-- BEGIN GENERATED: compare -->\nold\n<!-- END GENERATED: compare -->\n"
-                "human sentences\n")
-    updated = replace_block(document, "compare", "new table")
-    assert "old" not in updated
-    assert "new table" in updated
-    assert updated.startswith("intro\n") and updated.endswith("human sentences\n")
+def test_assemble_replaces_placeholders_and_keeps_the_prose():
+    texts = ["# Title\n\nintro\n", "## compare\n\nbefore\n<!-- RESULT: compare -->\nafter\n<!-- RESULT: mpi/compare-mpi -->\n"]
+    rendered = assemble(texts, lambda name: f"table of {name}\n")
+    assert results_named(texts[1]) == ["compare", "mpi/compare-mpi"]
+    assert "RESULT" not in rendered
+    assert ("before\n<!-- BEGIN GENERATED: compare -->\ntable of compare\n<!-- END GENERATED: compare -->\nafter\n"
+            in rendered)
+    assert rendered.endswith("<!-- BEGIN GENERATED: compare-mpi -->\ntable of mpi/compare-mpi\n"
+                             "<!-- END GENERATED: compare-mpi -->\n")
+    assert "# Title\n\nintro\n\n## compare" in rendered
 
 
-def test_replace_block_appends_unknown_results():
-    updated = replace_block("intro\n", "compare-ws1", "table")
-    assert updated.endswith("<!-- BEGIN GENERATED: compare-ws1 -->\ntable\n<!-- END GENERATED: compare-ws1 -->\n")
+def test_assemble_leaves_an_inline_mention_of_the_placeholder_alone():
+    text = "write `<!-- RESULT: name -->` on a line of its own\n"
+    assert assemble([text], lambda name: "never") .endswith(text)
 
 
 def _git(repo, *args):

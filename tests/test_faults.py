@@ -17,7 +17,7 @@ a second.
 
 import pytest
 
-from ddp_ext.bench.fault_injection import FAULT_ITERATION, FAULTS, LAYERS, run_fault
+from ddp_ext.bench.workloads.fault_injection import FAULT_ITERATION, FAULTS, LAYERS, run_fault
 
 PG_TIMEOUT_S = 20.0
 TIME_TO_ERROR_BOUND_S = 10.0

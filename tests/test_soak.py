@@ -22,9 +22,9 @@ About 15 to 50 s on a shared 2-core machine, so it stays in the default
 run (deselect with -k "not soak"). pytest -s prints the figures.
 """
 
-from ddp_ext.bench import fault_injection
-from ddp_ext.bench.fault_worlds import run_world
-from ddp_ext.bench.soak import SoakJob, slope_per_100, soak
+from ddp_ext.bench.workloads import fault_injection
+from ddp_ext.bench.workloads.fault_worlds import run_world
+from ddp_ext.bench.workloads.soak import SoakJob, slope_per_100, soak
 
 ITERATIONS = 2000
 KIB = 1024

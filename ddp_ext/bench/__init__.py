@@ -1,9 +1,14 @@
 """Benchmarks of ddp_ext against torch's DDP, after section 5 of the PyTorch
 Distributed paper: `python -m ddp_ext.bench --help`, and docs/BENCHMARKS.md.
 
-Layout: __main__ (command line) -> runner (one experiment: measure, then write)
--> experiments/<name>.py (what to measure and how to show it) -> launcher
-(spawned Gloo ranks), interleave (side-by-side blocks), training_step,
-replicas (ddp_ext / torch DDP / local), workloads and models/ (ResNet-50,
-BERT-like encoder), stats, and reporting/ (JSON, PNG, markdown, the docs).
+Layout, each layer importing only those below it:
+
+- `__main__` (command line) and `runner` (one experiment: measure, then write);
+- `experiments/`: one module per experiment (what to measure, how to show it);
+- `reporting/`: result files, tables, figures, and docs/BENCHMARKS.md;
+- `workloads/`: models, data, training steps, the DDP set-ups compared, fault
+  worlds and fault injection;
+- `harness/`: launching ranks (spawned, or with mpirun), interleaved
+  measurement, statistics, machine state, progress, the recording process
+  group, and `product`, the one seam into ddp_ext's private modules.
 """

@@ -4,13 +4,12 @@ import argparse
 import shlex
 import sys
 
-from ddp_ext.bench import extra
 from ddp_ext.bench.experiment_names import NAMES, OWN_MODELS
-from ddp_ext.bench.options import BenchOptions, device_problem, quick_lengths
-from ddp_ext.bench.round_robin import RoundRobinUnavailable
-from ddp_ext.bench.workloads import MODELS, PRESETS
+from ddp_ext.bench.harness import extra
+from ddp_ext.bench.harness.options import BenchOptions, device_problem, quick_lengths
+from ddp_ext.bench.harness.round_robin import RoundRobinUnavailable
+from ddp_ext.bench.workloads.presets import MODELS, PRESETS
 
-DOC_PATH = "docs/BENCHMARKS.md"
 QUICK_SOAK_ITERATIONS = 100
 # The experiments --backend ddp_ext_mpi applies to.
 BACKEND_EXPERIMENTS = ("allreduce", "compare")
@@ -21,8 +20,10 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m ddp_ext.bench",
         description="Benchmarks of ddp_ext against torch's DDP, after section 5 of the PyTorch Distributed "
-                    "paper. Starts its own ranks over Gloo and writes OUT/<experiment>.json, .png and .md. "
-                    "`all` runs every experiment; `report` renders docs/BENCHMARKS.md from OUT's JSON files. "
+                    "paper. Starts its own ranks over Gloo and writes OUT/<experiment>.json (the summary), .png (the "
+                    "figure) and .samples.json.gz (every measured iteration). `all` runs every experiment; "
+                    "`report` generates docs/BENCHMARKS.md from docs/bench/text/*.md and the summaries in "
+                    "--out (default there: docs/bench). "
                     f"Needs the `bench` extra: {extra.INSTALL_COMMAND}.",
     )
     p.add_argument("experiment", choices=[*NAMES, "all", "report"])
@@ -35,7 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--models", nargs="+", choices=[*MODELS, *own], default=None,
                    help="default: both (nosync: resnet50, as in the paper; order: " + ", ".join(OWN_MODELS["order"])
                         + ", which only it trains)")
-    p.add_argument("--out", default=defaults.out, help="output directory (default bench_out)")
+    p.add_argument("--out", default=None,
+                   help=f"output directory (default {defaults.out}; report: the summaries to read, default "
+                        "docs/bench)")
     p.add_argument("--tag", default="", help="suffix for the output names, e.g. ws1 -> compare-ws1.json")
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--threads", type=int, default=defaults.threads, help="torch threads per rank (default 1)")
@@ -65,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=["gloo", "nccl", "ddp_ext_mpi"], default=None,
                    help="the ranks' process-group backend (default gloo; nccl with --device cuda); "
                         "ddp_ext_mpi (allreduce and compare) starts the ranks with mpirun")
-    p.add_argument("--doc", default=DOC_PATH, help="report: the document to update")
+    p.add_argument("--doc", default=None, help="report: the document to write (default docs/BENCHMARKS.md)")
     return p
 
 
@@ -94,7 +97,7 @@ def _options(args, experiment: str, part_of_all: bool = False) -> BenchOptions:
                          f"{' and '.join(BACKEND_EXPERIMENTS)} only")
     return BenchOptions(
         experiment=experiment, preset=args.preset, world_size=args.world_size, bucket_cap_mb=tuple(caps),
-        models=tuple(models), out=args.out, tag=args.tag, seed=args.seed, threads=args.threads,
+        models=tuple(models), out=args.out or BenchOptions.out, tag=args.tag, seed=args.seed, threads=args.threads,
         world_sizes=tuple(args.world_sizes), sync_every=tuple(args.sync_every), rr_groups=tuple(args.rr_groups),
         auto=args.auto and experiment == "bucket", round_robin=not args.no_round_robin, convergence_iterations=args.convergence_iterations,
         allreduce_elements=args.allreduce_elements, soak_iterations=soak, timeout_s=args.timeout, quick=args.quick,
@@ -125,9 +128,9 @@ def main(argv=None) -> int:
         print(extra.missing_message(missing), file=sys.stderr)
         return 2
     if args.experiment == "report":
-        from ddp_ext.bench.reporting.document import update_document
+        from ddp_ext.bench import report
 
-        update_document(args.out, args.doc)
+        report.write_document(args.out or report.RESULTS_DIR, report.TEXT_DIR, args.doc or report.DOC_PATH)
         return 0
     from ddp_ext.bench.runner import run_experiment
 

@@ -6,6 +6,6 @@ list them without importing what the experiments need (the `bench` extra)."""
 NAMES = ("compare", "allreduce", "breakdown", "bucket", "scale", "nosync", "roundrobin", "faults", "order", "layerdrop",
          "timeline", "compression")
 
-# Experiments that train their own models rather than workloads.MODELS, with
+# Experiments that train their own models rather than workloads.presets.MODELS, with
 # those models' names (the default of --models for them).
 OWN_MODELS = {"order": ("reversed", "grouped", "switching"), "layerdrop": ("bert",), "timeline": ("bert",)}

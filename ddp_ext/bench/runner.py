@@ -1,36 +1,20 @@
-"""Runs one experiment and writes DIR/<name>.json, DIR/<name>.png and DIR/<name>.md."""
+"""Runs one experiment and writes DIR/<name>.json (summary), DIR/<name>.png
+and DIR/<name>.samples.json.gz (see Note [Results stored once])."""
 
 import dataclasses
 import os
 import time
 
 from ddp_ext.bench.experiments import EXPERIMENTS
-from ddp_ext.bench.machine import describe_machine, load_average
-from ddp_ext.bench.options import BenchOptions
-from ddp_ext.bench.progress import Progress
-from ddp_ext.bench.reporting import results, section
-
-
-def render_section(data: dict, figure_path: str) -> str:
-    """The markdown section of one result, as the experiment that measured it describes it."""
-    module = EXPERIMENTS[data["experiment"]]
-    run_line = module.run_line(data) if hasattr(module, "run_line") else None
-    return section.render(data, module.table(data), figure_path, run_line)
-
-
-def render_outputs(data: dict, out_dir: str, name: str) -> dict:
-    """Writes the figure and the markdown of an already measured result."""
-    module = EXPERIMENTS[data["experiment"]]
-    files = results.paths(out_dir, name)
-    module.plot(data, files["png"])
-    with open(files["md"], "w") as f:
-        f.write(f"## {name}: {data['title']}\n\n")
-        f.write(render_section(data, os.path.basename(files["png"])))
-    return files
+from ddp_ext.bench.harness.machine import describe_machine, load_average
+from ddp_ext.bench.harness.options import BenchOptions
+from ddp_ext.bench.harness.progress import Progress
+from ddp_ext.bench.report import render_section
+from ddp_ext.bench.reporting import figures, results
 
 
 def run_experiment(options: BenchOptions, command: str) -> dict:
-    """Measures, then writes; returns the paths written."""
+    """Measures, then writes; prints the result's section; returns the paths written."""
     module = EXPERIMENTS[options.experiment]
     progress = Progress(options.output_name)
     machine = describe_machine(options.process_group_backend(), options.threads, options.device)
@@ -48,8 +32,9 @@ def run_experiment(options: BenchOptions, command: str) -> dict:
         "duration_s": time.time() - started,
         **payload,
     }
-    files = results.paths(options.out, options.output_name)
-    results.write_json(files["json"], data)
-    render_outputs(data, options.out, options.output_name)
+    files = results.write_result(options.out, options.output_name, data)
+    module.plot(data, files["png"])
+    figures.stamp(files["png"], data)
+    print(f"## {options.output_name}: {module.TITLE}\n\n{render_section(data, os.path.basename(files['png']))}")
     progress.say("wrote " + ", ".join(files.values()))
     return files

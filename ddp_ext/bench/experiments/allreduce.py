@@ -17,10 +17,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from ddp_ext.bench import round_robin, stats
-from ddp_ext.bench.interleave import merge_ranks, rotated
-from ddp_ext.bench.launcher import launch
-from ddp_ext.bench.options import BenchOptions
+from ddp_ext.bench.harness import round_robin, stats
+from ddp_ext.bench.harness.interleave import merge_ranks, rotated
+from ddp_ext.bench.harness.launcher import launch
+from ddp_ext.bench.harness.options import BenchOptions
 from ddp_ext.bench.reporting import figures, markdown
 
 NAME = "allreduce"

@@ -10,15 +10,15 @@ training is the computation alone, so the non-overlapping backward minus it
 estimates the communication.
 """
 
-from ddp_ext.bench import stats
-from ddp_ext.bench.experiments.compare import measure_models
-from ddp_ext.bench.interleave import merge_ranks
-from ddp_ext.bench.launcher import launch
-from ddp_ext.bench.options import BenchOptions
-from ddp_ext.bench.replicas import LOCAL, OURS, TORCH, make_replica
+from ddp_ext.bench.harness import stats
+from ddp_ext.bench.harness.interleave import merge_ranks
+from ddp_ext.bench.harness.launcher import launch
+from ddp_ext.bench.harness.options import BenchOptions
 from ddp_ext.bench.reporting import figures, markdown
-from ddp_ext.bench.training_step import PHASES, TrainingStep
-from ddp_ext.bench.workloads import Workload
+from ddp_ext.bench.workloads.presets import Workload
+from ddp_ext.bench.workloads.replicas import LOCAL, OURS, TORCH, make_replica
+from ddp_ext.bench.workloads.side_by_side import measure_models
+from ddp_ext.bench.workloads.training_step import PHASES, TrainingStep
 
 NAME = "breakdown"
 FIGURE = "Fig. 5"

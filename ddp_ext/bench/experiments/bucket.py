@@ -12,15 +12,15 @@ auto is compared with the best fixed cap measured beside it.
 
 import time
 
-from ddp_ext._bucket_tuner import TunerPhase
-from ddp_ext.bench import stats
-from ddp_ext.bench.interleave import merge_ranks, run_interleaved
-from ddp_ext.bench.launcher import launch
-from ddp_ext.bench.options import BenchOptions, effective_bucket_cap_mb
-from ddp_ext.bench.replicas import LABELS, OURS, TORCH, make_replica
+from ddp_ext.bench.harness import stats
+from ddp_ext.bench.harness.interleave import merge_ranks, run_interleaved
+from ddp_ext.bench.harness.launcher import launch
+from ddp_ext.bench.harness.options import BenchOptions, effective_bucket_cap_mb
+from ddp_ext.bench.harness.product import TunerPhase, settled_caps_mb
 from ddp_ext.bench.reporting import figures, markdown
-from ddp_ext.bench.training_step import TrainingStep
-from ddp_ext.bench.workloads import Workload, input_seed
+from ddp_ext.bench.workloads.presets import Workload, input_seed
+from ddp_ext.bench.workloads.replicas import LABELS, OURS, TORCH, make_replica
+from ddp_ext.bench.workloads.training_step import TrainingStep
 
 NAME = "bucket"
 FIGURE = "Figs. 6-7"
@@ -77,7 +77,7 @@ def _measure_auto(options: BenchOptions, workload: Workload, batch, progress, mo
     replicas[AUTO] = make_replica(OURS, workload, options.seed, AUTO)
     variants = {k: TrainingStep(replica, batch) for k, replica in replicas.items()}
     tuning = _settle(variants[AUTO], replicas[AUTO])
-    settled = replicas[AUTO]._auto_buckets.caps_mb()
+    settled = settled_caps_mb(replicas[AUTO])
     samples = run_interleaved(variants, **options.run_lengths(), progress=progress,
                               label=f"{model}, ddp_ext fixed caps and auto")
     tuner = replicas[AUTO].bucket_tuner
@@ -86,7 +86,7 @@ def _measure_auto(options: BenchOptions, workload: Workload, batch, progress, mo
         "buckets": {k: len(r.bucket_indices()) for k, r in replicas.items()},
         "tuning": tuning,
         "settled_cap_mb": list(settled),
-        "final_cap_mb": list(replicas[AUTO]._auto_buckets.caps_mb()),
+        "final_cap_mb": list(settled_caps_mb(replicas[AUTO])),
         "history": [[e.iteration, e.kind, list(tuner.policy.candidates_mb[e.candidate]), e.figure]
                     for e in tuner.history],
     }

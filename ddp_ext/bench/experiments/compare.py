@@ -7,56 +7,18 @@ with --backend ddp_ext_mpi). With --world-size 1 the ddp_ext/local ratio is the 
 own overhead, since there is no one to communicate with.
 """
 
-import torch
-
-from ddp_ext.bench import stats
-from ddp_ext.bench.interleave import merge_ranks, run_interleaved
-from ddp_ext.bench.launcher import launch
-from ddp_ext.bench.options import BenchOptions, effective_bucket_cap_mb
-from ddp_ext.bench.replicas import KINDS, LABELS, LOCAL, OURS, TORCH, make_replica
+from ddp_ext.bench.harness import stats
+from ddp_ext.bench.harness.interleave import merge_ranks
+from ddp_ext.bench.harness.launcher import launch
+from ddp_ext.bench.harness.options import BenchOptions
 from ddp_ext.bench.reporting import figures, markdown
-from ddp_ext.bench.training_step import TrainingStep
-from ddp_ext.bench.workloads import Workload, input_seed
+from ddp_ext.bench.workloads.presets import Workload
+from ddp_ext.bench.workloads.replicas import KINDS, LABELS, LOCAL, OURS, TORCH
+from ddp_ext.bench.workloads.side_by_side import measure_kinds
 
 NAME = "compare"
 FIGURE = "none (the issue's performance target)"
 TITLE = "Per-iteration latency: ddp_ext vs torch DDP vs local training"
-
-
-def measure_models(rank, job, build_variants):
-    """Per model, the training steps `build_variants(workload, batch, seed, cap)`
-    returns, measured interleaved on this rank; shared by the experiments that
-    compare variants of one training step."""
-    options, progress = job
-    progress = progress.for_rank(rank)
-    cap = effective_bucket_cap_mb(options.single_bucket_cap())
-    device = rank_device(options.device, rank)
-    measured = {}
-    for model in options.models:
-        workload = Workload(model, options.preset)
-        batch = tuple(t.to(device) for t in workload.batch(input_seed(options.seed, rank)))
-        variants = build_variants(workload, batch, options.seed, cap)
-        measured[model] = run_interleaved(variants, **options.run_lengths(), progress=progress, label=model)
-    return measured
-
-
-def rank_device(device: str, rank: int) -> torch.device:
-    """Where this rank's replicas and batches live: the CPU, or
-    cuda:(rank % GPUs), made current."""
-    if device != "cuda":
-        return torch.device("cpu")
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def _kinds(workload, batch, seed, cap):
-    device = batch[0].device
-    return {kind: TrainingStep(make_replica(kind, workload, seed, cap, device=device), batch) for kind in KINDS}
-
-
-def measure_kinds(rank, world_size, job):
-    """Rank body: ours, torch and local interleaved, per model; also used by scale."""
-    return measure_models(rank, job, _kinds)
 
 
 def run(options: BenchOptions, progress) -> dict:

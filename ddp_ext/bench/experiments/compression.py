@@ -19,19 +19,20 @@ import dataclasses
 import numpy as np
 import torch.distributed as dist
 
-from ddp_ext.bench import codec_costs, stats
-from ddp_ext.bench.compression_convergence import train_and_test
-from ddp_ext.bench.compression_variants import (
+from ddp_ext.bench.harness import stats
+from ddp_ext.bench.workloads import codec_costs
+from ddp_ext.bench.workloads.compression_convergence import train_and_test
+from ddp_ext.bench.workloads.compression_variants import (
     ADAPTIVE, ADAPTIVE_VARIANTS, LABELS, OURS, QUICK_HOOKS, TORCH, VARIANTS, HookSettings, decisions,
     in_effect, wrap,
 )
-from ddp_ext.bench.counting_group import CountingProcessGroup
-from ddp_ext.bench.interleave import merge_ranks, run_interleaved
-from ddp_ext.bench.launcher import launch
-from ddp_ext.bench.options import BenchOptions
+from ddp_ext.bench.harness.interleave import merge_ranks, run_interleaved
+from ddp_ext.bench.harness.launcher import launch
+from ddp_ext.bench.harness.options import BenchOptions
+from ddp_ext.bench.harness.recording_group import RecordingProcessGroup
 from ddp_ext.bench.reporting import figures, markdown
-from ddp_ext.bench.training_step import TrainingStep
-from ddp_ext.bench.workloads import Workload, input_seed
+from ddp_ext.bench.workloads.presets import Workload, input_seed
+from ddp_ext.bench.workloads.training_step import TrainingStep
 
 NAME = "compression"
 FIGURE = "none (gradient compression hooks)"
@@ -88,18 +89,18 @@ def _timed(options, progress, model, workload, batch, hooks):
 
 
 def _bytes(options, workload, batch, hooks, variant):
-    group = CountingProcessGroup(dist.distributed_c10d._get_default_group())
+    group = RecordingProcessGroup(dist.distributed_c10d._get_default_group())
     ddp, state = wrap(variant, workload.build(options.seed), hooks, group)
     step = TrainingStep(ddp, batch)
     settle = hooks.settle_iterations(variant)
     for _ in range(settle):
         step()
-    group.take()
+    group.take_bytes()
     sent_before = state.bytes_sent if variant in ADAPTIVE_VARIANTS else 0
     counted = []
     for _ in range(COUNTED_ITERATIONS[options.quick]):
         step()
-        counted.append(group.take())
+        counted.append(group.take_bytes())
     record = {"per_iteration": counted, "settle_iterations": settle}
     if variant in ADAPTIVE_VARIANTS:
         record["bytes_sent_per_iteration"] = (state.bytes_sent - sent_before) / len(counted)
@@ -216,13 +217,13 @@ def run(options: BenchOptions, progress) -> dict:
 
 
 def _notes(options, hooks, convergence):
-    from ddp_ext.bench.compression_convergence import BATCH_SIZE, EPOCHS, LEARNING_RATE, TEST_FRACTION
+    from ddp_ext.bench.workloads.compression_convergence import BATCH_SIZE, EPOCHS, LEARNING_RATE, TEST_FRACTION
 
     any_run = convergence[TORCH]
     return [
         f"Variants: torch's DDP without a hook, with fp16_compress_hook, with powerSGD_hook (PowerSGDState with "
         f"matrix_approximation_rank 1 or 4, start_powerSGD_iter {hooks.start_powerSGD_iter}, other arguments "
-        f"torch's defaults; run one bucket at a time, see ddp_ext/bench/in_order_hook.py); ddp_ext without a "
+        f"torch's defaults; run one bucket at a time, see ddp_ext/bench/workloads/in_order_hook.py); ddp_ext without a "
         f"hook; ddp_ext with AdaptivePrecision (warmup_iterations {hooks.adaptive_warmup}, check_every "
         f"{hooks.adaptive_check_every}, otherwise its defaults), and the same with off_when_slower=False "
         "(never off: it compresses whatever it costs).",

@@ -16,12 +16,12 @@ import re
 
 import numpy as np
 
-from ddp_ext.bench.fault_injection import FAULTS, WRAPPERS, run_fault
-from ddp_ext.bench.fault_worlds import run_world
-from ddp_ext.bench.interleave import rotated
-from ddp_ext.bench.options import BenchOptions
+from ddp_ext.bench.harness.interleave import rotated
+from ddp_ext.bench.harness.options import BenchOptions
 from ddp_ext.bench.reporting import figures, markdown
-from ddp_ext.bench.soak import SoakJob, slope_per_100, soak
+from ddp_ext.bench.workloads.fault_injection import FAULTS, WRAPPERS, run_fault
+from ddp_ext.bench.workloads.fault_worlds import run_world
+from ddp_ext.bench.workloads.soak import SoakJob, slope_per_100, soak
 
 NAME = "faults"
 FIGURE = "none"
@@ -104,7 +104,7 @@ def run(options: BenchOptions, progress) -> dict:
     summary = {fault: {w: _summarize_fault(raw[fault][w]) for w in WRAPPERS} for fault in FAULTS}
     notes = [
         f"Process-group timeout {PG_TIMEOUT_S:.0f} s; rank {VICTIM} is the victim, at iteration 3 of a 4-layer "
-        "MLP with one bucket per layer (ddp_ext/bench/fault_injection.py). Time to error: from the victim's "
+        "MLP with one bucket per layer (ddp_ext/bench/workloads/fault_injection.py). Time to error: from the victim's "
         "fault to each survivor catching its exception (one clock, time.monotonic(), for every process).",
         f"Soak: RSS of each rank every {SAMPLE_EVERY} iterations; slope by least squares over the second half.",
     ]

@@ -28,15 +28,15 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ddp_ext import DistributedDataParallel as OurDDP
 from ddp_ext import LayerDrop
-from ddp_ext.bench import stats
-from ddp_ext.bench.counting_group import CountingProcessGroup
-from ddp_ext.bench.interleave import merge_ranks, run_interleaved
-from ddp_ext.bench.launcher import launch
-from ddp_ext.bench.models import BertEncoder
-from ddp_ext.bench.options import BenchOptions
+from ddp_ext.bench.harness import stats
+from ddp_ext.bench.harness.interleave import merge_ranks, run_interleaved
+from ddp_ext.bench.harness.launcher import launch
+from ddp_ext.bench.harness.options import BenchOptions
+from ddp_ext.bench.harness.recording_group import RecordingProcessGroup
 from ddp_ext.bench.reporting import figures, markdown
-from ddp_ext.bench.training_step import LEARNING_RATE, TrainingStep
-from ddp_ext.bench.workloads import SIZES, input_seed
+from ddp_ext.bench.workloads.models import BertEncoder
+from ddp_ext.bench.workloads.presets import SIZES, input_seed
+from ddp_ext.bench.workloads.training_step import LEARNING_RATE, TrainingStep
 
 NAME = "layerdrop"
 FIGURE = "none (section 6.2.2, layer dropping)"
@@ -85,13 +85,13 @@ def _batch(preset, seed):
 
 
 def _bytes_per_iteration(options, p, variant, batch):
-    group = CountingProcessGroup(dist.distributed_c10d._get_default_group())
+    group = RecordingProcessGroup(dist.distributed_c10d._get_default_group())
     step = TrainingStep(_wrap(variant, _module(options.preset, p, options.seed), group), batch)
-    group.take()  # what construction sent (ddp_ext's allgathered checks) belongs to no iteration
+    group.take_bytes()  # what construction sent (ddp_ext's allgathered checks) belongs to no iteration
     counted = []
     for _ in range(BYTES_ITERATIONS[options.quick]):
         step()
-        counted.append(group.take())
+        counted.append(group.take_bytes())
     return counted
 
 

@@ -13,15 +13,15 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from ddp_ext.bench import smoothing, stats
-from ddp_ext.bench.experiments import nosync_convergence as convergence
-from ddp_ext.bench.interleave import merge_ranks, run_interleaved
-from ddp_ext.bench.launcher import launch
-from ddp_ext.bench.options import BenchOptions, effective_bucket_cap_mb
-from ddp_ext.bench.replicas import LABELS, OURS, TORCH, make_replica
+from ddp_ext.bench.harness import smoothing, stats
+from ddp_ext.bench.harness.interleave import merge_ranks, run_interleaved
+from ddp_ext.bench.harness.launcher import launch
+from ddp_ext.bench.harness.options import BenchOptions, effective_bucket_cap_mb
 from ddp_ext.bench.reporting import figures, markdown, section
-from ddp_ext.bench.training_step import LEARNING_RATE
-from ddp_ext.bench.workloads import Workload, input_seed
+from ddp_ext.bench.workloads import nosync_convergence as convergence
+from ddp_ext.bench.workloads.presets import Workload, input_seed
+from ddp_ext.bench.workloads.replicas import LABELS, OURS, TORCH, make_replica
+from ddp_ext.bench.workloads.training_step import LEARNING_RATE
 
 NAME = "nosync"
 FIGURE = "Figs. 10-11"

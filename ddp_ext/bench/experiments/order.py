@@ -1,7 +1,7 @@
 """order [paper section 6.2.1]: rebuilding buckets in the order gradients arrive.
 
 Three models whose forward disagrees with their registration order (see
-ddp_ext/bench/models/ordered.py): layers used in reverse, two lists used
+ddp_ext/bench/workloads/models/ordered.py): layers used in reverse, two lists used
 alternately, and stages whose order swaps during the warm-up. ddp_ext with
 continuous rebuilding (its default), ddp_ext rebuilding once (torch's
 behaviour) and torch's DDP train each from the same seed on the same batch,
@@ -19,14 +19,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ddp_ext import DistributedDataParallel as OurDDP
-from ddp_ext.bench import stats
-from ddp_ext.bench.interleave import merge_ranks, run_interleaved
-from ddp_ext.bench.launcher import launch
-from ddp_ext.bench.models.ordered import CLASSES, DEPTH, ORDERED_MODELS, WIDTH, layer_bytes
-from ddp_ext.bench.options import BenchOptions, effective_bucket_cap_mb
+from ddp_ext.bench.harness import stats
+from ddp_ext.bench.harness.interleave import merge_ranks, run_interleaved
+from ddp_ext.bench.harness.launcher import launch
+from ddp_ext.bench.harness.options import BenchOptions, effective_bucket_cap_mb
 from ddp_ext.bench.reporting import figures, markdown
-from ddp_ext.bench.training_step import TrainingStep
-from ddp_ext.bench.workloads import input_seed
+from ddp_ext.bench.workloads.models.ordered import CLASSES, DEPTH, ORDERED_MODELS, WIDTH, layer_bytes
+from ddp_ext.bench.workloads.presets import input_seed
+from ddp_ext.bench.workloads.training_step import TrainingStep
 
 NAME = "order"
 FIGURE = "none (section 6.2.1, gradient order prediction)"

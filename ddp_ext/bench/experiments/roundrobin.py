@@ -6,14 +6,14 @@ torch's DDP both train over that same group, alternating block by block; the
 values of N run one after another.
 """
 
-from ddp_ext.bench import round_robin, stats
-from ddp_ext.bench.interleave import merge_ranks, run_interleaved
-from ddp_ext.bench.launcher import launch
-from ddp_ext.bench.options import BenchOptions, effective_bucket_cap_mb
-from ddp_ext.bench.replicas import LABELS, OURS, TORCH, make_replica
+from ddp_ext.bench.harness import round_robin, stats
+from ddp_ext.bench.harness.interleave import merge_ranks, run_interleaved
+from ddp_ext.bench.harness.launcher import launch
+from ddp_ext.bench.harness.options import BenchOptions, effective_bucket_cap_mb
 from ddp_ext.bench.reporting import figures, markdown
-from ddp_ext.bench.training_step import TrainingStep
-from ddp_ext.bench.workloads import Workload, input_seed
+from ddp_ext.bench.workloads.presets import Workload, input_seed
+from ddp_ext.bench.workloads.replicas import LABELS, OURS, TORCH, make_replica
+from ddp_ext.bench.workloads.training_step import TrainingStep
 
 NAME = "roundrobin"
 FIGURE = "Fig. 12"

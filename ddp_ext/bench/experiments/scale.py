@@ -10,15 +10,15 @@ how much of the growth core sharing alone explains.
 
 import dataclasses
 
-from ddp_ext.bench import stats
-from ddp_ext.bench.experiments.compare import measure_kinds
-from ddp_ext.bench.interleave import merge_ranks
-from ddp_ext.bench.launcher import launch
-from ddp_ext.bench.machine import usable_cores
-from ddp_ext.bench.options import BenchOptions
-from ddp_ext.bench.replicas import KINDS, LABELS, LOCAL, OURS, TORCH
+from ddp_ext.bench.harness import stats
+from ddp_ext.bench.harness.interleave import merge_ranks
+from ddp_ext.bench.harness.launcher import launch
+from ddp_ext.bench.harness.machine import usable_cores
+from ddp_ext.bench.harness.options import BenchOptions
 from ddp_ext.bench.reporting import figures, markdown
-from ddp_ext.bench.workloads import Workload
+from ddp_ext.bench.workloads.presets import Workload
+from ddp_ext.bench.workloads.replicas import KINDS, LABELS, LOCAL, OURS, TORCH
+from ddp_ext.bench.workloads.side_by_side import measure_kinds
 
 NAME = "scale"
 FIGURE = "Fig. 9"

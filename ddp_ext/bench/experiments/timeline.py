@@ -29,12 +29,11 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ddp_ext import DistributedDataParallel as OurDDP
-from ddp_ext import _timeline
-from ddp_ext.bench.launcher import launch
-from ddp_ext.bench.options import BenchOptions
+from ddp_ext.bench.harness.launcher import launch
+from ddp_ext.bench.harness.options import BenchOptions
 from ddp_ext.bench.reporting import figures, markdown
-from ddp_ext.bench.training_step import LEARNING_RATE
-from ddp_ext.bench.workloads import Workload, input_seed
+from ddp_ext.bench.workloads.presets import Workload, input_seed
+from ddp_ext.bench.workloads.training_step import LEARNING_RATE
 
 NAME = "timeline"
 FIGURE = "none (ddp_ext's communication timeline)"

@@ -1,18 +1,23 @@
 """The markdown section describing one result: command, machine, table, notes, figure."""
 
+import collections
 import os
+
+from ddp_ext.bench.reporting.figures import NOT_RECORDED
 
 
 def machine_line(data: dict) -> str:
-    m = data["machine"]
+    """Where and when the result was measured; a field the result lacks reads "not recorded"."""
+    m = collections.defaultdict(lambda: NOT_RECORDED, data.get("machine", {}))
     options = data["options"]
     gpu = f"{m['device']} (CUDA {m['cuda']}); " if "device" in m else ""
+    duration = f"{data['duration_s']:.0f} s" if "duration_s" in data else NOT_RECORDED
     return (
         f"{gpu}{m['cpu_model']}, {m['usable_cores']} usable of {m['logical_cores']} logical cores, "
         f"{m['memory_gib']} GiB; torch {m['torch']}, ddp_ext {m['ddp_ext']} ({m['ddp_ext_commit']}), "
         f"Python {m['python']}; backend {m['backend']}, {data.get('ranks', options['world_size'])} ranks, "
         f"{m['threads_per_rank']} thread(s) per rank; load average {m['load_average_at_start']} at start, "
-        f"{m.get('load_average_at_end')} at end; measured {m['started_utc']}, took {data['duration_s']:.0f} s."
+        f"{m['load_average_at_end']} at end; measured {m['started_utc']}, took {duration}."
     )
 
 

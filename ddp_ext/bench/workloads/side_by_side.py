@@ -1,0 +1,46 @@
+"""Rank bodies that measure variants of one training step side by side, per
+model (Note [Interleaved measurement]): compare, scale and breakdown use them."""
+
+import torch
+
+from ddp_ext.bench.harness.interleave import run_interleaved
+from ddp_ext.bench.harness.options import effective_bucket_cap_mb
+from ddp_ext.bench.workloads.presets import Workload, input_seed
+from ddp_ext.bench.workloads.replicas import KINDS, make_replica
+from ddp_ext.bench.workloads.training_step import TrainingStep
+
+
+def measure_models(rank, job, build_variants):
+    """Per model, the training steps `build_variants(workload, batch, seed, cap)`
+    returns, measured interleaved on this rank; shared by the experiments that
+    compare variants of one training step."""
+    options, progress = job
+    progress = progress.for_rank(rank)
+    cap = effective_bucket_cap_mb(options.single_bucket_cap())
+    device = rank_device(options.device, rank)
+    measured = {}
+    for model in options.models:
+        workload = Workload(model, options.preset)
+        batch = tuple(t.to(device) for t in workload.batch(input_seed(options.seed, rank)))
+        variants = build_variants(workload, batch, options.seed, cap)
+        measured[model] = run_interleaved(variants, **options.run_lengths(), progress=progress, label=model)
+    return measured
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """Where this rank's replicas and batches live: the CPU, or
+    cuda:(rank % GPUs), made current."""
+    if device != "cuda":
+        return torch.device("cpu")
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _kinds(workload, batch, seed, cap):
+    device = batch[0].device
+    return {kind: TrainingStep(make_replica(kind, workload, seed, cap, device=device), batch) for kind in KINDS}
+
+
+def measure_kinds(rank, world_size, job):
+    """Rank body: ours, torch and local interleaved, per model (compare and scale)."""
+    return measure_models(rank, job, _kinds)
