@@ -46,7 +46,7 @@ def problems(page: str):
     for token in CODE.findall(FENCE.sub("", text)):
         token = token.rstrip(".,:;")
         first = token.split("/")[0]
-        if "/" in token and first in TOP_FOLDERS and "*" not in token and "{" not in token:
+        if "/" in token and first in TOP_FOLDERS and not any(c in token for c in "*{<"):
             if not os.path.exists(os.path.join(ROOT, token)):
                 yield f"path that does not exist: {token}"
 
