@@ -11,7 +11,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 from torch.nn.parallel.distributed import DistributedDataParallel as TorchDistributedDataParallel
 from torch.nn.parallel.scatter_gather import gather as _gather, scatter_kwargs as _scatter_kwargs
 
-from ddp_ext import _C, _buffers, _comm_hooks, _join, _logging_data, _parameters, _pickling, _timeline
+from ddp_ext import _C, _buffers, _comm_hooks, _delayed_all_reduce, _join, _logging_data, _parameters, _pickling, _timeline
 from ddp_ext._arguments import (
     backend_name,
     check_arguments,
@@ -26,7 +26,6 @@ from ddp_ext._arguments import (
 )
 from ddp_ext._auto_buckets import AutoBuckets
 from ddp_ext._buffers import BROADCAST_CHUNK_BYTES
-from ddp_ext._delayed_all_reduce import DelayedAllReduce
 from ddp_ext._dropped_layers import DroppedLayers
 from ddp_ext import _mixed_precision as mixed_precision_forward
 from ddp_ext._model_check import verify_module
@@ -125,10 +124,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
             )
 
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-        delayed_params = []
-        for name, param in delay_all_reduce_named_params:
-            self.parameters_to_ignore.add(name)
-            delayed_params.append(param)
+        self.parameters_to_ignore.update(name for name, _ in delay_all_reduce_named_params)
+        delayed_params = [param for _, param in delay_all_reduce_named_params]
         self._module_parameters = [p for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
         named_params = self._named_params_for_reducer(module)
         check_initialized(named_params)
@@ -376,21 +373,12 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         self._clear_grad_buffer()
         return output
 
-    def _register_delay_all_reduce_hook(self, bucket_cap_mb, param_to_hook_all_reduce, device_ids) -> None:
-        """delay_all_reduce_named_params: see ddp_ext/_delayed_all_reduce.py."""
-        self._delayed = DelayedAllReduce(
-            self._delay_all_reduce_params, param_to_hook_all_reduce, self.process_group, BROADCAST_CHUNK_BYTES
-        )
-
-    def _delayed_all_reduce_hook(self, grad):
-        return self._delayed.start(grad)
+    _register_delay_all_reduce_hook = _delayed_all_reduce.register_delay_all_reduce_hook
+    _delayed_all_reduce_hook = _delayed_all_reduce.delayed_all_reduce_hook
+    _clear_grad_buffer = _delayed_all_reduce.clear_grad_buffer
 
     def _at_backward_start(self, learning: bool) -> Callable[[], None]:
         return at_backward_start(self.reducer, self.process_group, learning)
-
-    def _clear_grad_buffer(self) -> None:
-        if self._delayed is not None:
-            self._delayed.point_grads_at_buffer()
 
     def scatter(self, inputs, kwargs, device_ids):
         return _scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
