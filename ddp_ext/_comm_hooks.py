@@ -40,12 +40,18 @@ def register_comm_hook(ddp, state: object, hook) -> None:
     holds gradients not yet divided by the world size; the future's value
     is the reduced buffer). Once only, between iterations."""
     check_comm_hook(hook)
-    _install(ddp, _native_hook(ddp, state, hook), hook_name(hook), state)
+    native = _native_hook(ddp, state, hook)
+    _install(ddp, native, hook_name(hook), state)
+    if _stops_tuning(ddp, native):  # here, so that the warning names the caller's line
+        ddp._auto_buckets.freeze(f"the communication hook {hook_name(hook)} may keep state per bucket")
 
 
 def register_builtin_comm_hook(ddp, comm_hook_type) -> None:
     """A C++ hook that runs without the GIL: ALLREDUCE or FP16_COMPRESS."""
-    _install(ddp, _C.builtin_comm_hook(comm_hook_type, ddp.process_group), str(comm_hook_type), None)
+    native = _C.builtin_comm_hook(comm_hook_type, ddp.process_group)
+    _install(ddp, native, str(comm_hook_type), None)
+    if _stops_tuning(ddp, native):
+        ddp._auto_buckets.freeze(f"the communication hook {comm_hook_type} may keep state per bucket")
 
 
 def _native_hook(ddp, state, hook):
@@ -62,10 +68,12 @@ def _native_hook(ddp, state, hook):
 def _install(ddp, native, name: str, state) -> None:
     ddp.reducer._register_comm_hook(native)
     ddp._comm_hooks.append((name, state))
-    if ddp._auto_buckets is not None and native.keeps_per_bucket_state:
-        # See Note [Auto-tuned bucket caps], point 5: a layout change would
-        # hand such a hook's state to other parameters.
-        ddp._auto_buckets.freeze(f"the communication hook {name} may keep state per bucket")
+
+
+def _stops_tuning(ddp, native) -> bool:
+    """See Note [Auto-tuned bucket caps], point 5: a layout change would hand
+    the state of a hook that keeps some per bucket to other parameters."""
+    return ddp._auto_buckets is not None and native.keeps_per_bucket_state
 
 
 def register_fused_optim(ddp, optim: type, *args, optim_params=None, **kwargs) -> None:
