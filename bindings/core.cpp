@@ -193,34 +193,7 @@ void bind_reducer(py::module& m) {
         py::gil_scoped_release no_gil;
         return std::string(phase_name(r.phase()));
       })
-      .def(
-          "_register_comm_hook",
-          [](Reducer& r, py::object state, py::object hook) {
-            auto python_hook = std::make_unique<c10d::PythonCommHook>(
-                std::move(state), std::move(hook));
-            py::gil_scoped_release no_gil;
-            r.register_comm_hook(std::move(python_hook));
-          },
-          py::arg("state"), py::arg("hook"))
-      .def(
-          "_register_builtin_comm_hook",
-          [](Reducer& r, c10d::BuiltinCommHookType type, ProcessGroupPtr group) {
-            r.register_comm_hook(
-                make_builtin_comm_hook(static_cast<int>(type), std::move(group)),
-                /*stateless=*/true);
-          },
-          py::arg("comm_hook_type"), py::arg("process_group"), NoGil())
-      .def(
-          "_register_adaptive_precision",
-          [](Reducer& r, std::shared_ptr<ddp_ext::compression::AdaptivePrecision> state) {
-            // Keeps no state the reducer's rebuilds could invalidate: its
-            // error feedback follows parameters (comm_hooks/compression/residuals.h).
-            r.register_comm_hook(
-                std::make_unique<ddp_ext::compression::AdaptivePrecisionCommHook>(
-                    std::move(state)),
-                /*stateless=*/true);
-          },
-          py::arg("state"), NoGil())
+      .def("_register_comm_hook", &Reducer::register_comm_hook, py::arg("hook"), NoGil())
       .def(
           "_run_comm_hook",
           [](Reducer& r, c10d::GradBucket& bucket) -> FuturePtr {
@@ -356,6 +329,37 @@ void bind_compression(py::module& m) {
       py::arg("payloads"), py::arg("out"), py::arg("chunk"), NoGil());
 }
 
+// The one binding entry for hooks: ddp_ext/_comm_hooks.py builds a CommHook
+// with one of these and hands it to Reducer._register_comm_hook.
+void bind_comm_hooks(py::module& m) {
+  using namespace ddp_ext::comm_hooks;
+
+  py::class_<CommHook, std::shared_ptr<CommHook>>(
+      m, "CommHook", "A communication hook for a Reducer; see comm_hooks/comm_hook.h.")
+      .def_property_readonly("keeps_per_bucket_state", &CommHook::keeps_per_bucket_state);
+  m.def(
+      "python_comm_hook",
+      [](py::object state, py::object hook) -> std::shared_ptr<CommHook> {
+        return std::make_shared<TorchContractHook>(
+            std::make_unique<c10d::PythonCommHook>(std::move(state), std::move(hook)));
+      },
+      py::arg("state"), py::arg("hook"));
+  m.def(
+      "builtin_comm_hook",
+      [](c10d::BuiltinCommHookType type, ProcessGroupPtr group) {
+        return make_builtin_comm_hook(static_cast<int>(type), std::move(group));
+      },
+      py::arg("comm_hook_type"), py::arg("process_group"), NoGil());
+  m.def(
+      "adaptive_precision_comm_hook",
+      [](std::shared_ptr<ddp_ext::compression::AdaptivePrecision> state)
+          -> std::shared_ptr<CommHook> {
+        return std::make_shared<ddp_ext::compression::AdaptivePrecisionCommHook>(
+            std::move(state));
+      },
+      py::arg("state"), NoGil());
+}
+
 void bind_process_groups(py::module& m) {
   using namespace ddp_ext::process_groups;
   // The c10d base classes must be registered with pybind11 before classes
@@ -416,5 +420,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       std::to_string(TORCH_VERSION_MINOR));
   bind_reducer(m);
   bind_compression(m);
+  bind_comm_hooks(m);
   bind_process_groups(m);
 }

@@ -5,7 +5,7 @@
 
 #include <vector>
 
-namespace ddp_ext::reducer {
+namespace ddp_ext::comm_hooks {
 
 at::Tensor GroupCommHook::parseHookResult(const c10::IValue& result) {
   return c10d::detail::parseCppCommHookResult(result);
@@ -34,13 +34,13 @@ c10::intrusive_ptr<c10::ivalue::Future> Fp16CompressCommHook::runHook(
       c10::TensorType::get());
 }
 
-std::unique_ptr<c10d::CommHookInterface> make_builtin_comm_hook(
+std::shared_ptr<CommHook> make_builtin_comm_hook(
     int type, c10::intrusive_ptr<c10d::ProcessGroup> group) {
   switch (type) {
     case 1:
-      return std::make_unique<AllreduceCommHook>(std::move(group));
+      return std::make_shared<AllreduceCommHook>(std::move(group));
     case 2:
-      return std::make_unique<Fp16CompressCommHook>(std::move(group));
+      return std::make_shared<Fp16CompressCommHook>(std::move(group));
     default:
       TORCH_CHECK(false, "Unknown built-in DDP comm hook type ", type,
                   "; expected torch.distributed.BuiltinCommHookType.ALLREDUCE "
@@ -48,4 +48,4 @@ std::unique_ptr<c10d::CommHookInterface> make_builtin_comm_hook(
   }
 }
 
-} // namespace ddp_ext::reducer
+} // namespace ddp_ext::comm_hooks

@@ -6,21 +6,26 @@
 
 #include <memory>
 
-namespace ddp_ext::reducer {
+#include "comm_hooks/comm_hook.h"
+
+namespace ddp_ext::comm_hooks {
 
 // Communication hooks written in C++, so that they run without the GIL.
 // Each follows torch's hook contract (see Note [Communication hooks] in
-// reducer/reducer.cpp): the bucket holds gradients not yet divided by the
+// comm_hooks/comm_hook.h): the bucket holds gradients not yet divided by the
 // world size, and the returned future's value is the reduced buffer.
 
-// What both built-in hooks share: the group they reduce over, and a result
-// that is a tensor or a list holding one.
-class GroupCommHook : public c10d::CommHookInterface {
+// What both built-in hooks share: the group they reduce over, a result that
+// is a tensor or a list holding one, and no state kept between buckets.
+class GroupCommHook : public CommHook {
  public:
   explicit GroupCommHook(c10::intrusive_ptr<c10d::ProcessGroup> group)
       : group_(std::move(group)) {}
 
   at::Tensor parseHookResult(const c10::IValue& result) override;
+  bool keeps_per_bucket_state() const override {
+    return false;
+  }
 
  protected:
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
@@ -46,7 +51,7 @@ class Fp16CompressCommHook : public GroupCommHook {
 
 // The hook for `type`: 1 is allreduce, 2 is float16 compression (the values
 // of torch.distributed.BuiltinCommHookType).
-std::unique_ptr<c10d::CommHookInterface> make_builtin_comm_hook(
+std::shared_ptr<CommHook> make_builtin_comm_hook(
     int type, c10::intrusive_ptr<c10d::ProcessGroup> group);
 
-} // namespace ddp_ext::reducer
+} // namespace ddp_ext::comm_hooks

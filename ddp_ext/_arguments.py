@@ -116,6 +116,83 @@ def named_pairs(delay_all_reduce_named_params) -> list:
     return pairs
 
 
+def check_arguments(module, delay_all_reduce_named_params, param_to_hook_all_reduce, check_reduction: bool) -> list:
+    """What torch's DDP checks first; returns delay_all_reduce_named_params
+    as a list of pairs (empty if not given)."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
+        raise ValueError(
+            "delay_all_reduce_named_params and param_to_hook_all_reduce need to be set at the same time."
+        )
+    if check_reduction:
+        warnings.warn(
+            "The `check_reduction` argument in `DistributedDataParallel` module is deprecated. "
+            "Please avoid using it.",
+            FutureWarning,
+            stacklevel=3,
+        )
+    return [] if delay_all_reduce_named_params is None else named_pairs(delay_all_reduce_named_params)
+
+
+def check_initialized(named_params) -> None:
+    for _, param in named_params:
+        if isinstance(param, torch.nn.parameter.UninitializedParameter):
+            raise RuntimeError(
+                "Modules with uninitialized parameters can't be used with `DistributedDataParallel`. "
+                "Run a dummy forward pass to correctly initialize the modules"
+            )
+
+
+def _device_index(device) -> int:
+    if isinstance(device, numbers.Integral):
+        return int(device)
+    device = torch.device(device)
+    if device.index is None:
+        raise ValueError(f"device_ids entries need an explicit index, got {device}")
+    return device.index
+
+
+@dataclass(frozen=True)
+class Placement:
+    devices: set  # of the parameters DDP reduces (or of the delayed ones)
+    device_type: str
+    device_ids: Optional[List[int]]  # torch's attribute: None, or [index] of a single-GPU module
+    output_device: Optional[int]
+
+
+def resolve_placement(params, delayed_params, device_ids, output_device) -> Placement:
+    """Where the module lives, checked as torch's DDP checks it."""
+    devices = {p.device for p in params} or {p.device for p in delayed_params}
+    device_types = {d.type for d in devices}
+    if len(device_types) != 1:
+        raise ValueError(
+            "DistributedDataParallel's input module must be on the same type of devices, "
+            f"but input module parameters locate in {{{', '.join(map(repr, sorted(device_types)))}}}."
+        )
+    device_type = next(iter(device_types))
+    if device_type == "meta":
+        raise RuntimeError(
+            "DistributedDataParallel's input module has its parameters on the meta device, with no "
+            "data to broadcast or reduce: materialize them (module.to_empty(device=...), then "
+            "initialise them) before wrapping the module."
+        )
+    if device_ids is not None and len(device_ids) > 1:
+        raise ValueError("device_ids can only be None or contain a single element.")
+    if device_ids or output_device is not None:
+        if len(devices) != 1 or device_type == "cpu":
+            raise ValueError(
+                "DistributedDataParallel device_ids and output_device arguments only work with "
+                "single-device GPU modules, but got device_ids "
+                f"{device_ids}, output_device {output_device}, and module parameters "
+                f"{sorted(map(str, devices))}. For CPU or multi-device modules leave both None."
+            )
+    if not device_ids:
+        return Placement(devices, device_type, None, output_device)
+    index = _device_index(device_ids[0])
+    return Placement(devices, device_type, [index], _device_index(index if output_device is None else output_device))
+
+
 @dataclass(frozen=True)
 class BufferSync:
     forward: bool  # broadcast buffers before each synchronising forward

@@ -1,10 +1,15 @@
-"""Checks on communication hooks before they reach the C++ reducer; see
-Note [Communication hooks] in reducer/reducer.cpp for how they run."""
+"""Communication hooks: the one place that turns what the user registers (a
+Python hook under torch's contract, ddp_ext's adaptive-precision hook, or
+one of torch's built-in hook types) into a C++ hook for the reducer. See
+Note [Communication hooks] in comm_hooks/comm_hook.h for how they run."""
 
 import inspect
 
 import torch
 import torch.distributed as dist
+
+from ddp_ext import _C
+from ddp_ext.compression import AdaptivePrecision, adaptive_precision_hook
 
 
 def check_comm_hook(hook) -> None:
@@ -27,3 +32,57 @@ def check_comm_hook(hook) -> None:
 
 def hook_name(hook) -> str:
     return getattr(hook, "__qualname__", None) or type(hook).__qualname__
+
+
+def register_comm_hook(ddp, state: object, hook) -> None:
+    """Reduce each bucket with `hook(state, bucket) -> torch.futures.Future`
+    instead of the default averaging allreduce (torch's contract: the bucket
+    holds gradients not yet divided by the world size; the future's value
+    is the reduced buffer). Once only, between iterations."""
+    check_comm_hook(hook)
+    native = _native_hook(ddp, state, hook)
+    _install(ddp, native, hook_name(hook), state)
+    if _stops_tuning(ddp, native):  # here, so that the warning names the caller's line
+        ddp._auto_buckets.freeze(f"the communication hook {hook_name(hook)} may keep state per bucket")
+
+
+def register_builtin_comm_hook(ddp, comm_hook_type) -> None:
+    """A C++ hook that runs without the GIL: ALLREDUCE or FP16_COMPRESS."""
+    native = _C.builtin_comm_hook(comm_hook_type, ddp.process_group)
+    _install(ddp, native, str(comm_hook_type), None)
+    if _stops_tuning(ddp, native):
+        ddp._auto_buckets.freeze(f"the communication hook {comm_hook_type} may keep state per bucket")
+
+
+def _native_hook(ddp, state, hook):
+    if hook is adaptive_precision_hook:
+        # The same hook, run in C++ without the GIL.
+        if not isinstance(state, AdaptivePrecision):
+            raise TypeError(
+                f"adaptive_precision_hook needs a ddp_ext.AdaptivePrecision as its state, got {type(state).__name__}"
+            )
+        return _C.adaptive_precision_comm_hook(state._bind(ddp.process_group))
+    return _C.python_comm_hook(state, hook)
+
+
+def _install(ddp, native, name: str, state) -> None:
+    ddp.reducer._register_comm_hook(native)
+    ddp._comm_hooks.append((name, state))
+
+
+def _stops_tuning(ddp, native) -> bool:
+    """See Note [Auto-tuned bucket caps], point 5: a layout change would hand
+    the state of a hook that keeps some per bucket to other parameters."""
+    return ddp._auto_buckets is not None and native.keeps_per_bucket_state
+
+
+def register_fused_optim(ddp, optim: type, *args, optim_params=None, **kwargs) -> None:
+    """Steps `optim` on each bucket as soon as it is reduced, through a
+    communication hook (torch's overlapped optimizers)."""
+    from torch.distributed.algorithms._optimizer_overlap import _as_overlapped_optim
+
+    overlapped = _as_overlapped_optim(optim, optim_params, *args, **kwargs)
+    try:
+        overlapped.register_ddp(ddp)
+    except NotImplementedError as e:
+        raise RuntimeError(f"{optim} does not support overlapped DDP.") from e

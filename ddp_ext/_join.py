@@ -1,4 +1,5 @@
-"""Uneven inputs: the Join hook of ddp_ext's DistributedDataParallel.
+"""Uneven inputs: the Join hook of ddp_ext's DistributedDataParallel, and
+the wrapper's Join methods (under torch's DDP names there).
 
 A rank that runs out of data leaves its training loop and enters the Join
 context's shadow loop, which calls `main_hook` once for every iteration that
@@ -27,7 +28,9 @@ last rank to join. See Note [Join and the divide factor] in
 reducer/reducer.cpp for how the ranks with data average.
 """
 
-from torch.distributed.algorithms.join import JoinHook
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, JoinHook
 
 
 class DistributedDataParallelJoinHook(JoinHook):
@@ -53,3 +56,80 @@ class DistributedDataParallelJoinHook(JoinHook):
 
     def post_hook(self, is_last_joiner: bool) -> None:
         self.ddp._sync_final_model(is_last_joiner)
+
+
+def join(ddp, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False):
+    """Context manager for uneven inputs: ranks that run out of data shadow
+    the collectives of those that have not (see above)."""
+    return Join([ddp], enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size)
+
+
+def join_hook(ddp, **kwargs) -> DistributedDataParallelJoinHook:
+    return DistributedDataParallelJoinHook(ddp, kwargs.get("divide_by_initial_world_size", True))
+
+
+def join_device(ddp):
+    return ddp.device
+
+
+def join_process_group(ddp):
+    return ddp.process_group
+
+
+def distributed_rank(ddp) -> int:
+    return ddp.process_group.rank()
+
+
+def find_common_rank(ddp, input_rank: int, rank_cond: bool) -> int:
+    """The highest rank for which `rank_cond` holds, agreed by every rank."""
+    candidate = torch.tensor([input_rank if rank_cond else -1], device=ddp.device)
+    dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=ddp.process_group)
+    rank = int(candidate.item())
+    if rank == -1:
+        raise ValueError("No rank met the condition to be the authoritative rank.")
+    return rank
+
+
+def check_global_requires_backward_grad_sync(ddp, is_joined_rank: bool):
+    """Point 2 above; on a joined rank, whether its peers synchronise."""
+    syncs = not is_joined_rank and ddp.require_backward_grad_sync
+    flag = torch.ones(1, device=ddp.device) if syncs else torch.zeros(1, device=ddp.device)
+    work = dist.all_reduce(flag, group=ddp.process_group, async_op=True)
+    if not is_joined_rank:
+        return None
+    work.wait()
+    return flag.item() != 0
+
+
+def check_and_sync_module_buffers(ddp) -> None:
+    """Point 1 above."""
+    if ddp._check_sync_bufs_pre_fwd():
+        ddp.reducer._match_step_check_as_joined()
+        authoritative_rank = ddp._find_common_rank(ddp._distributed_rank, False)
+        ddp._sync_module_buffers(authoritative_rank)
+
+
+def sync_final_model(ddp, is_last_joiner: bool) -> None:
+    ddp._authoritative_rank = ddp._find_common_rank(ddp._distributed_rank, is_last_joiner)
+    ddp._assign_modules_buffers()
+    ddp._sync_module_states(ddp._authoritative_rank, include_buffers=ddp.forward_sync_buffers)
+
+
+def match_all_reduce_for_bwd_pass(ddp) -> None:
+    """Points 3 and 4 above."""
+    ddp.reducer._match_step_check_as_joined()
+    # See Note [Layer dropping]: the peers skip the buckets of layers they all dropped.
+    dropped = set(ddp._dropped_layers.take_dropped()[0])
+    buckets = [
+        bucket
+        for bucket, members in zip(ddp.reducer._get_zeros_like_grad_buckets(), ddp.reducer.bucket_indices())
+        if not (dropped and all(i in dropped for i in members))
+    ]
+    works = [ddp.reducer._run_comm_hook(bucket) for bucket in buckets]
+    for work in works:
+        work.wait()
+
+
+def match_unused_params_allreduce(ddp) -> None:
+    """Point 5 above."""
+    ddp.process_group.allreduce(ddp.reducer._get_local_used_map()).wait()

@@ -68,3 +68,11 @@ def logging_data(ddp) -> Dict[str, Any]:
     if ddp._comm_hooks:
         data["comm_hook"] = ddp._comm_hooks[-1][0]
     return data
+
+
+def set_runtime_logging_sample_rate(ddp, sample_rate: int) -> None:
+    """ddp_ext records no runtime timing statistics; the rate is checked
+    as torch checks it and kept, so callers work unchanged."""
+    if sample_rate < 1:
+        raise ValueError("DDP runtime logging sample rate should be equal or greater than 1")
+    ddp._runtime_logging_sample_rate = sample_rate

@@ -75,3 +75,14 @@ def verify_same_model(
                 f"{len(reference[1])} such tensors, rank {rank} has {len(described[1])}). Build the model "
                 "identically on every rank, or pass broadcast_buffers=False to keep buffers rank-local."
             )
+
+
+def verify_module(process_group: dist.ProcessGroup, module, named_params: Named, ignored, include_buffers: bool) -> None:
+    """verify_same_model over all that the construction broadcast covers: a
+    frozen parameter or buffer shaped differently would shift every tensor
+    after it."""
+    device = next((p.device for p in module.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    named_broadcast = [(n, p) for n, p in module.named_parameters() if not p.requires_grad and n not in ignored]
+    if include_buffers:
+        named_broadcast += [(n, b) for n, b in module.named_buffers() if n not in ignored]
+    verify_same_model(process_group, named_params, device, named_broadcast)

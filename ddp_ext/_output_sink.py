@@ -14,6 +14,7 @@ reducer/reducer.cpp.
 
 import copy
 import dataclasses
+import weakref
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -79,3 +80,23 @@ def sink_outputs(output: Any, on_backward: Optional[Callable[[], None]] = None, 
         return output
     passed = dict(zip(map(id, tracked), _OutputSink.apply(on_backward, clone, *tracked)))
     return _map_tensors(output, lambda t: passed.get(id(t), t))
+
+
+def at_backward_start(reducer, group, learning: bool) -> Callable[[], None]:
+    """What the sink runs when the backward reaches it. It holds the reducer
+    weakly: a wrapper freed after its forward makes that backward raise,
+    instead of running unsynchronised (torch's DDP raises too)."""
+    reducer_ref = weakref.ref(reducer)
+
+    def on_backward() -> None:
+        alive = reducer_ref()
+        if alive is None:
+            raise RuntimeError(
+                f"DistributedDataParallel on rank {group.rank()} was destroyed after its forward pass, so "
+                "this backward pass would not average gradients across ranks. Keep the wrapper "
+                "alive until backward returns."
+            )
+        if learning:
+            alive.queue_finish_learning_iteration()
+
+    return on_backward

@@ -220,3 +220,22 @@ class Timeline:
             self.stop()
         except Exception as error:  # at exit: say so, do not mask the exit status
             print(f"ddp_ext: could not write the timeline {self.path}: {error}")
+
+
+def record_timeline(ddp, directory: str, iterations: Optional[int] = None) -> Timeline:
+    """ddp_ext only. Records the communication timeline from now on: the
+    forward, the backward, each gradient's ready time, each bucket's launch
+    and completion, the wait at the end of the backward, communication
+    hook time and bucket rebuilds. Writes a Chrome trace,
+    DIRECTORY/timeline-rank{rank}.json, when the returned Timeline is
+    stopped (stop(), the end of a `with` block), after `iterations`
+    synchronising backward passes, or at exit. The environment variable
+    DDP_EXT_TIMELINE=DIRECTORY does the same for every wrapper built
+    (DDP_EXT_TIMELINE_ITERATIONS=N: for N iterations)."""
+    if ddp._timeline is not None and ddp._timeline.recording:
+        raise RuntimeError(
+            f"record_timeline: this wrapper is already recording a timeline to {ddp._timeline.path}; "
+            "stop() it first"
+        )
+    ddp._timeline = Timeline(ddp, directory, iterations)
+    return ddp._timeline

@@ -69,22 +69,6 @@ namespace ddp_ext::reducer {
 // batched_grad_copy the copies wait until the bucket is launched and the
 // whole bucket is scaled at once: the same products, so the same bits.
 //
-// Note [Communication hooks]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~
-// A communication hook replaces the default averaging allreduce of a bucket
-// (torch's contract, paper section 6.2.3). Gradients are copied into the
-// bucket without the 1/world_size scale; when the bucket is launched, the
-// hook receives a c10d::GradBucket (index, the flat buffer, per-parameter
-// offsets and shapes, the parameters) and returns a future. At the end of
-// the backward pass each future is awaited and its value, the reduced
-// buffer, is copied into the bucket if it is another tensor, then written
-// back to .grad like an allreduced bucket. Python hooks run through torch's
-// c10d::PythonCommHook (it takes the GIL); built-in hooks are plain C++
-// (comm_hooks/builtin_hooks.h), and so is the adaptive-precision hook
-// (Note [Adaptive precision] in comm_hooks/compression/precision_policy.h). A hook
-// that raises, or returns no future, raises from the backward pass on the
-// rank where it did.
-//
 // Note [Join and the divide factor]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Under torch.distributed.algorithms.join.Join, every forward of a rank that
@@ -444,8 +428,7 @@ void Reducer::set_static_graph() {
   gradient_order_.set_first_rebuild(true);
 }
 
-void Reducer::register_comm_hook(
-    std::unique_ptr<c10d::CommHookInterface> hook, bool stateless) {
+void Reducer::register_comm_hook(std::shared_ptr<comm_hooks::CommHook> hook) {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(hook, "register_comm_hook needs a hook");
   TORCH_CHECK(
@@ -463,7 +446,7 @@ void Reducer::register_comm_hook(
   }
   comm_hook_ = std::move(hook);
   gradients_stay_local_ = stays_local();
-  if (!stateless) {
+  if (comm_hook_->keeps_per_bucket_state()) {
     gradient_order_.allow_continuous(false);
   }
 }
@@ -1012,7 +995,7 @@ void Reducer::wait_for_launched_buckets() {
       bucket.work.reset();
     }
     if (bucket.future) {
-      // See Note [Communication hooks].
+      // See Note [Communication hooks] in comm_hooks/comm_hook.h.
       auto future = std::move(bucket.future);
       bucket.future.reset();
       future->wait();

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "comm_hooks/comm_hook.h"
 #include "reducer/bucket.h"
 #include "reducer/bucket_layout.h"
 #include "reducer/gradient_order.h"
@@ -135,11 +136,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void set_static_graph();
 
   // Replaces the default bucket allreduce. Once only, and not in the middle
-  // of an iteration. See Note [Communication hooks]. A hook that keeps no
-  // state per bucket (`stateless`) lets continuous rebuilding go on; see
-  // Note [Gradient order prediction].
-  void register_comm_hook(
-      std::unique_ptr<c10d::CommHookInterface> hook, bool stateless = false);
+  // of an iteration. See Note [Communication hooks] in
+  // comm_hooks/comm_hook.h, which says what a hook that keeps state per
+  // bucket stops.
+  void register_comm_hook(std::shared_ptr<comm_hooks::CommHook> hook);
 
   // Reduces `bucket` as a bucket of this reducer would be: through the
   // registered hook, or else a summing allreduce. For ranks that shadow
@@ -289,7 +289,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // See Note [A world of one rank].
   bool gradients_stay_local_;
   // See Note [Communication hooks]; null: the default averaging allreduce.
-  std::unique_ptr<c10d::CommHookInterface> comm_hook_;
+  std::shared_ptr<comm_hooks::CommHook> comm_hook_;
 
   // The gradient accumulator of each parameter, held so that autograd keeps
   // using the node our hook is installed on, and the key to remove the hook.

@@ -463,7 +463,9 @@ AUTO = CaseTable(_with_auto_buckets, [Only("auto")])
 def test_bucket_tuning_goes_on_with_the_adaptive_hook():
     results = AUTO.results(2, Only("auto"))
     # Not frozen (a Python hook would freeze it): it tried every candidate.
-    assert results[0]["phase"] == "settled" and results[0]["tried"] == {0, 1, 2}, results[0]
+    # Settled or tuning again depends on wall-clock timing (a loaded machine
+    # can look like drift), so only what holds whatever the timing is checked.
+    assert results[0]["phase"] != "frozen" and results[0]["tried"] == {0, 1, 2}, results[0]
     distinct = {str(layout) for layout in results[0]["layouts"]}
     assert len(distinct) >= 2, "the tuner never changed the layout"
     local = reference.train_local(reference.case("deep", steps=30), 2, concat=True)

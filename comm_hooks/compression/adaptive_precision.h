@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "comm_hooks/comm_hook.h"
 #include "comm_hooks/compression/precision_policy.h"
 #include "comm_hooks/compression/residuals.h"
 
@@ -97,13 +98,18 @@ class AdaptivePrecision : public std::enable_shared_from_this<AdaptivePrecision>
   std::optional<Clock::time_point> last_completion_;
 };
 
-// Registers an AdaptivePrecision with a ddp_ext Reducer (no Python, no GIL).
-class AdaptivePrecisionCommHook : public c10d::CommHookInterface {
+// An AdaptivePrecision as the reducer's hook (no Python, no GIL). It keeps
+// no state the reducer's rebuilds could invalidate: its error feedback
+// follows parameters (comm_hooks/compression/residuals.h).
+class AdaptivePrecisionCommHook : public comm_hooks::CommHook {
  public:
   explicit AdaptivePrecisionCommHook(std::shared_ptr<AdaptivePrecision> state)
       : state_(std::move(state)) {}
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override;
   at::Tensor parseHookResult(const c10::IValue& result) override;
+  bool keeps_per_bucket_state() const override {
+    return false;
+  }
 
  private:
   std::shared_ptr<AdaptivePrecision> state_;
