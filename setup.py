@@ -16,11 +16,8 @@ UNITS = runpy.run_path(os.path.join(ROOT, "ddp_ext", "_units.py"))
 MPI = runpy.run_path(os.path.join(ROOT, "ddp_ext", "_mpi_build.py"))["find_mpi"]()
 
 # DDP_EXT_SANITIZE=1 builds with AddressSanitizer and UndefinedBehaviorSanitizer
-# (see tools/sanitized_tests.sh); the runtime must then be preloaded.
-# -fno-wrapv undoes Python's -fwrapv, so that signed overflow is checked too;
-# -O0 -g1 compiles in a third of the time -O1 -g takes, with file:line traces.
-SANITIZE = ["-fsanitize=address,undefined", "-fno-wrapv", "-fno-omit-frame-pointer", "-O0", "-g1"]
-SANITIZE = SANITIZE if os.environ.get("DDP_EXT_SANITIZE") == "1" else []
+# (see SANITIZE_FLAGS in ddp_ext/_build_info.py and tools/sanitized_tests.sh).
+SANITIZE = BUILD_INFO["SANITIZE_FLAGS"] if os.environ.get(BUILD_INFO["SANITIZE_ENV"]) == "1" else []
 
 # Two translation units: the bindings, and every other source as one unit
 # (see ddp_ext/_units.py), written under build/.

@@ -12,7 +12,6 @@
 
 #include "comm_hooks/compression/adaptive_precision.h"
 #include "comm_hooks/compression/int8_codec.h"
-#include "process_groups/recording_backend.h"
 #include "process_groups/round_robin/backend.h"
 
 #include "process_groups/broadcast_coalesced.h"
@@ -385,30 +384,6 @@ void bind_process_groups(py::module& m) {
           [](const RoundRobinBackend& b) { return b.options().owns_children; })
       .def_property_readonly(
           "timeout", [](const RoundRobinBackend& b) { return b.options().timeout; });
-
-  // Test double: see process_groups/recording_backend.h.
-  py::class_<RecordedCall>(m, "RecordedCall")
-      .def_readonly("method", &RecordedCall::method)
-      .def_readonly("tensors", &RecordedCall::tensors)
-      .def_readonly("options", &RecordedCall::options)
-      .def("__repr__", [](const RecordedCall& c) {
-        return "RecordedCall(" + c.method + ")";
-      });
-
-  py::class_<RecordingBackendOptions>(m, "RecordingBackendOptions")
-      .def(py::init<>())
-      .def_readwrite("complete_immediately", &RecordingBackendOptions::complete_immediately);
-
-  py::class_<RecordingBackend, c10d::Backend, c10::intrusive_ptr<RecordingBackend>>(
-      m, "RecordingBackend",
-      "c10d Backend that communicates nothing and records every call (a test "
-      "double).")
-      .def(py::init<int, int, RecordingBackendOptions>(), py::arg("rank"),
-           py::arg("size"), py::arg("options") = RecordingBackendOptions())
-      .def("calls", &RecordingBackend::calls)
-      .def("clear_calls", &RecordingBackend::clear_calls)
-      .def("complete_pending", &RecordingBackend::complete_pending,
-           py::call_guard<py::gil_scoped_release>());
 }
 
 } // namespace

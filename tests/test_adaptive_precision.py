@@ -440,32 +440,39 @@ def _with_auto_buckets(rank, world_size, _):
     c = reference.case("deep", steps=30)
     layouts = []
     tuners = []
+    now = [0.0]  # a fake clock: each iteration costs what its candidate does in AUTO_COSTS
 
     def make(module, **kwargs):
         ddp = reference.ext_ddp(module, bucket_cap_mb="auto", **kwargs)
         # A short tuning: three candidate layouts, two timed iterations each.
         ddp._auto_buckets = AutoBuckets(
-            TunerPolicy(candidates_mb=((1, 25), (0.0005,), (0.002,)), warmup=2, trial=2, rounds=1, window=5)
+            TunerPolicy(candidates_mb=((1, 25), (0.0005,), (0.002,)), warmup=2, trial=2, rounds=1, window=5),
+            clock=lambda: now[0],
         )
         state = AdaptivePrecision(warmup_iterations=2, check_every=2, off_when_slower=False)
         ddp.register_comm_hook(state, adaptive_precision_hook)
         tuners.append(ddp.bucket_tuner)
         return ddp
 
-    trace = reference.train_ddp(make, c, rank, world_size, on_step=lambda ddp, m: layouts.append(ddp.bucket_indices()))
+    def on_step(ddp, module):
+        now[0] += AUTO_COSTS[ddp.bucket_tuner.current]
+        layouts.append(ddp.bucket_indices())
+
+    trace = reference.train_ddp(make, c, rank, world_size, on_step=on_step)
     tuner = tuners[0]
-    return dict(trace=trace, layouts=layouts, phase=tuner.phase.value, tried={e.candidate for e in tuner.history})
+    return dict(trace=trace, layouts=layouts, phase=tuner.phase.value, tried={e.candidate for e in tuner.history},
+                current=tuner.current)
 
 
+AUTO_COSTS = {0: 3.0, 1: 2.0, 2: 1.0}  # seconds an iteration takes on each candidate's layout
 AUTO = CaseTable(_with_auto_buckets, [Only("auto")])
 
 
 def test_bucket_tuning_goes_on_with_the_adaptive_hook():
     results = AUTO.results(2, Only("auto"))
     # Not frozen (a Python hook would freeze it): it tried every candidate.
-    # Settled or tuning again depends on wall-clock timing (a loaded machine
-    # can look like drift), so only what holds whatever the timing is checked.
-    assert results[0]["phase"] != "frozen" and results[0]["tried"] == {0, 1, 2}, results[0]
+    assert results[0]["phase"] == "settled" and results[0]["tried"] == {0, 1, 2}, results[0]
+    assert all(r["current"] == 2 for r in results), "not the cheapest candidate by the fake clock"
     distinct = {str(layout) for layout in results[0]["layouts"]}
     assert len(distinct) >= 2, "the tuner never changed the layout"
     local = reference.train_local(reference.case("deep", steps=30), 2, concat=True)

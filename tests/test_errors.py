@@ -290,10 +290,18 @@ def test_odd_bucket_caps_torch_accepts_are_accepted(single_process_group, cap, w
 
 
 def test_valid_arguments_construct(single_process_group):
-    """The checks above reject only what they should."""
-    for kwargs in (dict(), dict(bucket_cap_mb=1e-3), dict(bucket_cap_mb=100), dict(process_group=single_process_group)):
-        ddp = reference.ext_ddp(nn.Linear(2, 2), **kwargs)
-        ddp(torch.randn(1, 2)).sum().backward()
+    """The checks above reject only what they should: valid arguments build a
+    wrapper that keeps them and trains (a world of one: the local gradients)."""
+    for kwargs, cap_mb in ((dict(), 25), (dict(bucket_cap_mb=1e-3), 1e-3), (dict(bucket_cap_mb=100), 100),
+                           (dict(process_group=single_process_group), 25)):
+        module, x = nn.Linear(2, 2), torch.randn(1, 2)
+        expected = torch.autograd.grad(module(x).sum(), list(module.parameters()))
+        ddp = reference.ext_ddp(module, **kwargs)
+        ddp(x).sum().backward()
+        assert ddp.bucket_bytes_cap == int(cap_mb * 1024 * 1024), kwargs
+        assert ddp.process_group is single_process_group, kwargs
+        for p, g in zip(module.parameters(), expected):
+            torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
 
 
 def test_no_default_group_says_so():

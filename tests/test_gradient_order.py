@@ -240,4 +240,3 @@ def test_one_rank_observes_and_rebuilds(mode, rebuilt, single_process_group):
         assert ddp.bucket_indices() == construction
         assert "rebuilt_per_bucket_param_indices" not in data
         assert ddp.reducer.overlap_fraction == pytest.approx(12 / 68)
-    assert ddp.reducer._rebuild_buckets() is False  # torch's entry point rebuilds nothing itself

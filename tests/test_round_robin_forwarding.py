@@ -1,8 +1,8 @@
 """Single-process tests of the round-robin backend against recording fakes.
 
-Each child is a plain ProcessGroup whose only backend is ddp_ext's C++
-RecordingBackend, which communicates nothing and records every call. Calls
-made on the round-robin ProcessGroup travel the same way real ones do
+Each child is a plain ProcessGroup whose only backend is the tests' C++
+RecordingBackend (tests/native/), which communicates nothing and records every
+call. Calls made on the round-robin ProcessGroup travel the same way real ones do
 (c10d op -> RoundRobinBackend -> child ProcessGroup -> c10d op -> child
 backend), so the records show which child method each forwarded call reached,
 with which tensors and options.
@@ -18,6 +18,7 @@ from torch._C import _distributed_c10d as C10D
 import ddp_ext
 from ddp_ext import _C
 from ddp_ext import round_robin
+from tests.native_extensions import recording_backend
 
 CPU = torch.device("cpu")
 CUSTOM = dist.ProcessGroup.BackendType.CUSTOM
@@ -27,9 +28,10 @@ TIMEOUT_MS = [7000]
 
 
 def _child(store, index, rank=RANK, size=SIZE, complete_immediately=True):
-    options = _C.RecordingBackendOptions()
+    doubles = recording_backend()
+    options = doubles.RecordingBackendOptions()
     options.complete_immediately = complete_immediately
-    fake = _C.RecordingBackend(rank, size, options)
+    fake = doubles.RecordingBackend(rank, size, options)
     group = dist.ProcessGroup(dist.PrefixStore(f"child{index}/", store), rank, size)
     group._register_backend(CPU, CUSTOM, fake)
     group._set_default_backend(CUSTOM)

@@ -239,7 +239,13 @@ def test_unprepared_backward_raises_instead_of_skipping_the_reduction(single_pro
     ddp.reducer.prepare_for_backward([])
     ddp.module(torch.randn(3, 2)).sum().backward()
     ddp._check_reducer_finalized()
-    assert ddp.reducer._rebuild_buckets() is False
+    # torch's entry point that frameworks call before preparing a backward
+    # checks, as torch's does, that the last reduction finished.
+    ddp.reducer._rebuild_buckets()
+    ddp.reducer.prepare_for_backward([])
+    ddp.module.weight.sum().backward()  # the bias's gradient never comes
+    with pytest.raises(RuntimeError, match="Expected to have finished reduction in the prior iteration"):
+        ddp.reducer._rebuild_buckets()
 
 
 def test_ignored_parameters_and_buffers_stay_out(single_process_group):

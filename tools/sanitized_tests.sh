@@ -53,6 +53,9 @@ export ASAN_OPTIONS="detect_leaks=0:log_path=$LOGS/asan"
 # name; its own reports go to $LOGS/ubsan.<pid> (tools/sanitizer_site/).
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$LOGS/asan"
 export DDP_EXT_UBSAN_LOG_PATH="$LOGS/ubsan"
+# The tests' own C++ doubles (tests/native_extensions.py), compiled by the
+# first test that uses them, get the same sanitizer flags as the build above.
+export DDP_EXT_SANITIZE=1
 export PYTHONPATH="$ROOT/tools/sanitizer_site${PYTHONPATH:+:$PYTHONPATH}"
 
 cd "$COPY"

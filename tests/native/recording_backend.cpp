@@ -1,11 +1,11 @@
-#include "process_groups/recording_backend.h"
+#include "recording_backend.h"
 
 #include <ATen/core/jit_type.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <utility>
 
-namespace ddp_ext::process_groups {
+namespace ddp_ext_tests {
 
 namespace {
 
@@ -301,4 +301,4 @@ c10::intrusive_ptr<c10d::Work> RecordingBackend::recvAnysource(
   return record({"recvAnysource", {tensors}, {{"tag", {tag}}}}, tensors);
 }
 
-} // namespace ddp_ext::process_groups
+} // namespace ddp_ext_tests

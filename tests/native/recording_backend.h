@@ -1,5 +1,8 @@
 #pragma once
 
+// A test double, compiled only by the tests (tests/native_extensions.py),
+// never into ddp_ext._C.
+
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
 #include <c10/util/intrusive_ptr.h>
@@ -12,7 +15,7 @@
 #include <string>
 #include <vector>
 
-namespace ddp_ext::process_groups {
+namespace ddp_ext_tests {
 
 // One call as a RecordingBackend saw it.
 struct RecordedCall {
@@ -156,4 +159,4 @@ class RecordingBackend final : public c10d::Backend {
   std::vector<Pending> pending_;
 };
 
-} // namespace ddp_ext::process_groups
+} // namespace ddp_ext_tests
