@@ -237,7 +237,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self.broadcast_bucket_size = BROADCAST_CHUNK_BYTES
-        self._requested_caps = caps  # the caps in use: see the bucket_bytes_cap properties
+        self._requested_caps = caps  # what the reducer starts from; in use: the bucket_bytes_cap properties
         self._use_python_reducer = False
         self._lazy_init_ran = False
         self._static_graph_delay_allreduce_enqueued = False
@@ -787,7 +787,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
     def _bucket_caps_bytes(self) -> List[int]:
         """Cap of the 1st, 2nd, ... bucket of each kind, the last repeating:
         those the reducer's bucket layout cuts with now (tuning changes them)."""
-        return self._requested_caps.caps_bytes if self.reducer is None else list(self.reducer.bucket_caps)
+        reducer = self.__dict__.get("reducer")  # none while constructing, or with every parameter delayed
+        return self._requested_caps.caps_bytes if reducer is None else list(reducer.bucket_caps)
 
     @property
     def bucket_bytes_cap(self) -> int:
