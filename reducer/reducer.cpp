@@ -291,9 +291,12 @@ void Reducer::prepare_for_forward(bool training_step) {
   if (training_step) {
     ++training_steps_; // See Note [Ranks out of step].
   }
-  if (phase_ != Phase::kReducing) {
-    return;
+  if (phase_ == Phase::kReducing) {
+    raise_unfinished_reduction();
   }
+}
+
+void Reducer::raise_unfinished_reduction() {
   const std::string message = unfinished_reduction_message();
   // Raise without waiting for the buckets already launched: when ranks
   // skipped different parameters, some of those allreduces have no partner
@@ -314,10 +317,7 @@ void Reducer::prepare_for_backward(
     const std::vector<size_t>& accumulated_only) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (phase_ == Phase::kReducing) {
-    // Only reachable when a framework prepares a backward itself.
-    const std::string message = unfinished_reduction_message();
-    enter(Phase::kReducing, Phase::kIdle);
-    TORCH_CHECK(false, message);
+    raise_unfinished_reduction(); // a framework prepared a backward itself
   }
   drop_plan_.set(dropped); // checks the indices
   for (size_t index : accumulated_only) {
@@ -698,10 +698,6 @@ void Reducer::queue_finish_learning_iteration() {
 
 void Reducer::finish_learning_iteration() {
   std::lock_guard<std::mutex> lock(mutex_);
-  finish_learning_iteration_locked();
-}
-
-void Reducer::finish_learning_iteration_locked() {
   if (!static_graph_.learning()) {
     return; // Another output sink of the same iteration finished it.
   }

@@ -235,7 +235,6 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool may_be_globally_unused(size_t index) const;
   void finalize_backward();
   void queue_at_end_of_backward(void (Reducer::*step)());
-  void finish_learning_iteration_locked();
   void write_back_gradients(const std::vector<bool>& globally_used);
   void wait_for_launched_buckets();
   void reset_step_check();
@@ -246,6 +245,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool stays_local() const;
   c10d::GradBucket grad_bucket(size_t bucket_index, at::Tensor buffer) const;
   std::string unfinished_reduction_message() const;
+  // Leaves the unfinished iteration (kReducing) and raises why.
+  [[noreturn]] void raise_unfinished_reduction();
   // Observes the finished backward's order and applies an agreed rebuild.
   void conclude_layout(bool launched_at_end);
   // Refills each bucket's pending count for the backward being armed.
