@@ -37,6 +37,23 @@ auto without_gil(T (ddp_ext::reducer::Reducer::*getter)() const) {
   };
 }
 
+// A getter of the bucket layout, read under the reducer's lock without the GIL.
+template <typename Read>
+auto layout_reader(Read read) {
+  return [read](const ddp_ext::reducer::Reducer& r) {
+    py::gil_scoped_release no_gil;
+    return r.read_layout(read);
+  };
+}
+
+// A figure of the last observed backward, unset before one finished.
+std::optional<double> observed(const ddp_ext::reducer::BucketLayout& l, double figure) {
+  if (l.order().observed_iterations() == 0) {
+    return std::nullopt;
+  }
+  return figure;
+}
+
 // (nbytes, dtype, device) per tensor, as Python hands them to assign_buckets;
 // `sparse` and `units` may be shorter (the rest: dense, no unit).
 std::vector<ddp_ext::reducer::TensorSpec> tensor_specs(
@@ -151,9 +168,8 @@ void bind_reducer(py::module& m) {
   py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer")
       .def(
           py::init<std::vector<at::Tensor>, std::vector<std::string>,
-                   const std::vector<std::vector<size_t>>&, ProcessGroupPtr,
-                   ReducerOptions, const std::vector<bool>&>(),
-          py::arg("params"), py::arg("param_names"), py::arg("buckets"),
+                   ProcessGroupPtr, ReducerOptions, const std::vector<bool>&>(),
+          py::arg("params"), py::arg("param_names"),
           py::arg("process_group"), py::arg("options"),
           py::arg("sparse_gradients") = std::vector<bool>{}, NoGil())
       .def("prepare_for_forward", &Reducer::prepare_for_forward,
@@ -167,17 +183,40 @@ void bind_reducer(py::module& m) {
            py::arg("accumulated_only") = std::vector<size_t>{}, NoGil())
       .def("prepare_for_local_backward", &Reducer::prepare_for_local_backward, NoGil())
       .def("allow_local_accumulation", &Reducer::allow_local_accumulation, NoGil())
-      .def("bucket_indices", &Reducer::bucket_indices, NoGil())
-      .def("bucket_sizes", &Reducer::bucket_sizes, NoGil())
+      .def("bucket_indices", layout_reader([](const BucketLayout& l) { return l.indices(); }))
+      .def("bucket_sizes", layout_reader([](const BucketLayout& l) { return l.sizes(); }))
       .def_property_readonly("iterations", without_gil(&Reducer::iterations))
-      .def_property_readonly("has_rebuilt_buckets",
-                             without_gil(&Reducer::has_rebuilt_buckets))
-      .def_property_readonly("rebuilds", without_gil(&Reducer::rebuilds))
-      .def_property_readonly("overlap_fraction", without_gil(&Reducer::overlap_fraction))
-      .def_property_readonly("launch_delay", without_gil(&Reducer::launch_delay))
-      .def("observed_order", &Reducer::observed_order, NoGil())
-      .def_property_readonly("bucket_caps", without_gil(&Reducer::bucket_caps))
-      .def("_layout_for_caps", &Reducer::layout_for_caps, py::arg("caps"), NoGil())
+      // See Note [Gradient order prediction]: torch's has_rebuilt_buckets,
+      // the rebuilds that changed the layout, and the last synchronising
+      // backward's order, overlap fraction and launch delay (unset before one).
+      .def_property_readonly("has_rebuilt_buckets", layout_reader([](const BucketLayout& l) {
+        return l.order().has_rebuilt();
+      }))
+      .def_property_readonly("rebuilds", layout_reader([](const BucketLayout& l) {
+        return l.order().rebuilds();
+      }))
+      .def_property_readonly("overlap_fraction", layout_reader([](const BucketLayout& l) {
+        return observed(l, l.order().overlap_fraction());
+      }))
+      .def_property_readonly("launch_delay", layout_reader([](const BucketLayout& l) {
+        return observed(l, l.order().launch_delay());
+      }))
+      .def("observed_order", layout_reader([](const BucketLayout& l) {
+        return l.order().last_order();
+      }))
+      // See Note [Agreeing on the bucket layout]: the caps in use, and the
+      // layout other caps would give the current order (nothing applied).
+      .def_property_readonly("bucket_caps", layout_reader([](const BucketLayout& l) {
+        return l.caps();
+      }))
+      .def(
+          "_layout_for_caps",
+          [](const Reducer& r, const std::vector<int64_t>& caps) {
+            py::gil_scoped_release no_gil;
+            return r.read_layout(
+                [&caps](const BucketLayout& l) { return l.layout_for_caps(caps); });
+          },
+          py::arg("caps"))
       .def("_set_bucket_caps", &Reducer::set_bucket_caps, py::arg("caps"), NoGil())
 
       .def_property_readonly("learning_static_graph",

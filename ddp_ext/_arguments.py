@@ -241,10 +241,13 @@ def _cap_bytes(name: str, value) -> int:
 
 @dataclass(frozen=True)
 class BucketCaps:
-    bucket_bytes_cap: int  # torch's attribute of the same name
+    """The caps asked for; the reducer's bucket layout (reducer/bucket_layout.h)
+    cuts with them and owns them from construction on."""
+
     caps_bytes: List[int]  # cap of the 1st, 2nd, ... bucket of each kind; the last repeats
     custom_list: bool  # bucket_cap_mb_list was given
     auto: bool = False  # bucket_cap_mb="auto": caps_bytes is where tuning starts
+    default: bool = False  # neither bucket_cap_mb nor bucket_cap_mb_list was given
 
 
 # ddp_ext's bucket_cap_mb value for self-tuning buckets; see Note [Auto-tuned
@@ -273,15 +276,15 @@ def resolve_bucket_caps(bucket_cap_mb, bucket_cap_mb_list: Optional[Sequence[flo
                 f"with bucket_cap_mb_list={list(bucket_cap_mb_list)!r}: pass one or the other"
             )
         default = resolve_bucket_caps(None, None)
-        return BucketCaps(default.bucket_bytes_cap, default.caps_bytes, False, auto=True)
+        return BucketCaps(default.caps_bytes, False, auto=True)
     if bucket_cap_mb_list:
         caps = [_cap_bytes(f"bucket_cap_mb_list[{i}]", cap) for i, cap in enumerate(bucket_cap_mb_list)]
-        return BucketCaps(max(caps), caps, True)
+        return BucketCaps(caps, True)
     if bucket_cap_mb is None:
         cap = DEFAULT_BUCKET_CAP_MB * MIB
-        return BucketCaps(cap, [DEFAULT_FIRST_BUCKET_CAP_MB * MIB, cap], False)
+        return BucketCaps([DEFAULT_FIRST_BUCKET_CAP_MB * MIB, cap], False, default=True)
     cap = _cap_bytes("bucket_cap_mb", bucket_cap_mb)
-    return BucketCaps(cap, [cap], False)
+    return BucketCaps([cap], False)
 
 
 # ddp_ext's `rebuild_buckets` keyword: when buckets are laid out again in the

@@ -22,23 +22,21 @@ machine (paper section 5.2), so "auto" measures instead of guessing.
    load disturbed does not decide. Once settled, windows of iterations are
    timed; several windows in a row clearly slower than the settled figure
    start tuning again.
-3. Agreeing. Every rank must re-lay the same buckets at the same point, or
-   their allreduces stop matching. Decisions fall due after the same number
-   of training steps on every rank; there, at the start of the step's
-   forward, the ranks allreduce (MAX) their figure (the slowest rank sets
-   the pace) and their counts, one float64 triple per trial or window,
-   never per iteration. The step check keeps the ranks' training steps
-   equal, so their decisions fall due together; the counts are compared as
-   a backstop, and raise if they differ. They start from 0 when the tuner
-   restarts (a new process group, a copy of the wrapper), which every rank
-   does at the same point. A rank that joined under Join keeps counting and
-   takes part from its shadow loop (ddp_ext/_join.py), so its buckets
-   follow its peers'.
-4. Re-laying. Reducer::set_bucket_caps re-cuts the buckets in their current
-   order (the one agreed by Note [Gradient order prediction] in
-   reducer/gradient_order.h) and makes later gradient-order rebuilds use the
-   new caps. It runs between iterations, where a rebuild is safe for the
-   reasons that Note gives, .grad views included. Results do not change:
+3. Agreeing. Decisions fall due after the same number of training steps on
+   every rank; there the ranks allreduce (MAX) their figure (the slowest
+   rank sets the pace) and their counts. Why this is its own allreduce,
+   where it sits among the other collectives and why the rebuild vote rides
+   on the step check instead: Note [Agreeing on the bucket layout] in
+   reducer/bucket_layout.h. The counts are compared as a backstop, and
+   raise if they differ; they start from 0 when the tuner restarts (a new
+   process group, a copy of the wrapper), which every rank does at the same
+   point. A rank that joined under Join keeps counting and takes part from
+   its shadow loop (ddp_ext/_join.py), so its buckets follow its peers'.
+4. Re-laying. The reducer's bucket layout (reducer/bucket_layout.h) re-cuts
+   the buckets in their current, agreed order and makes later
+   gradient-order rebuilds use the new caps; the wrapper's cap attributes
+   read them back. It runs between iterations, where a rebuild is safe for
+   the reasons Note [Gradient order prediction] gives, .grad views included. Results do not change:
    each gradient is averaged the same way in any bucket. With two ranks the
    sums are bitwise the same; with more, a gradient's place in its bucket
    can change the order a collective adds the ranks' values, so the last
@@ -51,6 +49,7 @@ machine (paper section 5.2), so "auto" measures instead of guessing.
    so it is refused with "auto", and so is bucket_cap_mb_list.
 """
 
+import dataclasses
 import time
 import warnings
 from typing import Callable, List, Optional, Sequence
@@ -135,9 +134,9 @@ class AutoBuckets:
 
     def _apply(self, ddp, candidate: int) -> None:
         caps = self._candidates[candidate]
-        ddp.reducer._set_bucket_caps(caps)
-        ddp._bucket_caps_bytes = caps
-        ddp.bucket_bytes_cap = max(caps)
+        ddp.reducer._set_bucket_caps(caps)  # the wrapper's cap attributes read them back
+        # A copy of the wrapper builds its reducer from the requested caps: it keeps these.
+        ddp._requested_caps = dataclasses.replace(ddp._requested_caps, caps_bytes=caps)
 
     def freeze(self, why: str) -> None:
         if self.tuner.phase is TunerPhase.FROZEN:

@@ -18,15 +18,20 @@ SOURCES = [
     "comm_hooks/compression/residuals.cpp",
     "process_groups/broadcast_coalesced.cpp",
     "process_groups/round_robin/backend.cpp",
+    "reducer/accumulator_hooks.cpp",
+    "reducer/averaging.cpp",
     "reducer/bucket_assignment.cpp",
     "reducer/bucket_layout.cpp",
+    "reducer/bucket_memory.cpp",
+    "reducer/errors.cpp",
+    "reducer/gradient_copy.cpp",
     "reducer/gradient_order.cpp",
     "reducer/layer_drop.cpp",
     "reducer/reducer.cpp",
-    "reducer/reducer_rebuild.cpp",
+    "reducer/static_graph.cpp",
     "reducer/step_check.cpp",
     "reducer/timeline.cpp",
-    "reducer/unused_parameters.cpp",
+    "reducer/usage.cpp",
 ]
 
 # The pybind11 entry point, compiled on its own; every other source is

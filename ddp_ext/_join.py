@@ -25,7 +25,7 @@ collective those ranks' forward and backward issue:
 
 When every rank has joined, `post_hook` broadcasts the final model from the
 last rank to join. See Note [Join and the divide factor] in
-reducer/reducer.cpp for how the ranks with data average.
+reducer/averaging.h for how the ranks with data average.
 """
 
 import torch

@@ -160,10 +160,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self.broadcast_bucket_size = BROADCAST_CHUNK_BYTES
-        self.bucket_bytes_cap = caps.bucket_bytes_cap
-        self.bucket_bytes_cap_list = caps.caps_bytes if caps.custom_list else []
-        self.bucket_bytes_cap_default = bucket_cap_mb is None and not caps.custom_list
-        self._bucket_caps_bytes = caps.caps_bytes
+        self._requested_caps = caps  # what the reducer starts from; in use: the bucket_bytes_cap properties
         self._use_python_reducer = False
         self._lazy_init_ran = False
         self._static_graph_delay_allreduce_enqueued = False
@@ -183,12 +180,6 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
             self._register_delay_all_reduce_hook(bucket_cap_mb, param_to_hook_all_reduce, self.device_ids)
         self._delay_all_reduce_all_params = not named_params
         self._dropped_layers = DroppedLayers(module, [p for _, p in named_params])
-        if self._dropped_layers and static_graph:
-            raise ValueError(
-                "static_graph=True needs the same parameters used in every iteration, and this "
-                "module has a ddp_ext.LayerDrop, which changes them: leave static_graph off "
-                "(dropped layers need no find_unused_parameters either)."
-            )
         if self._dropped_layers and init_sync:
             self._dropped_layers.agree_with_rank_0(self._broadcast_from_rank_0)
         self.reducer = None if self._delay_all_reduce_all_params else self._build_reducer()
@@ -225,8 +216,6 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         reduce_dtype = None
         if self.mixed_precision is not None:
             reduce_dtype = mixed_precision_forward.reduce_dtype_of(self.mixed_precision)
-        specs = [(p.numel() * (reduce_dtype or p.dtype).itemsize, p.dtype, p.device) for p in params]
-        units = self._dropped_layers.units
         options = _C.ReducerOptions()
         options.reduce_dtype = reduce_dtype
         options.find_unused_parameters = self.find_unused_parameters
@@ -234,16 +223,9 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         options.skip_all_reduce_unused_params = self.skip_all_reduce_unused_params
         options.batched_grad_copy = self.batched_grad_copy
         options.rebuild_buckets = getattr(_C.BucketRebuild, self.rebuild_buckets)
-        options.bucket_caps = self._bucket_caps_bytes
-        options.layer_units = units
-        return _C.Reducer(
-            params,
-            [n for n, _ in named_params],
-            _C.assign_buckets(specs, self.bucket_bytes_cap, caps=self._bucket_caps_bytes, sparse=sparse, units=units),
-            self.process_group,
-            options,
-            sparse,
-        )
+        options.bucket_caps = self._requested_caps.caps_bytes  # the reducer's layout owns them from here
+        options.layer_units = self._dropped_layers.units
+        return _C.Reducer(params, [n for n, _ in named_params], self.process_group, options, sparse)
 
     # --- forward ----------------------------------------------------------
 
@@ -458,12 +440,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         if self.static_graph:
             warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
             return
-        if self._dropped_layers:
-            raise ValueError(
-                "static_graph=True needs the same parameters used in every iteration, and this "
-                "module has a ddp_ext.LayerDrop, which changes them: leave static_graph off."
-            )
-        self.reducer._set_static_graph()
+        self.reducer._set_static_graph()  # refuses a LayerDrop (reducer/static_graph.h)
         self.static_graph = True
         self._static_graph_delay_allreduce_enqueued = False
         if self.find_unused_parameters:
@@ -506,6 +483,28 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         self.reducer.set_overlap_with_backward(bool(overlap))
 
     record_timeline = _timeline.record_timeline
+
+    @property
+    def _bucket_caps_bytes(self) -> List[int]:
+        """Cap of the 1st, 2nd, ... bucket of each kind, the last repeating:
+        those the reducer's bucket layout cuts with now (tuning changes them)."""
+        reducer = self.__dict__.get("reducer")  # none while constructing, or with every parameter delayed
+        return self._requested_caps.caps_bytes if reducer is None else list(reducer.bucket_caps)
+
+    @property
+    def bucket_bytes_cap(self) -> int:
+        """torch's attribute: the largest bucket cap in use, in bytes."""
+        return max(self._bucket_caps_bytes)
+
+    @property
+    def bucket_bytes_cap_list(self) -> List[int]:
+        """torch's attribute: the caps of bucket_cap_mb_list in bytes, [] without one."""
+        return self._bucket_caps_bytes if self._requested_caps.custom_list else []
+
+    @property
+    def bucket_bytes_cap_default(self) -> bool:
+        """torch's attribute: neither bucket_cap_mb nor bucket_cap_mb_list was given."""
+        return self._requested_caps.default
 
     def bucket_indices(self) -> List[List[int]]:
         """ddp_ext only. Parameter indices (among those that require grad and

@@ -5,163 +5,232 @@
 
 #include <algorithm>
 #include <limits>
+#include <utility>
+
+#include "reducer/bucket_assignment.h"
 
 namespace ddp_ext::reducer {
 
 namespace {
 
-constexpr int64_t kBucketAlignmentBytes = 64;
-constexpr size_t kNoBucket = std::numeric_limits<size_t>::max();
-
-// The parameters of one kind and the arena they are laid out in.
-struct Kind {
-  c10::Device device;
-  c10::ScalarType dtype;
-  int64_t capacity = 0; // elements an arena of this kind needs
-  size_t arena = 0; // index into the arenas
-  int64_t cursor = 0; // next free element of the arena
-};
-
-int64_t alignment_elements(c10::ScalarType dtype) {
-  return std::max<int64_t>(1, kBucketAlignmentBytes / c10::elementSize(dtype));
-}
-
-// The slice of `flat` starting at `offset` elements, strided like `param`
-// when that is possible, so that a .grad pointing at it keeps the parameter's
-// memory layout.
-at::Tensor view_for(const at::Tensor& flat, int64_t offset, const at::Tensor& param) {
-  if (param.is_non_overlapping_and_dense()) {
-    return flat.as_strided(
-        param.sizes(), param.strides(), flat.storage_offset() + offset);
-  }
-  return flat.narrow(0, offset, param.numel()).view(param.sizes());
-}
-
-Kind& kind_of(std::vector<Kind>& kinds, c10::Device device, c10::ScalarType dtype) {
-  for (auto& kind : kinds) {
-    if (kind.device == device && kind.dtype == dtype) {
-      return kind;
-    }
-  }
-  kinds.push_back(Kind{device, dtype});
-  return kinds.back();
-}
+constexpr size_t kUnassigned = std::numeric_limits<size_t>::max();
 
 } // namespace
 
-bool is_bucket_view(const at::Tensor& grad, const at::Tensor& view) {
-  return grad.is_alias_of(view) && grad.storage_offset() == view.storage_offset() &&
-      grad.sizes() == view.sizes() && grad.strides() == view.strides();
+std::vector<TensorSpec> tensor_specs(
+    const std::vector<at::Tensor>& params,
+    std::optional<c10::ScalarType> reduce_dtype,
+    const std::vector<bool>& sparse,
+    const std::vector<int64_t>& units) {
+  TORCH_CHECK(units.empty() || units.size() == params.size(), "Reducer got ",
+              units.size(), " layer units for ", params.size(), " parameters");
+  std::vector<TensorSpec> specs;
+  specs.reserve(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& param = params[i];
+    const auto bucket_dtype = reduce_dtype.value_or(param.scalar_type());
+    specs.push_back(TensorSpec{
+        param.numel() * static_cast<int64_t>(c10::elementSize(bucket_dtype)),
+        param.scalar_type(), param.device(), !sparse.empty() && sparse.at(i),
+        units.empty() ? -1 : units[i]});
+  }
+  return specs;
 }
 
-std::vector<Bucket> lay_out_buckets(
-    const LayoutInputs& inputs,
-    const std::vector<std::vector<size_t>>& indices,
-    std::vector<at::Tensor>& arenas) {
-  const auto& params = inputs.params;
-  const auto& names = inputs.names;
-  const size_t n = params.size();
-  const auto is_sparse = [&inputs](size_t index) {
-    return !inputs.sparse.empty() && inputs.sparse.at(index);
-  };
-  const auto bucket_dtype = [&inputs](const at::Tensor& param) {
-    return inputs.reduce_dtype.value_or(param.scalar_type());
-  };
-
-  // Check every bucket, and size the arena of each kind.
-  std::vector<size_t> bucket_of(n, kNoBucket);
-  std::vector<Kind> kinds;
-  for (size_t b = 0; b < indices.size(); ++b) {
-    const auto& members = indices[b];
-    TORCH_CHECK(!members.empty(), "Reducer got an empty bucket");
-    TORCH_CHECK(members.front() < n, "bucket holds parameter index ",
-                members.front(), " but there are only ", n, " parameters");
-    const at::Tensor& first = params[members.front()];
-    const bool sparse = is_sparse(members.front());
-    TORCH_CHECK(
-        !sparse || members.size() == 1, "parameter ", names[members.front()],
-        " has sparse gradients and must have a bucket of its own");
-    for (size_t index : members) {
-      TORCH_CHECK(index < n, "bucket holds parameter index ", index,
-                  " but there are only ", n, " parameters");
-      TORCH_CHECK(bucket_of[index] == kNoBucket, "parameter ", names[index],
-                  " is in two buckets");
-      bucket_of[index] = b;
-      const at::Tensor& param = params[index];
-      TORCH_CHECK(param.is_leaf() && param.requires_grad(), "parameter ",
-                  names[index], " must be a leaf that requires grad");
-      TORCH_CHECK(
-          param.scalar_type() == first.scalar_type() &&
-              param.device() == first.device(),
-          "bucket mixes ", first.scalar_type(), " on ", first.device(),
-          " with parameter ", names[index], " (", param.scalar_type(), " on ",
-          param.device(), ")");
-      TORCH_CHECK(
-          !inputs.gradient_as_bucket_view ||
-              bucket_dtype(param) == param.scalar_type(),
-          "gradient_as_bucket_view needs buckets of the parameters' dtype, but "
-          "parameter ", names[index], " is ", param.scalar_type(),
-          " and its bucket ", bucket_dtype(param), " (a reduce dtype of mixed "
-          "precision); turn one of them off");
-      if (!sparse) {
-        const c10::ScalarType dtype = bucket_dtype(param);
-        kind_of(kinds, param.device(), dtype).capacity +=
-            param.numel() + alignment_elements(dtype) - 1;
-      }
-    }
+BucketLayout::BucketLayout(
+    const std::vector<at::Tensor>& params,
+    const std::vector<std::string>& names,
+    const std::vector<bool>& sparse,
+    const ReducerOptions& options)
+    : params_(params),
+      names_(names),
+      sparse_(sparse),
+      reduce_dtype_(options.reduce_dtype),
+      gradient_as_bucket_view_(options.gradient_as_bucket_view),
+      order_(
+          tensor_specs(params, options.reduce_dtype, sparse, options.layer_units),
+          options.bucket_caps,
+          options.rebuild_buckets) {
+  TORCH_CHECK(!options.bucket_caps.empty(), "Reducer needs the bucket caps");
+  for (int64_t cap : options.bucket_caps) {
+    TORCH_CHECK(cap > 0, "bucket caps are positive byte counts, got ", cap);
   }
-
-  // Reuse an arena of each kind if one is large enough, else allocate one.
-  for (auto& kind : kinds) {
-    auto found = std::find_if(arenas.begin(), arenas.end(), [&kind](const at::Tensor& a) {
-      return a.device() == kind.device && a.scalar_type() == kind.dtype &&
-          a.numel() >= kind.capacity;
-    });
-    if (found == arenas.end()) {
-      arenas.push_back(at::zeros(
-          {kind.capacity}, at::TensorOptions(kind.dtype).device(kind.device)));
-      found = std::prev(arenas.end());
-    }
-    kind.arena = static_cast<size_t>(found - arenas.begin());
+  // See the Note, point 1.
+  buckets_ = lay_out_buckets(
+      inputs(), assign_buckets(order_.specs(), options.bucket_caps), arenas_);
+  index_buckets();
+  if (!gradient_as_bucket_view_) {
+    return;
   }
-
   at::NoGradGuard no_grad;
-  std::vector<Bucket> buckets;
-  buckets.reserve(indices.size());
-  for (const auto& members : indices) {
-    const at::Tensor& first = params[members.front()];
-    Bucket bucket;
-    bucket.sparse = is_sparse(members.front());
-    bucket.param_indices = members;
-    if (bucket.sparse) {
-      // See Note [Sparse gradients]: no flat buffer, no views.
-      bucket.params.push_back(first);
-      buckets.push_back(std::move(bucket));
-      continue;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor& grad = params_[i].mutable_grad();
+    const Bucket& bucket = buckets_[bucket_of_param_[i]];
+    if (grad.defined() && !bucket.sparse) {
+      const at::Tensor& view = bucket.views[slot_of_param_[i]];
+      view.copy_(grad);
+      grad = view;
     }
-    const c10::ScalarType dtype = bucket_dtype(first);
-    Kind& kind = kind_of(kinds, first.device(), dtype);
-    const int64_t align = alignment_elements(dtype);
-    kind.cursor = (kind.cursor + align - 1) / align * align;
-    int64_t numel = 0;
-    for (size_t index : members) {
-      numel += params[index].numel();
-    }
-    bucket.flat = arenas[kind.arena].narrow(0, kind.cursor, numel);
-    kind.cursor += numel;
-    int64_t offset = 0;
-    for (size_t index : members) {
-      const at::Tensor& param = params[index];
-      bucket.offsets.push_back(static_cast<size_t>(offset));
-      bucket.lengths.push_back(static_cast<size_t>(param.numel()));
-      bucket.sizes.push_back(param.sizes());
-      bucket.params.push_back(param);
-      bucket.views.push_back(view_for(bucket.flat, offset, param));
-      offset += param.numel();
-    }
-    buckets.push_back(std::move(bucket));
   }
-  return buckets;
+}
+
+LayoutInputs BucketLayout::inputs() const {
+  return LayoutInputs{params_, names_, sparse_, reduce_dtype_, gradient_as_bucket_view_};
+}
+
+void BucketLayout::index_buckets() {
+  const size_t n = params_.size();
+  bucket_of_param_.assign(n, kUnassigned);
+  slot_of_param_.assign(n, kUnassigned);
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const auto& members = buckets_[b].param_indices;
+    for (size_t slot = 0; slot < members.size(); ++slot) {
+      bucket_of_param_[members[slot]] = b;
+      slot_of_param_[members[slot]] = slot;
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    TORCH_CHECK(bucket_of_param_[i] != kUnassigned, "parameter ", names_[i],
+                " is in no bucket");
+  }
+  order_.set_layout(indices());
+}
+
+std::vector<std::vector<size_t>> BucketLayout::indices() const {
+  std::vector<std::vector<size_t>> result;
+  result.reserve(buckets_.size());
+  for (const auto& bucket : buckets_) {
+    result.push_back(bucket.param_indices);
+  }
+  return result;
+}
+
+std::vector<int64_t> BucketLayout::sizes() const {
+  std::vector<int64_t> result;
+  result.reserve(buckets_.size());
+  for (const auto& bucket : buckets_) {
+    const at::Tensor& param = bucket.params.front();
+    result.push_back(
+        bucket.sparse ? param.numel() * param.element_size()
+                      : bucket.flat.numel() * bucket.flat.element_size());
+  }
+  return result;
+}
+
+std::vector<size_t> BucketLayout::current_order() const {
+  std::vector<size_t> order;
+  order.reserve(params_.size());
+  for (const Bucket& bucket : buckets_) {
+    order.insert(order.end(), bucket.param_indices.begin(), bucket.param_indices.end());
+  }
+  return order;
+}
+
+std::vector<std::vector<size_t>> BucketLayout::layout_for_caps(
+    const std::vector<int64_t>& caps) const {
+  return order_.layout_for(current_order(), caps);
+}
+
+bool BucketLayout::set_caps(const std::vector<int64_t>& caps, Timeline& timeline) {
+  TORCH_CHECK(!caps.empty(), "set_bucket_caps needs at least one cap");
+  for (int64_t cap : caps) {
+    TORCH_CHECK(cap > 0, "bucket caps are positive byte counts, got ", cap);
+  }
+  // See the Note, point 3: the buckets keep their (agreed) order; only where
+  // they are cut changes.
+  const auto layout = layout_for_caps(caps);
+  order_.set_caps(caps);
+  return rebuild(layout, timeline);
+}
+
+int64_t BucketLayout::cast_vote() {
+  vote_cast_ = order_.consulting();
+  own_vote_ = vote_cast_ ? order_.vote() : 0;
+  return own_vote_;
+}
+
+bool BucketLayout::conclude(
+    bool launched_at_end,
+    std::optional<int64_t> summed_votes,
+    c10d::ProcessGroup& group,
+    Timeline& timeline) {
+  order_.observe(bucket_of_param_, buckets_.size(), launched_at_end);
+  bool changed = false;
+  if (vote_cast_) {
+    vote_cast_ = false;
+    if (rebuild_agreed(summed_votes.value_or(own_vote_), group.getSize())) {
+      changed = rebuild(order_.layout_for(agreed_order(group)), timeline);
+      order_.rebuilt(changed);
+    }
+  }
+  order_.update_vote(bucket_of_param_, buckets_.size());
+  return changed;
+}
+
+std::vector<size_t> BucketLayout::agreed_order(c10d::ProcessGroup& group) const {
+  // Every rank voted, so every rank has an order; rank 0's is the one.
+  const auto& mine = order_.voted_order();
+  TORCH_INTERNAL_ASSERT(mine.size() == params_.size());
+  at::Tensor order = at::empty({static_cast<int64_t>(mine.size())}, at::kLong);
+  int64_t* values = order.data_ptr<int64_t>();
+  for (size_t k = 0; k < mine.size(); ++k) {
+    values[k] = static_cast<int64_t>(mine[k]);
+  }
+  if (group.getSize() > 1) {
+    std::vector<at::Tensor> tensors{order.to(params_.front().device())};
+    c10d::BroadcastOptions from_rank_0;
+    from_rank_0.rootRank = 0;
+    group.broadcast(tensors, from_rank_0)->wait();
+    order = tensors.front().cpu();
+    values = order.data_ptr<int64_t>();
+  }
+  std::vector<size_t> agreed(mine.size());
+  for (size_t k = 0; k < agreed.size(); ++k) {
+    TORCH_CHECK(values[k] >= 0, "the broadcast gradient order holds ", values[k]);
+    agreed[k] = static_cast<size_t>(values[k]);
+  }
+  return agreed;
+}
+
+bool BucketLayout::rebuild(
+    const std::vector<std::vector<size_t>>& layout, Timeline& timeline) {
+  const bool changed = !std::equal(
+      layout.begin(), layout.end(), buckets_.begin(), buckets_.end(),
+      [](const std::vector<size_t>& members, const Bucket& bucket) {
+        return members == bucket.param_indices;
+      });
+  if (!changed) {
+    return false;
+  }
+  // See Note [Gradient order prediction] for why this point is safe, and
+  // Note [Bucket memory] for where the buckets' memory comes from.
+  TimelineRange range(timeline, TimelineEvent::kRebuild);
+  std::vector<Bucket> old = std::move(buckets_);
+  if (!gradient_as_bucket_view_) {
+    buckets_ = lay_out_buckets(inputs(), layout, arenas_);
+    index_buckets();
+    range.set_value(static_cast<int64_t>(buckets_.size()));
+    return true;
+  }
+  std::vector<at::Tensor> arenas;
+  buckets_ = lay_out_buckets(inputs(), layout, arenas);
+  index_buckets();
+  at::NoGradGuard no_grad;
+  for (const Bucket& bucket : old) {
+    for (size_t slot = 0; slot < bucket.views.size(); ++slot) {
+      const size_t index = bucket.param_indices[slot];
+      at::Tensor& grad = params_[index].mutable_grad();
+      if (!grad.defined() || !is_bucket_view(grad, bucket.views[slot])) {
+        continue; // not in the bucket: .grad stays as the user left it
+      }
+      const at::Tensor& view = buckets_[bucket_of_param_[index]].views[slot_of_param_[index]];
+      view.copy_(grad);
+      grad = view;
+    }
+  }
+  arenas_ = std::move(arenas);
+  range.set_value(static_cast<int64_t>(buckets_.size()));
+  return true;
 }
 
 } // namespace ddp_ext::reducer

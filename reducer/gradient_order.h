@@ -53,19 +53,11 @@ namespace ddp_ext::reducer {
 // that alternate faster than that never win a vote: a candidate built from
 // one loses on the other.
 //
-// Consensus. Every rank must build the same buckets at the same point, or
-// their allreduces no longer match. Each rank's vote, as it stood at the end
-// of the previous backward, rides on the backward's step check (Note [Ranks
-// out of step]): one more int64 slot in that allreduce, which starts with
-// the first gradient and is awaited at the end of the backward, so the
-// consensus costs no collective of its own. The rebuild is agreed only if
-// every rank voted for it (a rank that joined under Join votes no). Then rank 0
-// broadcasts the order behind its vote, every rank assigns buckets from it
-// with the same pure function (assign_buckets_in_order, same caps, the
-// first bucket keeping its small cap), and the reducer re-lays the buckets
-// before the next iteration. Ranks whose orders differ cannot be served by
-// one layout: rank 0's wins, as in torch's DDP, and once rank 0 is content
-// it stops voting, so the others cannot force rebuild after rebuild.
+// Consensus. Every rank must build the same buckets at the same point: each
+// rank votes, the vote rides on the step check, a rebuild needs every rank's
+// vote and follows rank 0's order. Note [Agreeing on the bucket layout] in
+// reducer/bucket_layout.h argues how, and how it orders with the other
+// collectives.
 //
 // The first rebuild (once, and continuous) follows torch's DDP: after the
 // first synchronising backward every rank votes for it, unless
@@ -193,6 +185,10 @@ class GradientOrder {
   void set_caps(std::vector<int64_t> caps);
   const std::vector<int64_t>& caps() const {
     return caps_;
+  }
+  // What bucket assignment knows about each parameter.
+  const std::vector<TensorSpec>& specs() const {
+    return specs_;
   }
   // An agreed rebuild happened; `changed`: the layout differs from before.
   void rebuilt(bool changed);

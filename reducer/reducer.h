@@ -14,13 +14,17 @@
 #include <vector>
 
 #include "comm_hooks/comm_hook.h"
+#include "reducer/accumulator_hooks.h"
+#include "reducer/averaging.h"
 #include "reducer/bucket.h"
 #include "reducer/bucket_layout.h"
 #include "reducer/gradient_order.h"
 #include "reducer/layer_drop.h"
 #include "reducer/reducer_options.h"
+#include "reducer/static_graph.h"
 #include "reducer/step_check.h"
 #include "reducer/timeline.h"
+#include "reducer/usage.h"
 
 namespace ddp_ext::reducer {
 
@@ -59,10 +63,6 @@ enum class Phase { kIdle, kAccumulating, kExpectingGradients, kReducing };
 
 const char* phase_name(Phase phase);
 
-// Number of post hooks on the gradient accumulator of leaf tensor `param`;
-// lets tests check that a reducer removes the hooks it installed.
-size_t accumulator_post_hook_count(const at::Tensor& param);
-
 // The gradient reducer of paper section 3.2 (Algorithm 1): copies gradients
 // into buckets as autograd produces them, reduces each bucket as soon as it
 // is full, in the same bucket order on every rank, and writes the averages
@@ -71,15 +71,14 @@ size_t accumulator_post_hook_count(const at::Tensor& param);
 // [Reducer lifetime].
 class Reducer : public std::enable_shared_from_this<Reducer> {
  public:
-  // params[i] is named param_names[i] (used in error messages); buckets lists
-  // parameter indices per bucket in launch order (see assign_buckets). Every
-  // parameter must require grad and appear in exactly one bucket.
+  // params[i] is named param_names[i] (used in error messages); every
+  // parameter must require grad. The buckets are laid out with
+  // options.bucket_caps (Note [Agreeing on the bucket layout]).
   // sparse_gradients[i] (empty: none) marks parameters whose gradients are
-  // sparse; each must have a bucket of its own. See Note [Sparse gradients].
+  // sparse; each gets a bucket of its own. See Note [Sparse gradients].
   Reducer(
       std::vector<at::Tensor> params,
       std::vector<std::string> param_names,
-      const std::vector<std::vector<size_t>>& buckets,
       c10::intrusive_ptr<c10d::ProcessGroup> process_group,
       ReducerOptions options,
       const std::vector<bool>& sparse_gradients = {});
@@ -132,7 +131,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // accumulates instead of being refused. See Note [Unprepared backward].
   void allow_local_accumulation();
 
-  // Makes the graph static: only before the first synchronising backward.
+  // Makes the graph static: only before the first synchronising backward,
+  // and never with droppable layers (Note [Static graph]).
   void set_static_graph();
 
   // Replaces the default bucket allreduce. Once only, and not in the middle
@@ -184,36 +184,21 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // from now on.
   void update_process_group(c10::intrusive_ptr<c10d::ProcessGroup> process_group);
 
-  // The bucket layout, as parameter indices per bucket in launch order.
-  std::vector<std::vector<size_t>> bucket_indices() const;
+  // Reads the bucket layout (the buckets, the caps, the observed gradient
+  // order) under the reducer's lock: `read(const BucketLayout&)`.
+  template <typename Read>
+  auto read_layout(Read read) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return read(layout_);
+  }
 
-  // Bytes of each bucket, in launch order.
-  std::vector<int64_t> bucket_sizes() const;
+  // Re-lays the buckets with `caps` (between iterations only; returns
+  // whether the layout changed). Every rank must set the same caps at the
+  // same point: Note [Agreeing on the bucket layout].
+  bool set_bucket_caps(const std::vector<int64_t>& caps);
 
   // Synchronising backward passes begun so far.
   int64_t iterations() const;
-
-  // See Note [Gradient order prediction]: whether the first rebuild has
-  // happened (torch's has_rebuilt_buckets), how many rebuilds changed the
-  // layout, the order gradients became ready in the last synchronising
-  // backward (empty before one finished), and that backward's overlap
-  // fraction and launch delay (unset before one finished).
-  bool has_rebuilt_buckets() const;
-  int64_t rebuilds() const;
-  std::vector<size_t> observed_order() const;
-  std::optional<double> overlap_fraction() const;
-  std::optional<double> launch_delay() const;
-
-  // See Note [Auto-tuned bucket caps] in ddp_ext/_auto_buckets.py. The caps
-  // buckets are assigned with (the k-th bucket of each kind capped at
-  // caps[k], the last repeating), the layout `caps` would give the current
-  // bucket order without applying it, and re-laying the buckets with `caps`
-  // (between iterations only; returns whether the layout changed). Every
-  // rank must set the same caps at the same point.
-  std::vector<int64_t> bucket_caps() const;
-  std::vector<std::vector<size_t>> layout_for_caps(
-      const std::vector<int64_t>& caps) const;
-  bool set_bucket_caps(const std::vector<int64_t>& caps);
 
   // Whether every synchronising iteration so far left the same parameters
   // unused (what static_graph requires).
@@ -242,72 +227,51 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // `arrived`: false for a parameter marked ready when the backward starts
   // because its layer was dropped (Note [Layer dropping]).
   void mark_ready(size_t index, bool arrived = true);
-  std::string dropped_gradient_message(size_t index) const;
   void copy_into_bucket(size_t index, bool scale);
-  void copy_sparse_gradient(Bucket& bucket, size_t index, const at::Tensor& grad);
   void launch_ready_buckets();
   void launch(size_t bucket_index);
   void launch_all_buckets();
-  void launch_used_bitmap_allreduce();
-  std::vector<bool> wait_for_used_bitmap();
   bool tracks_usage() const;
   bool may_be_globally_unused(size_t index) const;
-  bool unused_locally(size_t index) const;
   void finalize_backward();
   void queue_at_end_of_backward(void (Reducer::*step)());
-  void finish_learning_iteration_locked();
   void write_back_gradients(const std::vector<bool>& globally_used);
   void wait_for_launched_buckets();
-  void take_divide_factor();
   void reset_step_check();
   // Drops the collectives of the iteration under way without waiting for
   // them, and what it stashed.
   void abandon_iteration();
   void raise_if_out_of_step();
-  void set_average_factor(int64_t ranks);
   bool stays_local() const;
   c10d::GradBucket grad_bucket(size_t bucket_index, at::Tensor buffer) const;
-  std::string names_of_parameters_not_ready() const;
   std::string unfinished_reduction_message() const;
-  void remove_autograd_hooks_locked();
-  void index_buckets();
-  std::vector<std::vector<size_t>> bucket_indices_locked() const;
-  int64_t cast_order_vote();
-  void conclude_gradient_order(bool launched_at_end);
-  std::vector<size_t> agreed_order();
-  void rebuild_buckets(const std::vector<std::vector<size_t>>& layout);
-  std::vector<size_t> layout_order_locked() const;
+  // Leaves the unfinished iteration (kReducing) and raises why.
+  [[noreturn]] void raise_unfinished_reduction();
+  // Observes the finished backward's order and applies an agreed rebuild.
+  void conclude_layout(bool launched_at_end);
   // Refills each bucket's pending count for the backward being armed.
   void arm_buckets();
-  LayoutInputs layout_inputs() const;
   void reserve_timeline();
 
   const std::vector<at::Tensor> params_;
   const std::vector<std::string> param_names_;
+  const std::vector<bool> sparse_gradients_;
   c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
-  ReducerOptions options_; // overlap_with_backward and static_graph change
+  ReducerOptions options_; // overlap_with_backward changes
   // See Note [A world of one rank].
   bool gradients_stay_local_;
   // See Note [Communication hooks]; null: the default averaging allreduce.
   std::shared_ptr<comm_hooks::CommHook> comm_hook_;
 
-  // The gradient accumulator of each parameter, held so that autograd keeps
-  // using the node our hook is installed on, and the key to remove the hook.
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
-  std::vector<uintptr_t> hook_keys_;
+  // Calls on_gradient_ready; see Note [Reducer lifetime].
+  AccumulatorHooks hooks_;
 
-  std::vector<Bucket> buckets_;
-  // Where each parameter lives: bucket index and position within it.
-  std::vector<size_t> bucket_of_param_;
-  std::vector<size_t> slot_of_param_;
-  const std::vector<bool> sparse_gradients_;
-  // The flat tensors every bucket is a slice of; see Note [Bucket memory].
-  std::vector<at::Tensor> arenas_;
+  // The buckets, their caps and order, and every rebuild; see Note
+  // [Agreeing on the bucket layout].
+  BucketLayout layout_;
 
-  // 1 / world_size as a wrapped scalar, so that the scale is applied like a
-  // Python number (no type promotion). See Note [Gradient averaging].
-  at::Tensor average_factor_;
-  int64_t divide_ranks_ = 1; // the same as a count, for sparse gradients
+  // See Note [Gradient averaging] and Note [Join and the divide factor].
+  Averaging averaging_;
 
   // Guards everything below; hooks may run on several autograd threads.
   mutable std::mutex mutex_;
@@ -319,45 +283,16 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::optional<StepCheck> step_check_;
   std::vector<bool> ready_; // per parameter, this iteration
   size_t next_bucket_ = 0; // first bucket not yet launched
-  std::vector<size_t> unused_; // params marked ready by the first hook
-  std::vector<bool> is_unused_; // the same, per parameter
-  bool unused_stable_ = true; // see unused_parameters_stable()
 
-  // See Note [Join and the divide factor].
-  c10::intrusive_ptr<c10d::Work> forward_pass_work_;
-  bool divide_by_initial_world_size_ = true;
-
-  // See Note [Static graph].
-  bool learning_iteration_ = false;
-  bool graph_learned_ = false;
-  std::vector<size_t> static_unused_locally_;
-  std::vector<bool> static_used_globally_;
-  // Hook firings per parameter: counted while learning, then expected.
-  std::vector<int> firings_;
-  std::vector<int> firings_expected_;
-
-  // See Note [Unused parameters]: per-parameter usage since the last
-  // synchronisation (int32 on CPU), and its copy on the parameters' device for
-  // the allreduce.
-  at::Tensor local_used_;
-  at::Tensor used_for_allreduce_;
-  c10::intrusive_ptr<c10d::Work> used_work_;
-  // .grad values of locally unused parameters whose .grad is a bucket view,
-  // kept so a globally unused parameter's .grad can be restored untouched.
-  std::vector<std::pair<size_t, at::Tensor>> stashed_grads_;
+  // See Note [Static graph] and Note [Unused parameters].
+  StaticGraph static_graph_;
+  Usage usage_;
 
   // See Note [Layer dropping]: the parameters dropped in this iteration.
   DropPlan drop_plan_;
   std::vector<size_t> accumulated_only_;
   bool drops_layers_ = false; // some parameter belongs to a droppable layer
   bool plan_confirmed_ = true; // the step check was awaited this iteration
-
-  // See Note [Gradient order prediction]: the observed order and the watch,
-  // and this iteration's vote (whether one was cast, and this rank's), which
-  // the step check sums.
-  GradientOrder gradient_order_;
-  bool order_vote_cast_ = false;
-  int64_t own_order_vote_ = 0;
 
   // See Note [Communication timeline]: off unless asked for.
   Timeline timeline_;

@@ -10,8 +10,8 @@
 
 namespace ddp_ext::reducer {
 
-// Knobs of one Reducer. Bucket sizes are decided before construction (see
-// assign_buckets); these govern what happens during each iteration.
+// Knobs of one Reducer: the caps its bucket layout starts from, and what
+// happens during each iteration.
 struct ReducerOptions {
   // Search the autograd graph after each synchronising forward for parameters
   // that will get no gradient, and allreduce a per-parameter "used" bitmap so
@@ -59,9 +59,9 @@ struct ReducerOptions {
   // default is continuous).
   BucketRebuild rebuild_buckets = BucketRebuild::kNever;
 
-  // The caps a rebuild assigns buckets with (the k-th bucket of each kind
-  // capped at bucket_caps[k], the last repeating; see assign_buckets).
-  // Needed unless rebuild_buckets is kNever.
+  // The caps buckets are cut with, first layout and rebuilds alike (the k-th
+  // bucket of each kind capped at bucket_caps[k], the last repeating; see
+  // assign_buckets). Required. See Note [Agreeing on the bucket layout].
   std::vector<int64_t> bucket_caps;
 
   // Per parameter, the droppable layer it belongs to, -1 for none: rebuilds

@@ -181,4 +181,16 @@ void StepCheck::drop() {
   work_.reset();
 }
 
+std::string StepCheck::check_forward(c10d::ProcessGroup& group, int64_t backwards) {
+  drop();
+  launch_forward(group, backwards);
+  return wait();
+}
+
+void StepCheck::match_as_joined(c10d::ProcessGroup& group) {
+  drop();
+  launch_as_joined(group);
+  wait();
+}
+
 } // namespace ddp_ext::reducer

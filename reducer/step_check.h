@@ -45,7 +45,8 @@ namespace ddp_ext::reducer {
 // A backward check also carries a rider: one more int64 slot that every rank
 // adds a value to (0 for forward checks and ranks that joined), summed by the
 // same allreduce at no extra cost. The reducer's vote on rebuilding buckets
-// rides there (Note [Gradient order prediction]). And each rank writes, in a
+// rides there (Note [Agreeing on the bucket layout] in
+// reducer/bucket_layout.h). And each rank writes, in a
 // second slot of its own, the fingerprint of the layers it dropped (Note
 // [Layer dropping]): ranks at the same step that dropped different layers
 // raise as ranks out of step do.
@@ -79,6 +80,12 @@ class StepCheck {
 
   // Forgets a check in flight without waiting for it.
   void drop();
+
+  // A whole forward check (any check left over from an unfinished iteration
+  // dropped): its message, as wait() gives it.
+  std::string check_forward(c10d::ProcessGroup& group, int64_t backwards);
+  // A whole check as a rank that joined.
+  void match_as_joined(c10d::ProcessGroup& group);
 
   // The rider slot summed over every rank by the last check waited for.
   int64_t summed_rider() const {

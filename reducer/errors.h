@@ -1,0 +1,41 @@
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace ddp_ext::reducer {
+
+// What the reducer tells its user when an iteration goes wrong on this rank
+// (`rank`). Formatted only when raised: TORCH_CHECK evaluates its message
+// only on failure, so the hot path formats nothing.
+
+// Note [Unprepared backward]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A gradient that arrives while the reducer is idle belongs to a backward
+// pass nobody prepared it for: its outputs did not come through the
+// wrapper's forward (a backward inside forward, as in manual optimization),
+// or the iteration's gradients were already reduced (a second backward over
+// the same graph). Left alone it would stay unaveraged on this rank and the
+// replicas would drift apart without a word, so the hook raises instead.
+// Accumulating locally is said explicitly: a forward inside no_sync, or
+// entering no_sync, moves the reducer to kAccumulating.
+std::string unprepared_gradient_message(int rank, const std::string& name);
+
+// See Note [Layer dropping] in reducer/layer_drop.h.
+std::string dropped_gradient_message(int rank, const std::string& name);
+
+// A parameter's accumulator ran again after it was reduced in this backward.
+std::string marked_twice_message(int rank, const std::string& name);
+
+// A forward started before the previous synchronising backward finished
+// reducing (Note [Reducer phases]). `all_arrived`: every bucket was launched;
+// `searching`: find_unused_parameters; `ready[i]`: parameter names[i] got
+// its gradient.
+std::string unfinished_reduction_message(
+    int rank,
+    bool all_arrived,
+    bool searching,
+    const std::vector<std::string>& names,
+    const std::vector<bool>& ready);
+
+} // namespace ddp_ext::reducer
