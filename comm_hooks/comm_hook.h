@@ -32,7 +32,7 @@ namespace ddp_ext::comm_hooks {
 //
 // The default reduction (no hook registered) is not a CommHook: the reducer
 // scales gradients while copying them into the bucket (Note [Gradient
-// averaging] in reducer/reducer.cpp), reduces sparse buckets, and waits on
+// averaging] in reducer/averaging.h), reduces sparse buckets, and waits on
 // the process group's Work, so it runs inline in Reducer::launch.
 //
 // A hook that keeps state per bucket index (error feedback held by bucket,

@@ -51,14 +51,19 @@ def problems(page: str):
                 yield f"path that does not exist: {token}"
 
 
+def pages() -> list:
+    """README.md and every page in docs/."""
+    return [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+
+
 def main() -> int:
-    pages = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    checked = pages()
     broken = 0
-    for page in pages:
+    for page in checked:
         for problem in problems(page):
             print(f"{os.path.relpath(page, ROOT)}: {problem}")
             broken += 1
-    print(f"{len(pages)} pages checked, {broken} problem(s)")
+    print(f"{len(checked)} pages checked, {broken} problem(s)")
     return 1 if broken else 0
 
 
