@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "reducer/accumulator_ptr.h"
 #include "reducer/bucket.h"
 #include "reducer/bucket_layout.h"
 #include "reducer/gradient_order.h"
@@ -293,7 +294,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   // The gradient accumulator of each parameter, held so that autograd keeps
   // using the node our hook is installed on, and the key to remove the hook.
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<AccumulatorPtr> accumulators_;
   std::vector<uintptr_t> hook_keys_;
 
   std::vector<Bucket> buckets_;

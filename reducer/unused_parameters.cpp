@@ -28,8 +28,7 @@ namespace ddp_ext::reducer {
 
 std::vector<size_t> find_unreached_accumulators(
     const std::vector<at::Tensor>& outputs,
-    const std::vector<c10::intrusive_ptr<torch::autograd::Node>>&
-        accumulators) {
+    const std::vector<AccumulatorPtr>& accumulators) {
   std::unordered_set<const torch::autograd::Node*> seen;
   std::vector<const torch::autograd::Node*> stack;
   for (const auto& output : outputs) {

@@ -7,6 +7,8 @@
 #include <cstddef>
 #include <vector>
 
+#include "reducer/accumulator_ptr.h"
+
 namespace ddp_ext::reducer {
 
 // Indices of the gradient accumulators that no path of the autograd graph
@@ -14,7 +16,6 @@ namespace ddp_ext::reducer {
 // See Note [Unused parameters].
 std::vector<size_t> find_unreached_accumulators(
     const std::vector<at::Tensor>& outputs,
-    const std::vector<c10::intrusive_ptr<torch::autograd::Node>>&
-        accumulators);
+    const std::vector<AccumulatorPtr>& accumulators);
 
 } // namespace ddp_ext::reducer
