@@ -23,8 +23,8 @@ PYTHON="${PYTHON:-python}"
 
 # 2.13.0: the newest release, whole suite (about 8 min of tests).
 # 2.11.0: the version on the GPU machine we test on.
-# 2.6.0: the oldest release pyproject.toml accepts (`torch>=2.6`).
-BUILDS=(2.13.0:all 2.11.0:parity 2.6.0:parity)
+# 2.10.0: the oldest release pyproject.toml accepts (`torch>=2.10`); 2.8 does not build.
+BUILDS=(2.13.0:all 2.11.0:parity 2.10.0:parity)
 [ "$#" -gt 0 ] && BUILDS=("$@")
 
 PARITY_TESTS=(tests/test_parity_local.py tests/test_parity_torch_ddp.py tests/test_contract_parity.py)
