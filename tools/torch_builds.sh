@@ -70,9 +70,9 @@ build() {
     (cd "$src" && "$python" setup.py -q build_ext --inplace >build.log 2>&1) ||
         { tail -50 "$src/build.log"; return 1; }
     # The tests must load this copy's build, not a JIT build nor another checkout's.
-    (cd "$src" && PYTHONPATH="$src" "$python" -c 'import sys, ddp_ext
-so = ddp_ext._C.__file__
-assert ddp_ext._C.__name__ == "ddp_ext._C" and so.startswith(sys.argv[1]), so
+    (cd "$src" && PYTHONPATH="$src" "$python" -c 'import os, sys, ddp_ext
+so = os.path.realpath(ddp_ext._C.__file__)
+assert ddp_ext._C.__name__ == "ddp_ext._C" and so.startswith(os.path.realpath(sys.argv[1])), so
 print(f"built {so}")' "$src")
 }
 
