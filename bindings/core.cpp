@@ -8,7 +8,7 @@
 #include <torch/csrc/distributed/c10d/python_comm_hook.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
-#include <torch/headeronly/version.h>
+#include <torch/version.h>
 
 #include "comm_hooks/compression/adaptive_precision.h"
 #include "comm_hooks/compression/int8_codec.h"

@@ -5,7 +5,7 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/utils/pybind.h>
-#include <torch/headeronly/version.h>
+#include <torch/version.h>
 
 #include "process_groups/mpi/backend.h"
 #include "process_groups/mpi/rendezvous.h"

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "reducer/accumulator_ptr.h"
+
 namespace ddp_ext::reducer {
 
 // Note [Reducer lifetime]
@@ -50,12 +52,12 @@ class AccumulatorHooks {
 
   // The accumulators hooked (empty once removed), held so that autograd
   // keeps using the nodes the hooks are installed on.
-  const std::vector<c10::intrusive_ptr<torch::autograd::Node>>& accumulators() const {
+  const std::vector<AccumulatorPtr>& accumulators() const {
     return accumulators_;
   }
 
  private:
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<AccumulatorPtr> accumulators_;
   std::vector<uintptr_t> keys_; // to remove each hook
 };
 

@@ -12,7 +12,7 @@ namespace ddp_ext::reducer {
 
 std::vector<size_t> find_unreached_accumulators(
     const std::vector<at::Tensor>& outputs,
-    const std::vector<c10::intrusive_ptr<torch::autograd::Node>>&
+    const std::vector<AccumulatorPtr>&
         accumulators) {
   std::unordered_set<const torch::autograd::Node*> seen;
   std::vector<const torch::autograd::Node*> stack;

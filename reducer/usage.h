@@ -12,6 +12,8 @@
 #include <utility>
 #include <vector>
 
+#include "reducer/accumulator_ptr.h"
+
 namespace ddp_ext::reducer {
 
 // Note [Unused parameters]
@@ -38,7 +40,7 @@ namespace ddp_ext::reducer {
 // reaches from `outputs`: the parameters the forward did not use.
 std::vector<size_t> find_unreached_accumulators(
     const std::vector<at::Tensor>& outputs,
-    const std::vector<c10::intrusive_ptr<torch::autograd::Node>>&
+    const std::vector<AccumulatorPtr>&
         accumulators);
 
 // Which parameters are used: the per-parameter "used" bitmap and its

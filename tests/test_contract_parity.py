@@ -11,6 +11,7 @@ same model with both wrappers on every rank and returns both results."""
 import copy
 import dataclasses
 import functools
+import inspect
 import traceback
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -467,8 +468,17 @@ class _Wrapper:
 TABLE = CaseTable(_both_wrappers, CASES, timeout=400)
 
 
+# Cases named after a constructor argument that torch's DDP lacks in the
+# torch installed (it is older than 2.13, which ddp_ext's arguments follow).
+_NOT_IN_TORCH_DDP = set(inspect.signature(ddp_ext.DistributedDataParallel.__init__).parameters) - set(
+    inspect.signature(TorchDDP.__init__).parameters
+)
+
+
 @pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
 def test_matches_torch_ddp_with_the_same_feature(c):
+    if c.id in _NOT_IN_TORCH_DDP:
+        pytest.skip(f"torch {torch.__version__}'s DistributedDataParallel has no argument {c.id}")
     per_rank = TABLE.results(WORLD_SIZE, c)
     if c.local_reference is not None:
         expected = c.local_reference()

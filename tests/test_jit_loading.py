@@ -113,4 +113,7 @@ def test_killed_jit_build_then_fresh_import_builds_and_loads(tmp_path, monkeypat
     again = subprocess.run(
         [sys.executable, "-c", _IMPORT_ONLY], cwd=checkout, env=env, capture_output=True, text=True, timeout=120
     )
-    assert again.returncode == 0 and again.stdout == "" and again.stderr == "", again
+    # torch's own notice on importing torch.utils.cpp_extension, where a CUDA
+    # build of torch finds the CUDA toolkit but no GPU, is not ddp_ext's.
+    stderr = "".join(line for line in again.stderr.splitlines(True) if "No CUDA runtime is found" not in line)
+    assert again.returncode == 0 and again.stdout == "" and stderr == "", again

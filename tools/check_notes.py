@@ -11,6 +11,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUFFIXES = (".h", ".cpp", ".py", ".md", ".sh")
+# This checker and its test write about Notes rather than refer to them.
+ABOUT_NOTES = ("tools/check_notes.py", "tests/test_notes_and_links.py")
 UNDERLINED = re.compile(r"^[ \t]*(?://|#)?[ \t]*Note \[([^\]\n]+)\][ \t]*\n[ \t]*(?://|#)?[ \t]*~+", re.M)
 OPENING = re.compile(r'^[ \t]*(?:"""|#[ \t]*)?Note \[([^\]\n]+)\][ \t]*$', re.M)
 REFERENCE = re.compile(r"Note\s+\[([^\]]+)\](?:[\s/#]+in[\s/#]+`?([\w/.]+\.(?:h|cpp|py)))?")
@@ -25,7 +27,8 @@ def tracked_texts() -> dict:
     texts = {}
     for name in names:
         path = os.path.join(ROOT, name)
-        if name.endswith(SUFFIXES) and not name.startswith("docs/bench/") and os.path.exists(path):
+        if name.endswith(SUFFIXES) and name not in ABOUT_NOTES and not name.startswith("docs/bench/") \
+                and os.path.exists(path):
             with open(path, encoding="utf-8") as f:
                 texts[name] = f.read()
     return texts

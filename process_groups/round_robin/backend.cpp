@@ -4,6 +4,8 @@
 
 #include <utility>
 
+#include "process_groups/round_robin/single_tensor_collectives.h"
+
 namespace ddp_ext::process_groups {
 
 namespace {
@@ -128,8 +130,8 @@ c10::intrusive_ptr<c10d::Work> RoundRobinBackend::_allgather_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::AllgatherOptions& opts) {
-  // ProcessGroup's name for Backend::_allgather_base.
-  return next_child().all_gather_single(output, input, opts);
+  // See Note [Single-tensor collective names].
+  return process_groups::all_gather_single(next_child(), output, input, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> RoundRobinBackend::gather(
@@ -157,8 +159,8 @@ c10::intrusive_ptr<c10d::Work> RoundRobinBackend::_reduce_scatter_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::ReduceScatterOptions& opts) {
-  // ProcessGroup's name for Backend::_reduce_scatter_base.
-  return next_child().reduce_scatter_single(output, input, opts);
+  // See Note [Single-tensor collective names].
+  return process_groups::reduce_scatter_single(next_child(), output, input, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> RoundRobinBackend::alltoall_base(
@@ -167,9 +169,9 @@ c10::intrusive_ptr<c10d::Work> RoundRobinBackend::alltoall_base(
     std::vector<int64_t>& output_split_sizes,
     std::vector<int64_t>& input_split_sizes,
     const c10d::AllToAllOptions& opts) {
-  // ProcessGroup's name for Backend::alltoall_base.
-  return next_child().all_to_all_single(
-      output, input, output_split_sizes, input_split_sizes, opts);
+  // See Note [Single-tensor collective names].
+  return process_groups::all_to_all_single(
+      next_child(), output, input, output_split_sizes, input_split_sizes, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> RoundRobinBackend::alltoall(
