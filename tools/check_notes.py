@@ -22,10 +22,22 @@ def normalized(name: str) -> str:
     return " ".join(re.sub(r"//|#", " ", name).split())
 
 
+def source_names() -> list:
+    """The files git tracks; in a copy without git (a build folder), every
+    file below the root except build output and hidden folders."""
+    try:
+        return subprocess.check_output(["git", "ls-files"], cwd=ROOT, text=True, stderr=subprocess.DEVNULL).split()
+    except (OSError, subprocess.CalledProcessError):
+        names = []
+        for folder, subfolders, files in os.walk(ROOT):
+            subfolders[:] = [d for d in subfolders if not d.startswith(".") and d not in ("build", "__pycache__")]
+            names += [os.path.relpath(os.path.join(folder, f), ROOT) for f in files]
+        return names
+
+
 def tracked_texts() -> dict:
-    names = subprocess.check_output(["git", "ls-files"], cwd=ROOT, text=True).split()
     texts = {}
-    for name in names:
+    for name in source_names():
         path = os.path.join(ROOT, name)
         if name.endswith(SUFFIXES) and name not in ABOUT_NOTES and not name.startswith("docs/bench/") \
                 and os.path.exists(path):
