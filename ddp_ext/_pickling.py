@@ -52,8 +52,9 @@ def setstate(ddp, state: dict) -> None:
         ddp._auto_buckets.restart()  # the copy times its own iterations
     ddp._delayed = None
     ddp._timeline = None
-    ddp._delay_all_reduce_all_params = not ddp._named_params_for_reducer(ddp.module)
-    ddp._dropped_layers = DroppedLayers(ddp.module, [p for _, p in ddp._named_params_for_reducer(ddp.module)])
+    reduced = [p for _, p in ddp._named_params_for_reducer(ddp.module)]
+    ddp._delay_all_reduce_all_params = not reduced
+    ddp._dropped_layers = DroppedLayers(ddp.module, reduced)
     ddp.reducer = None if ddp._delay_all_reduce_all_params else ddp._build_reducer()
     ddp._parameter_watch = ParameterWatch(ddp.module, ddp.parameters_to_ignore)
     if ddp.static_graph:
