@@ -41,9 +41,12 @@ def test_minimal_script_trains_and_its_ranks_agree(tmp_path):
     assert done.stdout.strip().splitlines()[-1] == "ranks agree: True", done.stdout
 
 
-def test_ci_runs_the_readme_test_command_which_needs_no_root():
+def test_ci_ends_with_the_readme_test_command_which_needs_no_root():
     command = _test_command()
     assert not re.search(r"\b(apt-get|apt|sudo|yum|dnf)\b", command), command
     with open(os.path.join(ROOT, ".ci", "run")) as f:
         ci = f.read()
     assert command in ci, f".ci/run does not run the README's test command:\n{command}"
+    # Last, so that CI's output ends with the whole suite's summary.
+    lines = [line for line in ci.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert lines[-1].strip() == command, f".ci/run's last command is not the README's test command:\n{lines[-1]}"

@@ -40,7 +40,11 @@ step() {
 
 # The test extra's requirements (pyproject.toml), so the list lives in one place.
 test_requirements() {
-    "$PYTHON" -c 'import sys, tomllib
+    "$PYTHON" -c 'import sys
+try:
+    import tomllib
+except ImportError:  # Python 3.10: the copy pip carries
+    from pip._vendor import tomli as tomllib
 print(*tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-dependencies"]["test"], sep="\n")' \
         "$ROOT/pyproject.toml"
 }
