@@ -28,6 +28,7 @@ SOURCES = [
     "reducer/gradient_order.cpp",
     "reducer/layer_drop.cpp",
     "reducer/reducer.cpp",
+    "reducer/stall_watch.cpp",
     "reducer/static_graph.cpp",
     "reducer/step_check.cpp",
     "reducer/timeline.cpp",

@@ -11,7 +11,8 @@ from torch.distributed.algorithms.join import Join, Joinable
 from torch.nn.parallel.distributed import DistributedDataParallel as TorchDistributedDataParallel
 from torch.nn.parallel.scatter_gather import gather as _gather, scatter_kwargs as _scatter_kwargs
 
-from ddp_ext import _C, _buffers, _comm_hooks, _delayed_all_reduce, _join, _logging_data, _parameters, _pickling, _timeline
+from ddp_ext import _C, _buffers, _comm_hooks, _delayed_all_reduce, _diagnosis, _join, _logging_data, _parameters
+from ddp_ext import _pickling, _timeline
 from ddp_ext._arguments import (
     backend_name,
     check_arguments,
@@ -66,6 +67,16 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
     needs ``rebuild_buckets`` "once" or "continuous" and no
     ``bucket_cap_mb_list``; a Python communication hook stops it. See Note
     [Auto-tuned bucket caps] in ddp_ext/_auto_buckets.py.
+
+    ``hang_timeout_s`` and ``on_hang`` (keyword only, ddp_ext's additions;
+    environment variables DDP_EXT_HANG_TIMEOUT_S and DDP_EXT_ON_HANG override
+    them): when a collective of the reducer has waited ``hang_timeout_s``
+    seconds (default 60; 0: off), every rank reports what it is doing through
+    the store, and the message names the lagging or dead ranks, the training
+    step and the parameters that got no gradient. ``on_hang="auto"``
+    (default) raises when the reports prove the wait cannot end, else warns
+    once and waits on; ``"raise"`` and ``"warn"`` always do that. See
+    docs/DIAGNOSIS.md.
     """
 
     def __init__(
@@ -92,6 +103,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         forward_sync_buffers: Optional[bool] = None,
         *,
         rebuild_buckets: str = "continuous",
+        hang_timeout_s: Optional[float] = None,
+        on_hang: Optional[str] = None,
     ):
         # torch's DDP __init__ is deliberately not called: it would build
         # torch's reducer. See ddp_ext/_unsupported.py.
@@ -116,6 +129,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         buffer_sync = resolve_buffer_sync(broadcast_buffers, forward_sync_buffers)
         caps = resolve_bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
         rebuild_mode = resolve_rebuild_buckets(rebuild_buckets)
+        hang_settings = _diagnosis.resolve_hang_settings(hang_timeout_s, on_hang)
         if caps.auto and rebuild_mode == "never":
             raise ValueError(
                 "bucket_cap_mb='auto' re-lays the buckets as it tunes their caps, and "
@@ -183,6 +197,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         if self._dropped_layers and init_sync:
             self._dropped_layers.agree_with_rank_0(self._broadcast_from_rank_0)
         self.reducer = None if self._delay_all_reduce_all_params else self._build_reducer()
+        self._hang_settings = hang_settings
+        self._hang_diagnosis = _diagnosis.attach(self, settings=hang_settings)
         # See Note [Auto-tuned bucket caps]; None: fixed caps.
         self._auto_buckets = AutoBuckets() if caps.auto and self.reducer is not None else None
         self._parameter_watch = ParameterWatch(module, self.parameters_to_ignore)
@@ -473,6 +489,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         if not dist.distributed_c10d._rank_not_in_group(new_process_group):
             self.process_group = new_process_group
             self.reducer._update_process_group(new_process_group)
+            self._hang_diagnosis = _diagnosis.attach(self, settings=self._hang_settings)
             if self._auto_buckets is not None:
                 self._auto_buckets.restart()
 

@@ -113,6 +113,9 @@ class BucketLayout {
   Bucket& bucket_of(size_t index) {
     return buckets_[bucket_of_param_[index]];
   }
+  size_t bucket_index_of(size_t index) const {
+    return bucket_of_param_[index];
+  }
   size_t slot_of(size_t index) const {
     return slot_of_param_[index];
   }

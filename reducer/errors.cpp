@@ -48,6 +48,7 @@ std::string marked_twice_message(int rank, const std::string& name) {
 
 std::string unfinished_reduction_message(
     int rank,
+    int64_t step,
     bool all_arrived,
     bool searching,
     const std::vector<std::string>& names,
@@ -63,7 +64,7 @@ std::string unfinished_reduction_message(
   std::ostringstream message;
   message << "Expected to have finished reduction in the prior iteration "
              "before starting a new one. On rank "
-          << rank << ", ";
+          << rank << " (training step " << step << "), ";
   if (all_arrived) {
     message << "every gradient of the previous backward pass arrived, but "
                "its end was never reached (the backward pass or a collective "

@@ -125,7 +125,7 @@ void Reducer::raise_if_out_of_step() {
   std::string message;
   {
     TimelineRange range(timeline_, TimelineEvent::kStepCheckWait);
-    message = step_check_->wait();
+    message = step_check_->wait(&stall_);
   }
   if (message.empty()) {
     return;
@@ -141,7 +141,8 @@ void Reducer::raise_if_out_of_step() {
 void Reducer::check_step_before_forward_collectives() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (step_check_) {
-    const std::string message = step_check_->check_forward(*process_group_, backwards_begun_);
+    const std::string message =
+        step_check_->check_forward(*process_group_, backwards_begun_, &stall_);
     TORCH_CHECK(message.empty(), message);
   }
 }
@@ -265,7 +266,7 @@ bool Reducer::may_be_globally_unused(size_t index) const {
 
 std::string Reducer::unfinished_reduction_message() const {
   return ddp_ext::reducer::unfinished_reduction_message(
-      process_group_->getRank(), next_bucket_ == layout_.buckets().size(),
+      process_group_->getRank(), backward_step_, next_bucket_ == layout_.buckets().size(),
       usage_.searches(), param_names_, ready_);
 }
 
@@ -281,6 +282,10 @@ void Reducer::prepare_for_forward(bool training_step) {
 
 void Reducer::raise_unfinished_reduction() {
   const std::string message = unfinished_reduction_message();
+  if (!reported_unfinished_ && next_bucket_ < layout_.buckets().size()) {
+    stall_.report(StallEvent::kUnfinished); // See Note [Hang attribution].
+  }
+  reported_unfinished_ = false;
   // Raise without waiting for the buckets already launched: when ranks
   // skipped different parameters, some of those allreduces have no partner
   // and waiting would hang this rank instead of telling its user. A caller
@@ -366,6 +371,18 @@ void Reducer::set_forward_pass_work(
 void Reducer::start_reducing() {
   enter(Phase::kExpectingGradients, Phase::kReducing);
   timeline_.instant(TimelineEvent::kBackwardBegin, -1);
+  backward_step_ = training_steps_;
+  reported_unfinished_ = false;
+  if (stall_.on() && step_check_ && !static_graph_.learning()) {
+    // See Note [Hang attribution]; queued before finalize_backward, so it
+    // runs first.
+    torch::autograd::Engine::get_default_engine().queue_callback(
+        [weak = weak_from_this()] {
+          if (const std::shared_ptr<Reducer> self = weak.lock()) {
+            self->check_backward_ended();
+          }
+        });
+  }
   const int64_t order_vote = layout_.cast_vote();
   if (step_check_) {
     ++backwards_begun_;
@@ -604,7 +621,7 @@ void Reducer::wait_for_launched_buckets() {
   for (size_t b = 0; b < next_bucket_; ++b) {
     Bucket& bucket = layout_.buckets()[b];
     if (bucket.work) {
-      bucket.work->wait();
+      stall_.wait(*bucket.work, "bucket", static_cast<int64_t>(b));
       timeline_.awaited(b);
       if (bucket.sparse) {
         bucket.sparse_grad = bucket.work->result().front();
@@ -615,7 +632,7 @@ void Reducer::wait_for_launched_buckets() {
       // See Note [Communication hooks] in comm_hooks/comm_hook.h.
       auto future = std::move(bucket.future);
       bucket.future.reset();
-      future->wait();
+      stall_.wait(*future, "bucket", static_cast<int64_t>(b));
       const at::Tensor reduced = comm_hook_->parseHookResult(future->value());
       if (!reduced.is_same(bucket.flat)) {
         TORCH_CHECK(
@@ -647,11 +664,15 @@ void Reducer::finalize_backward() {
   if (static_graph_.on()) {
     globally_used = static_graph_.used_globally();
   } else if (usage_.searches()) {
-    globally_used = usage_.wait(gradients_stay_local_);
+    globally_used = usage_.wait(gradients_stay_local_, &stall_);
   }
   write_back_gradients(globally_used);
   conclude_layout(/*launched_at_end=*/!options_.overlap_with_backward);
   enter(Phase::kReducing, Phase::kIdle);
+  if (reported_unfinished_) {
+    reported_unfinished_ = false; // a second backward completed it after all
+    stall_.report(StallEvent::kResolved);
+  }
 }
 
 void Reducer::queue_at_end_of_backward(void (Reducer::*step)()) {
@@ -704,7 +725,7 @@ void Reducer::finish_learning_iteration() {
     TimelineRange wait_range(timeline_, TimelineEvent::kWaitForBuckets);
     wait_for_launched_buckets();
   }
-  static_graph_.learned_from(used_locally, usage_.wait(gradients_stay_local_));
+  static_graph_.learned_from(used_locally, usage_.wait(gradients_stay_local_, &stall_));
   write_back_gradients(static_graph_.used_globally());
   conclude_layout(/*launched_at_end=*/true);
   enter(Phase::kReducing, Phase::kIdle);
@@ -719,6 +740,48 @@ void Reducer::conclude_layout(bool launched_at_end) {
   }
   if (layout_.conclude(launched_at_end, votes, *process_group_, timeline_)) {
     next_bucket_ = 0;
+  }
+}
+
+void Reducer::set_stall_handler(
+    int64_t timeout_ms, std::function<void(const StallReport&)> handler) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!handler) {
+    stall_.configure(0, nullptr);
+    return;
+  }
+  // The watch is a member: the lambda never outlives `this`.
+  stall_.configure(timeout_ms, [this, handler = std::move(handler)](const StallEvent& event) {
+    handler(stall_report(event));
+  });
+}
+
+StallReport Reducer::stall_report(const StallEvent& event) const {
+  StallReport report;
+  report.event = event;
+  report.rank = process_group_->getRank();
+  report.step = backward_step_;
+  report.training_steps = training_steps_;
+  report.phase = phase_name(phase_);
+  report.buckets_launched = static_cast<int64_t>(next_bucket_);
+  report.buckets_total = static_cast<int64_t>(layout_.buckets().size());
+  if (phase_ == Phase::kReducing) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!ready_[i]) {
+        report.unready.push_back(param_names_[i]);
+        report.unready_buckets.push_back(static_cast<int64_t>(layout_.bucket_index_of(i)));
+      }
+    }
+  }
+  return report;
+}
+
+void Reducer::check_backward_ended() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (phase_ == Phase::kReducing && !static_graph_.learning() &&
+      next_bucket_ < layout_.buckets().size() && !reported_unfinished_) {
+    reported_unfinished_ = true;
+    stall_.report(StallEvent::kUnfinished);
   }
 }
 

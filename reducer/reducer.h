@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -21,6 +22,7 @@
 #include "reducer/gradient_order.h"
 #include "reducer/layer_drop.h"
 #include "reducer/reducer_options.h"
+#include "reducer/stall_watch.h"
 #include "reducer/static_graph.h"
 #include "reducer/step_check.h"
 #include "reducer/timeline.h"
@@ -216,6 +218,13 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void set_timeline(bool on);
   std::vector<TimelineEvent> take_timeline(int64_t* dropped, int64_t wait_ms);
 
+  // Waits with a deadline of `timeout_ms` and reports to `handler` what
+  // this rank is doing when one passes, a wait fails or a backward ends
+  // unfinished; timeout_ms <= 0 or no handler: plain waits. See Note [Hang
+  // attribution] in reducer/stall_watch.h.
+  void set_stall_handler(
+      int64_t timeout_ms, std::function<void(const StallReport&)> handler);
+
   // Called by the autograd hook of parameter `index` once its gradient
   // accumulator has run. `gradient_arrived` is false when autograd ran the
   // accumulator with no gradient (an output the loss did not use).
@@ -252,6 +261,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Refills each bucket's pending count for the backward being armed.
   void arm_buckets();
   void reserve_timeline();
+  // See Note [Hang attribution]: this rank's side of a StallEvent, and the
+  // check, at the end of a backward, that every bucket was launched.
+  StallReport stall_report(const StallEvent& event) const;
+  void check_backward_ended();
 
   const std::vector<at::Tensor> params_;
   const std::vector<std::string> param_names_;
@@ -296,6 +309,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   // See Note [Communication timeline]: off unless asked for.
   Timeline timeline_;
+
+  // See Note [Hang attribution].
+  StallWatch stall_;
+  int64_t backward_step_ = 0; // training_steps_ when the backward began
+  bool reported_unfinished_ = false;
 };
 
 } // namespace ddp_ext::reducer

@@ -142,11 +142,15 @@ bool StepCheck::launched() const {
   return static_cast<bool>(work_);
 }
 
-std::string StepCheck::wait() {
+std::string StepCheck::wait(StallWatch* watch) {
   TORCH_INTERNAL_ASSERT(work_, "no step check in flight");
   auto work = std::move(work_);
   work_.reset();
-  work->wait();
+  if (watch != nullptr) {
+    watch->wait(*work, "step check", -1);
+  } else {
+    work->wait();
+  }
   if (written_ == 0) {
     return std::string(); // A rank that joined has no position to compare.
   }
@@ -181,10 +185,11 @@ void StepCheck::drop() {
   work_.reset();
 }
 
-std::string StepCheck::check_forward(c10d::ProcessGroup& group, int64_t backwards) {
+std::string StepCheck::check_forward(
+    c10d::ProcessGroup& group, int64_t backwards, StallWatch* watch) {
   drop();
   launch_forward(group, backwards);
-  return wait();
+  return wait(watch);
 }
 
 void StepCheck::match_as_joined(c10d::ProcessGroup& group) {

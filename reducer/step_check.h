@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <string>
 
+#include "reducer/stall_watch.h"
+
 namespace ddp_ext::reducer {
 
 // Note [Ranks out of step]
@@ -76,14 +78,16 @@ class StepCheck {
   // Waits for the check in flight. Returns an empty string when every rank
   // with data wrote what this rank wrote, else the error message (the same on
   // every rank).
-  std::string wait();
+  // With a `watch`, waits through it (Note [Hang attribution]).
+  std::string wait(StallWatch* watch = nullptr);
 
   // Forgets a check in flight without waiting for it.
   void drop();
 
   // A whole forward check (any check left over from an unfinished iteration
   // dropped): its message, as wait() gives it.
-  std::string check_forward(c10d::ProcessGroup& group, int64_t backwards);
+  std::string check_forward(
+      c10d::ProcessGroup& group, int64_t backwards, StallWatch* watch = nullptr);
   // A whole check as a rank that joined.
   void match_as_joined(c10d::ProcessGroup& group);
 
