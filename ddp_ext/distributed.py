@@ -13,6 +13,7 @@ from torch.nn.parallel.scatter_gather import gather as _gather, scatter_kwargs a
 
 from ddp_ext import _C, _buffers, _comm_hooks, _delayed_all_reduce, _diagnosis, _join, _logging_data, _parameters
 from ddp_ext import _pickling, _timeline
+from ddp_ext import _arguments
 from ddp_ext._arguments import (
     backend_name,
     check_arguments,
@@ -146,7 +147,11 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         if init_sync:
             # First of all, so that a rank with a different model (even one with
             # nothing to train) makes every rank raise the same error.
-            verify_module(process_group, module, named_params, self.parameters_to_ignore, buffer_sync.at_init)
+            verify_module(
+                process_group, module, named_params, self.parameters_to_ignore, buffer_sync.at_init,
+                _arguments.settings_to_agree(caps, find_unused_parameters, static_graph, rebuild_mode,
+                                             skip_all_reduce_unused_params),
+            )
         if not named_params and not delayed_params:
             raise RuntimeError(
                 "DistributedDataParallel is not needed when a module doesn't have any "

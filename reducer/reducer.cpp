@@ -738,7 +738,7 @@ void Reducer::conclude_layout(bool launched_at_end) {
   if (step_check_) {
     votes = step_check_->summed_rider();
   }
-  if (layout_.conclude(launched_at_end, votes, *process_group_, timeline_)) {
+  if (layout_.conclude(launched_at_end, votes, *process_group_, timeline_, &stall_)) {
     next_bucket_ = 0;
   }
 }

@@ -58,9 +58,13 @@ void StallWatch::wait(c10d::Work& work, const char* waiting_for, int64_t bucket)
     return;
   }
   const auto start = Clock::now();
+  bool stalled = false;
   while (true) {
     try {
       work.wait(timeout_);
+      if (stalled) {
+        report(StallEvent::kResolved); // what this rank published is over
+      }
       return;
     } catch (const std::exception& error) {
       StallEvent event;
@@ -69,6 +73,7 @@ void StallWatch::wait(c10d::Work& work, const char* waiting_for, int64_t bucket)
       event.waited_s = seconds_since(start);
       if (!work.isCompleted()) {
         event.kind = StallEvent::kStalled; // the deadline passed: wait on
+        stalled = true;
         report_(event);
         continue;
       }
@@ -90,9 +95,11 @@ void StallWatch::wait(
       completion->done_cv.notify_all();
     });
     const auto start = Clock::now();
+    bool stalled = false;
     std::unique_lock<std::mutex> lock(completion->mutex);
     while (!completion->done_cv.wait_for(
         lock, timeout_, [&completion] { return completion->done; })) {
+      stalled = true;
       lock.unlock();
       StallEvent event;
       event.waiting_for = waiting_for;
@@ -100,6 +107,10 @@ void StallWatch::wait(
       event.waited_s = seconds_since(start);
       report_(event);
       lock.lock();
+    }
+    lock.unlock();
+    if (stalled && !future.hasError()) {
+      report(StallEvent::kResolved); // what this rank published is over
     }
   }
   if (on() && future.hasError()) {

@@ -26,7 +26,8 @@ namespace ddp_ext::reducer {
 // handler and then waits on, or raises the handler's message. A rank whose
 // backward ends with buckets never launched reports kUnfinished at that
 // moment (from a callback queued when its backward began), and kResolved if a
-// second backward over the same forward completes them after all.
+// second backward over the same forward completes them after all, or when a
+// wait that stalled completes.
 //
 // The handler (the Python side, ddp_ext/_diagnosis/) publishes what this
 // rank is doing through the store the process group was made from, a side

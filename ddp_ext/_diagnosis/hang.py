@@ -43,13 +43,15 @@ class HangDiagnosis:
         store_error = self._publish(report)
         if report["kind"] in ("unfinished", "resolved"):
             return None
+        window = self.settings.failed_window_s if report["kind"] == "failed" else self.settings.window_s
         reports: Dict[int, Optional[dict]] = {r: None for r in range(self.world_size) if r != self.rank}
         if store_error is None:
             try:
-                reports.update(self.channel.gather(lambda other: self._relevant(report, other), self.settings.window_s))
+                reports.update(self.channel.gather(lambda other: self._relevant(report, other), window))
             except StoreUnreachable as e:
                 store_error = str(e)
-        message = hang_message(report, reports, self.world_size, self.settings.timeout_s, self.settings.window_s)
+        alive = {r: self.channel.alive(r) for r, rep in reports.items() if rep is None} if store_error is None else {}
+        message = hang_message(report, reports, self.settings.timeout_s, window, alive)
         if store_error is not None:
             message += (
                 f"\nThe other ranks' reports could not be read: the store is unreachable ({store_error}); the rank "
@@ -58,6 +60,8 @@ class HangDiagnosis:
         self.messages.append(message)
         mode = self.settings.on_hang
         if report["kind"] == "failed" or mode == "raise" or (mode == "auto" and proven(report, reports)):
+            # This rank leaves the reducer's collectives: the others should know.
+            self._publish(dict(report, kind="raised", was=report["kind"]))
             return message
         incident = (report["step"], report["waiting_for"], report["bucket"])
         if incident not in self.warned:
@@ -105,6 +109,7 @@ def attach(ddp, hang_timeout_s: Optional[float] = None, on_hang: Optional[str] =
         channel = SideChannel(
             store, group.rank(), group.size(), f"ddp_ext/diagnosis/{_group_name(group)}/{sequence}"
         )
+        channel.introduce()
     diagnosis = HangDiagnosis(settings, channel, group.rank(), group.size())
     reducer._set_stall_handler(max(1, round(settings.timeout_s * 1000)), diagnosis)
     return diagnosis

@@ -31,6 +31,8 @@ def waiting_text(report: dict) -> str:
         return "the step check (the backward's first collective)"
     if what == "usage":
         return "the allreduce of the used-parameter bitmap"
+    if what == "layout broadcast":
+        return "the broadcast of the agreed bucket order (a bucket rebuild)"
     return "a collective"
 
 
@@ -38,9 +40,10 @@ def _buckets(report: dict) -> str:
     return f"{report['buckets_launched']} of {report['buckets_total']} buckets launched"
 
 
-def report_line(rank: int, report: Optional[dict], window_s: float) -> str:
+def report_line(rank: int, report: Optional[dict], window_s: float, alive: Optional[bool] = None) -> str:
     if report is None:
-        return f"rank {rank}: reported nothing within {window_s:.1f} s"
+        state = {True: " (its process is alive)", False: " (its process is gone)", None: ""}[alive]
+        return f"rank {rank}: reported nothing within {window_s:.1f} s{state}"
     kind, step = report["kind"], report["step"]
     if kind == "stalled":
         return (
@@ -49,6 +52,11 @@ def report_line(rank: int, report: Optional[dict], window_s: float) -> str:
         )
     if kind == "failed":
         return f"rank {rank}: its wait for {waiting_text(report)} in training step {step} failed: {report['error']}"
+    if kind == "raised":
+        return (
+            f"rank {rank}: raised an error after its wait for {waiting_text(report)} in training step {step} "
+            f"{'failed' if report.get('was') == 'failed' else 'passed hang_timeout_s'}, and left the collectives"
+        )
     if kind == "unfinished":
         buckets = sorted(set(report["unready_buckets"]))
         return (
@@ -60,17 +68,26 @@ def report_line(rank: int, report: Optional[dict], window_s: float) -> str:
 
 
 def hang_message(
-    own: dict, reports: Dict[int, Optional[dict]], world_size: int, timeout_s: float, window_s: float
+    own: dict,
+    reports: Dict[int, Optional[dict]],
+    timeout_s: float,
+    window_s: float,
+    alive: Optional[Dict[int, Optional[bool]]] = None,
 ) -> str:
     """The message for rank own['rank'], which stopped (kind "stalled") or
     whose wait failed ("failed"); `reports`: every other rank's, None where
-    it reported nothing."""
+    it reported nothing; `alive`: for those, whether their process is alive
+    (None: unknown, on another host)."""
+    alive = alive or {}
     rank, step = own["rank"], own["step"]
     everyone = dict(reports)
     everyone[rank] = own
     unfinished = [r for r, rep in everyone.items() if rep is not None and rep["kind"] == "unfinished"]
     silent = [r for r, rep in everyone.items() if rep is None]
+    gone = [r for r in silent if alive.get(r) is False]
+    unknown = [r for r in silent if alive.get(r) is None]
     waiting = [r for r, rep in everyone.items() if rep is not None and rep["kind"] in ("stalled", "failed")]
+    left = [r for r, rep in reports.items() if rep is not None and rep["kind"] == "raised"]
     failed = own["kind"] == "failed"
     where = f"{waiting_text(own)} at the end of the backward of training step {step}"
     lines = []
@@ -95,13 +112,23 @@ def hang_message(
             "frozen part, an output left out of the loss), pass find_unused_parameters=True to "
             "DistributedDataParallel; otherwise make sure every parameter takes part in the loss on every rank."
         )
-    elif silent and failed:
+    elif failed and (gone or unknown):
+        dead = gone or unknown
+        how = "died" if gone else "died or became unreachable"
         lines.append(
-            f"DistributedDataParallel: {ranks_text(silent)} died or became unreachable during training step {step}: "
-            f"on rank {rank} the wait for {where} failed, and {ranks_text(silent)} reported nothing through the "
-            f"store within {window_s:.1f} s. Look at {'their' if len(silent) > 1 else 'its'} output for why "
-            "(an exception, the out-of-memory killer, a lost host); the job cannot go on without "
-            f"{'them' if len(silent) > 1 else 'it'}: restart it from a checkpoint."
+            f"DistributedDataParallel: {ranks_text(dead)} {how} during training step {step}: on rank {rank} the "
+            f"wait for {where} failed, and {ranks_text(dead)} reported nothing through the store within "
+            f"{window_s:.1f} s{' (the process is gone)' if gone else ''}. Look at "
+            f"{'their' if len(dead) > 1 else 'its'} output for why (an exception, the out-of-memory killer, a lost "
+            f"host); the job cannot go on without {'them' if len(dead) > 1 else 'it'}: restart it from a checkpoint."
+        )
+    elif left:
+        how = "its wait failed" if failed else f"waited {own['waited_s']:.1f} s"
+        lines.append(
+            f"DistributedDataParallel: {ranks_text(left)} raised an error in training step "
+            f"{everyone[left[0]]['step']} and left the collectives, so rank {rank} waits for {where} without a "
+            f"partner ({how}; "
+            f"hang_timeout_s={timeout_s:g}). Look at the error {ranks_text(left)} raised."
         )
     elif silent:
         lines.append(
@@ -121,15 +148,13 @@ def hang_message(
         )
     lines.append("What each rank reported:")
     for r in sorted(everyone):
-        lines.append("  " + report_line(r, everyone[r], window_s))
-    if failed:
-        lines.append(f"The collective's own error on rank {rank}: {own['error']}")
+        lines.append("  " + report_line(r, everyone[r], window_s, alive.get(r)))
     return "\n".join(lines)
 
 
 def proven(own: dict, reports: Dict[int, Optional[dict]]) -> bool:
     """Whether the reports prove the wait can never end: a rank left
     parameters without a gradient, or (the wait failed) a rank is silent."""
-    if any(rep is not None and rep["kind"] == "unfinished" for rep in reports.values()):
+    if any(rep is not None and rep["kind"] in ("unfinished", "raised") for rep in reports.values()):
         return True
     return own["kind"] == "failed"

@@ -33,6 +33,12 @@ class HangSettings:
         """How long a rank that stopped waits for the others' reports."""
         return min(max(1.0, self.timeout_s / 2), 5.0)
 
+    @property
+    def failed_window_s(self) -> float:
+        """The same after a failed wait: the other survivors' waits fail
+        within milliseconds of this one, and a dead rank never reports."""
+        return 0.5
+
 
 def _timeout(value, source: str) -> float:
     try:

@@ -4,6 +4,8 @@ depend on the collective that is stuck, and a rank that died cannot answer
 through it, which is how it is told from one that is only waiting."""
 
 import json
+import os
+import socket
 import time
 from typing import Callable, Dict, Optional
 
@@ -43,8 +45,36 @@ class SideChannel:
         self.world_size = world_size
         self.prefix = prefix
 
-    def _key(self, rank: int) -> str:
-        return f"{self.prefix}/{rank}"
+    def _key(self, rank: int, kind: str = "report") -> str:
+        return f"{self.prefix}/{kind}/{rank}"
+
+    def introduce(self) -> None:
+        """Publishes where this rank runs (its host and process), once: how a
+        silent rank on the same host is told dead from busy."""
+        try:
+            self.store.set(self._key(self.rank, "process"), json.dumps([socket.gethostname(), os.getpid()]))
+        except Exception:  # diagnosis is best effort: a store without room or rights
+            pass
+
+    def alive(self, rank: int) -> Optional[bool]:
+        """Whether rank's process is alive: known only on this host."""
+        try:
+            key = self._key(rank, "process")
+            if not self.store.check([key]):
+                return None
+            host, pid = json.loads(self.store.get(key))
+        except Exception:
+            return None
+        if host != socket.gethostname():
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return not _zombie(pid)
+
 
     def publish(self, report: dict) -> None:
         try:
@@ -76,3 +106,12 @@ class SideChannel:
             if len(found) == self.world_size - 1 or time.monotonic() >= deadline:
                 return found
             time.sleep(POLL_S)
+
+
+def _zombie(pid: int) -> bool:
+    """A process that ended and waits for its parent to reap it (Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
