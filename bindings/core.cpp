@@ -233,6 +233,18 @@ void bind_reducer(py::module& m) {
       .def("bucket_indices", layout_reader([](const BucketLayout& l) { return l.indices(); }))
       .def("bucket_sizes", layout_reader([](const BucketLayout& l) { return l.sizes(); }))
       .def_property_readonly("iterations", without_gil(&Reducer::iterations))
+      // See Note [Runtime statistics]: (forward_start, backward_compute_start,
+      // backward_comm_start, backward_compute_end, backward_comm_end), ns.
+      .def("_runtime_times", [](const Reducer& r) {
+        RuntimeTimes t;
+        {
+          py::gil_scoped_release no_gil;
+          t = r.runtime_times();
+        }
+        return std::make_tuple(t.forward_start, t.backward_compute_start,
+                               t.backward_comm_start, t.backward_compute_end,
+                               t.backward_comm_end);
+      })
       // See Note [Gradient order prediction]: torch's has_rebuilt_buckets,
       // the rebuilds that changed the layout, and the last synchronising
       // backward's order, overlap fraction and launch delay (unset before one).

@@ -301,6 +301,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         if torch.is_grad_enabled():
             self._parameter_watch.check(self.module, self.process_group)
             self._dropped_layers.begin_forward()
+            if self.require_backward_grad_sync:
+                _logging_data.sample_runtime_stats(self)  # before prepare_for_forward, as torch's logger
             # See Note [Ranks out of step] in reducer/step_check.h.
             self.reducer.prepare_for_forward(training_step=self.require_backward_grad_sync and self.module.training)
         work = Join.notify_join_context(self)

@@ -192,6 +192,11 @@ Phase Reducer::phase() const {
   return phase_;
 }
 
+RuntimeTimes Reducer::runtime_times() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return times_;
+}
+
 int64_t Reducer::iterations() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return iterations_;
@@ -272,6 +277,7 @@ std::string Reducer::unfinished_reduction_message() const {
 
 void Reducer::prepare_for_forward(bool training_step) {
   std::lock_guard<std::mutex> lock(mutex_);
+  times_.forward_start = RuntimeTimes::now(); // See Note [Runtime statistics].
   if (training_step) {
     ++training_steps_; // See Note [Ranks out of step].
   }
@@ -314,6 +320,8 @@ void Reducer::prepare_for_backward(
   }
   enter(phase_, Phase::kExpectingGradients);
   ++iterations_;
+  times_.backward_compute_start = RuntimeTimes::now(); // Note [Runtime statistics]
+  times_.backward_comm_start = times_.backward_compute_end = times_.backward_comm_end = 0;
   wait_for_launched_buckets(); // left over from an unfinished iteration
   if (step_check_) {
     step_check_->drop();
@@ -521,6 +529,9 @@ c10d::GradBucket Reducer::grad_bucket(size_t bucket_index, at::Tensor buffer) co
 }
 
 void Reducer::launch(size_t bucket_index) {
+  if (times_.backward_comm_start == 0) {
+    times_.backward_comm_start = RuntimeTimes::now(); // Note [Runtime statistics]
+  }
   if (gradients_stay_local_) {
     return; // See Note [A world of one rank].
   }
@@ -652,6 +663,7 @@ void Reducer::finalize_backward() {
   TORCH_INTERNAL_ASSERT(phase_ == Phase::kReducing && !static_graph_.learning());
   TORCH_INTERNAL_ASSERT(next_bucket_ == layout_.buckets().size());
   TimelineRange range(timeline_, TimelineEvent::kFinalize);
+  times_.backward_compute_end = RuntimeTimes::now(); // Note [Runtime statistics]
   if (!options_.overlap_with_backward) {
     launch_all_buckets();
   }
@@ -660,6 +672,7 @@ void Reducer::finalize_backward() {
     TimelineRange wait_range(timeline_, TimelineEvent::kWaitForBuckets);
     wait_for_launched_buckets();
   }
+  times_.backward_comm_end = RuntimeTimes::now();
   std::vector<bool> globally_used; // empty: every parameter counts as used
   if (static_graph_.on()) {
     globally_used = static_graph_.used_globally();
@@ -710,6 +723,7 @@ void Reducer::finish_learning_iteration() {
   }
   TORCH_INTERNAL_ASSERT(phase_ == Phase::kReducing);
   TimelineRange range(timeline_, TimelineEvent::kFinalize);
+  times_.backward_compute_end = RuntimeTimes::now(); // Note [Runtime statistics]
   const std::vector<bool> used_locally = usage_.used_locally();
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!ready_[i]) {
@@ -725,6 +739,7 @@ void Reducer::finish_learning_iteration() {
     TimelineRange wait_range(timeline_, TimelineEvent::kWaitForBuckets);
     wait_for_launched_buckets();
   }
+  times_.backward_comm_end = RuntimeTimes::now();
   static_graph_.learned_from(used_locally, usage_.wait(gradients_stay_local_, &stall_));
   write_back_gradients(static_graph_.used_globally());
   conclude_layout(/*launched_at_end=*/true);

@@ -22,6 +22,7 @@
 #include "reducer/gradient_order.h"
 #include "reducer/layer_drop.h"
 #include "reducer/reducer_options.h"
+#include "reducer/runtime_times.h"
 #include "reducer/stall_watch.h"
 #include "reducer/static_graph.h"
 #include "reducer/step_check.h"
@@ -202,6 +203,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Synchronising backward passes begun so far.
   int64_t iterations() const;
 
+  // The instants of the last iteration; see Note [Runtime statistics].
+  RuntimeTimes runtime_times() const;
+
   // Whether every synchronising iteration so far left the same parameters
   // unused (what static_graph requires).
   bool unused_parameters_stable() const;
@@ -314,6 +318,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   StallWatch stall_;
   int64_t backward_step_ = 0; // training_steps_ when the backward began
   bool reported_unfinished_ = false;
+
+  // See Note [Runtime statistics].
+  RuntimeTimes times_;
 };
 
 } // namespace ddp_ext::reducer
