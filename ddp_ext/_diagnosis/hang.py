@@ -100,7 +100,9 @@ def attach(ddp, hang_timeout_s: Optional[float] = None, on_hang: Optional[str] =
     if reducer is None:
         return None
     sequence = next(_wrappers)
-    if not settings.on or group.size() == 1:
+    # On CUDA, waits only order streams (NCCL's host-side wait with a timeout
+    # has other effects): hang attribution covers CPU modules only.
+    if not settings.on or group.size() == 1 or getattr(ddp, "device_type", "cpu") != "cpu":
         reducer._set_stall_handler(0, None)
         return None
     store = store_of(group)
