@@ -235,6 +235,9 @@ void bind_reducer(py::module& m) {
       .def_property_readonly("iterations", without_gil(&Reducer::iterations))
       // See Note [Runtime statistics]: (forward_start, backward_compute_start,
       // backward_comm_start, backward_compute_end, backward_comm_end), ns.
+      // See Note [Stragglers].
+      .def("_set_straggler_every", &Reducer::set_straggler_every, py::arg("every"), NoGil())
+      .def("_straggler_figures", &Reducer::straggler_figures, NoGil())
       .def("_runtime_times", [](const Reducer& r) {
         RuntimeTimes t;
         {

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp_ext import _diagnosis
+from ddp_ext._diagnosis import stragglers
 from ddp_ext._dropped_layers import DroppedLayers
 from ddp_ext._parameter_watch import ParameterWatch
 
@@ -59,5 +60,6 @@ def setstate(ddp, state: dict) -> None:
     ddp.reducer = None if ddp._delay_all_reduce_all_params else ddp._build_reducer()
     ddp._parameter_watch = ParameterWatch(ddp.module, ddp.parameters_to_ignore)
     ddp._hang_diagnosis = _diagnosis.attach(ddp, settings=ddp.__dict__.get("_hang_settings"))
+    ddp._stragglers = stragglers.attach(ddp)
     if ddp.static_graph:
         ddp.reducer._set_static_graph()

@@ -13,6 +13,7 @@ from torch.nn.parallel.scatter_gather import gather as _gather, scatter_kwargs a
 
 from ddp_ext import _C, _buffers, _comm_hooks, _delayed_all_reduce, _diagnosis, _join, _logging_data, _parameters
 from ddp_ext import _pickling, _timeline
+from ddp_ext._diagnosis import stragglers as _stragglers
 from ddp_ext import _arguments
 from ddp_ext._arguments import (
     backend_name,
@@ -204,6 +205,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         self.reducer = None if self._delay_all_reduce_all_params else self._build_reducer()
         self._hang_settings = hang_settings
         self._hang_diagnosis = _diagnosis.attach(self, settings=hang_settings)
+        self._stragglers = _stragglers.attach(self)
         # See Note [Auto-tuned bucket caps]; None: fixed caps.
         self._auto_buckets = AutoBuckets() if caps.auto and self.reducer is not None else None
         self._parameter_watch = ParameterWatch(module, self.parameters_to_ignore)
@@ -303,6 +305,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
             self._dropped_layers.begin_forward()
             if self.require_backward_grad_sync:
                 _logging_data.sample_runtime_stats(self)  # before prepare_for_forward, as torch's logger
+                if self._stragglers is not None:
+                    self._stragglers.forward(self.reducer)
             # See Note [Ranks out of step] in reducer/step_check.h.
             self.reducer.prepare_for_forward(training_step=self.require_backward_grad_sync and self.module.training)
         work = Join.notify_join_context(self)
@@ -497,6 +501,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
             self.process_group = new_process_group
             self.reducer._update_process_group(new_process_group)
             self._hang_diagnosis = _diagnosis.attach(self, settings=self._hang_settings)
+            self._stragglers = _stragglers.attach(self)
             if self._auto_buckets is not None:
                 self._auto_buckets.restart()
 
@@ -507,6 +512,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         self.reducer.set_overlap_with_backward(bool(overlap))
 
     record_timeline = _timeline.record_timeline
+    straggler_report = _stragglers.report
+    watch_stragglers = _stragglers.configure
 
     @property
     def _bucket_caps_bytes(self) -> List[int]:

@@ -128,6 +128,10 @@ void Reducer::raise_if_out_of_step() {
     message = step_check_->wait(&stall_);
   }
   if (message.empty()) {
+    if (!step_check_->phases().empty()) { // See Note [Stragglers].
+      straggler_figures_ = step_check_->phases();
+      straggler_step_ = backward_step_;
+    }
     return;
   }
   // A peer may have raised instead of reducing: drop this backward's
@@ -190,6 +194,31 @@ void Reducer::enter(Phase from, Phase to) {
 Phase Reducer::phase() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return phase_;
+}
+
+void Reducer::set_straggler_every(int64_t every) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  straggler_every_ = every;
+}
+
+std::pair<int64_t, std::vector<int64_t>> Reducer::straggler_figures() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return {straggler_step_, straggler_figures_};
+}
+
+void Reducer::add_phase_times() {
+  // See Note [Stragglers]; called once the buckets were awaited.
+  const RuntimeTimes& t = times_;
+  if (straggler_every_ > 0 && t.forward_start > 0 &&
+      t.forward_start <= t.backward_compute_start &&
+      t.backward_compute_start <= t.backward_compute_end) {
+    phase_sums_[0] += last_comm_end_ > 0 && t.forward_start > last_comm_end_
+        ? t.forward_start - last_comm_end_ : 0;
+    phase_sums_[1] += t.backward_compute_start - t.forward_start;
+    phase_sums_[2] += t.backward_compute_end - t.backward_compute_start;
+    ++phase_count_;
+  }
+  last_comm_end_ = t.backward_comm_end;
 }
 
 RuntimeTimes Reducer::runtime_times() const {
@@ -394,8 +423,20 @@ void Reducer::start_reducing() {
   const int64_t order_vote = layout_.cast_vote();
   if (step_check_) {
     ++backwards_begun_;
+    // See Note [Stragglers]: every rank is at the same step, so all publish.
+    int64_t phases[StepCheck::kPhases];
+    const bool publish = straggler_every_ > 0 && phase_count_ > 0 &&
+        training_steps_ % straggler_every_ == 0;
+    if (publish) {
+      for (int p = 0; p < StepCheck::kPhases; ++p) {
+        phases[p] = phase_sums_[p] / phase_count_ / 1000 + 1;
+        phase_sums_[p] = 0;
+      }
+      phase_count_ = 0;
+    }
     step_check_->launch_backward(
-        *process_group_, training_steps_, order_vote, drop_plan_.fingerprint());
+        *process_group_, training_steps_, order_vote, drop_plan_.fingerprint(),
+        publish ? phases : nullptr);
     timeline_.instant(TimelineEvent::kStepCheckLaunch, -1);
   }
   averaging_.take(process_group_->getSize()); // See Note [Join and the divide factor].
@@ -673,6 +714,7 @@ void Reducer::finalize_backward() {
     wait_for_launched_buckets();
   }
   times_.backward_comm_end = RuntimeTimes::now();
+  add_phase_times();
   std::vector<bool> globally_used; // empty: every parameter counts as used
   if (static_graph_.on()) {
     globally_used = static_graph_.used_globally();

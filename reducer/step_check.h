@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "reducer/stall_watch.h"
 
@@ -53,18 +54,32 @@ namespace ddp_ext::reducer {
 // [Layer dropping]): ranks at the same step that dropped different layers
 // raise as ranks out of step do.
 //
-// The cost: one latency-bound collective of (2 * world_size + 1) * 8 bytes
+// Every rank also writes, in kPhases slots of its own, the mean length of
+// its phases over the last few steps when the reducer asks it to (zeros
+// otherwise): the straggler figures of ddp_ext/_diagnosis/stragglers.py
+// ride on the same allreduce (Note [Stragglers] in reducer/reducer.h).
+//
+// The cost: one latency-bound collective of ((2 + kPhases) * world_size + 1) * 8 bytes
 // per iteration, overlapped with the backward, and with buffer broadcasting
 // one more, awaited, before the broadcast.
 class StepCheck {
  public:
+  static constexpr int kPhases = 3; // data wait, forward, backward
   StepCheck(int rank, int world_size, c10::Device device);
 
   // Starts the check of a backward at training step `step`; this rank adds
   // `rider` to the rider slot. `plan`: the fingerprint of the layers this
   // rank dropped (DropPlan::fingerprint, positive).
+  // `phases`: kPhases values this rank publishes, or null.
   void launch_backward(
-      c10d::ProcessGroup& group, int64_t step, int64_t rider, int64_t plan);
+      c10d::ProcessGroup& group, int64_t step, int64_t rider, int64_t plan,
+      const int64_t* phases = nullptr);
+
+  // Every rank's phase values (rank-major) from the last check waited for,
+  // if any rank wrote some; empty otherwise.
+  const std::vector<int64_t>& phases() const {
+    return phases_;
+  }
 
   // Starts the check of a forward's buffer broadcast, after `backwards`
   // synchronising backward passes.
@@ -98,12 +113,14 @@ class StepCheck {
 
  private:
   void start(
-      c10d::ProcessGroup& group, int64_t slot_value, int64_t plan, int64_t rider);
+      c10d::ProcessGroup& group, int64_t slot_value, int64_t plan, int64_t rider,
+      const int64_t* phases);
 
   int rank_;
   int world_size_;
   int64_t summed_rider_ = 0;
   int64_t written_ = 0; // this rank's slot in the check in flight
+  std::vector<int64_t> phases_;
   // world_size position slots, world_size plan slots and the rider, on the CPU
   at::Tensor host_;
   at::Tensor slots_; // the same on the parameters' device (host_ on CPU)
