@@ -12,6 +12,9 @@ step that went wrong to the first error or warning, and its full text:
   rank has raised or 30 s have passed.
 - late: rank 1 sleeps 4 s in "data loading" before step 2.
 - dead: rank 1 SIGKILLs itself in its backward of step 2.
+- slow: rank 1 sleeps 30 ms in "data loading" before each of 60 steps;
+  ddp_ext exchanges the ranks' phase figures every 10 steps
+  (watch_stragglers(every=10)).
 
 docs/DIAGNOSIS.md quotes its output.
 """
@@ -72,15 +75,19 @@ def scenario(kind, name, rank):
     if name == "dead" and rank == 1:
         net.fc0.weight.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL) if state["step"] == 2 else g)
     state = {"step": 0}
+    if name == "slow" and kind == "ddp_ext":
+        ddp.watch_stragglers(every=10)
     x = torch.randn(3, 4)
     start = time.monotonic()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            for step in (1, 2, 3):
+            for step in range(1, 61 if name == "slow" else 4):
                 state["step"] = step
                 if name == "late" and rank == 1 and step == 2:
                     time.sleep(4)
+                if name == "slow" and rank == 1:
+                    time.sleep(0.03)
                 if (name == "skip" and step == 1) or (name != "skip" and step == 2):
                     start = time.monotonic()
                 ddp(x).pow(2).mean().backward()
@@ -88,6 +95,8 @@ def scenario(kind, name, rank):
         except Exception as e:  # noqa: BLE001 - report whatever it is
             outcome = f"{type(e).__name__} after {time.monotonic() - start:.2f} s:\n{e}"
     notes = [f"{w.category.__name__}:\n{w.message}" for w in caught if "DistributedDataParallel" in str(w.message)]
+    if name == "slow" and kind == "ddp_ext":
+        notes.append(f"straggler_report():\n{ddp.straggler_report()}")
     if name == "skip":
         _store_barrier(f"{kind}-{name}")
     return outcome, notes
@@ -140,4 +149,4 @@ def main(names):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["skip", "late", "dead"])
+    main(sys.argv[1:] or ["skip", "late", "dead", "slow"])

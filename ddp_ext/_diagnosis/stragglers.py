@@ -2,9 +2,10 @@
 which phase (Note [Stragglers] in reducer/reducer.h). The reducer exchanges
 every rank's mean phase lengths on the step check every `every` training
 steps; this module reads them, keeps `straggler_report()`, and warns when one
-rank exceeds the median of the ranks by more than `margin` (relative) and
+rank exceeds the median of the other ranks by more than `margin` (relative) and
 `min_excess_ms` (absolute, so that a tiny model's microseconds of noise are
-not reported) in `persist` exchanges in a row, in the same phase."""
+not reported) in `persist` exchanges in a row, in the same phase. A rank is
+compared with the median of the other ranks."""
 
 import os
 import statistics
@@ -57,12 +58,15 @@ class Stragglers:
         slow = []
         for r, row in enumerate(per_rank):
             for p, phase in enumerate(PHASES):
-                excess = row[p] - medians[p]
+                # Against the others only: with two ranks the median of all
+                # would sit halfway to the slow one.
+                others = statistics.median(other[p] for o, other in enumerate(per_rank) if o != r)
+                excess = row[p] - others
                 key = (r, phase)
-                if excess > self.min_excess_ms and excess > self.margin * medians[p]:
+                if excess > self.min_excess_ms and excess > self.margin * others:
                     self.streaks[key] = self.streaks.get(key, 0) + 1
                     if self.streaks[key] >= self.persist:
-                        slow.append((r, phase, row[p], medians[p]))
+                        slow.append((r, phase, row[p], others))
                 else:
                     self.streaks[key] = 0
         self.report = {
@@ -71,15 +75,15 @@ class Stragglers:
             "phases": list(PHASES),
             "ranks": [dict(rank=r, **{f"{phase}_ms": v for phase, v in zip(PHASES, row)}) for r, row in enumerate(per_rank)],
             "median_ms": dict(zip(PHASES, medians)),
-            "stragglers": [dict(rank=r, phase=phase, ms=v, median_ms=m) for r, phase, v, m in slow],
+            "stragglers": [dict(rank=r, phase=phase, ms=v, others_median_ms=m) for r, phase, v, m in slow],
         }
         fresh = [s for s in slow if s[:2] not in self.warned]
         if not fresh:
             return None
         self.warned.update(s[:2] for s in fresh)
         message = "DistributedDataParallel: " + "; ".join(
-            f"rank {r} is persistently slower than the others in its {phase}: {v:.1f} ms per step against a median "
-            f"of {m:.1f} ms" for r, phase, v, m in fresh
+            f"rank {r} is persistently slower than the others in its {phase}: {v:.1f} ms per step against "
+            f"{m:.1f} ms on the other ranks (median)" for r, phase, v, m in fresh
         ) + (
             f" (means over each {self.every} training steps, {self.persist} exchanges in a row, up to training step "
             f"{step}; the other ranks wait for it in every collective). See ddp_model.straggler_report()."
