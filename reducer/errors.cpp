@@ -84,7 +84,10 @@ std::string unfinished_reduction_message(
             << ". If the forward does not always use them (a branch not "
                "taken, a frozen part, an output left out of the loss), pass "
                "find_unused_parameters=True to DistributedDataParallel; "
-               "otherwise make sure every parameter takes part in the loss.";
+               "otherwise make sure every parameter takes part in the loss. "
+               "Ranks that did produce these gradients wait for their "
+               "buckets' allreduce; with hang_timeout_s set (the default) "
+               "they raise, naming this rank.";
   }
   return message.str();
 }
