@@ -27,6 +27,7 @@ SOURCES = [
     "reducer/gradient_copy.cpp",
     "reducer/gradient_order.cpp",
     "reducer/layer_drop.cpp",
+    "reducer/phase_recorder.cpp",
     "reducer/reducer.cpp",
     "reducer/stall_watch.cpp",
     "reducer/static_graph.cpp",

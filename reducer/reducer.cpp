@@ -26,6 +26,8 @@ namespace ddp_ext::reducer {
 // nothing is written back. Parameters that got no gradient keep their .grad,
 // which is what "used by no rank" means in a world of one.
 
+static_assert(StepCheck::kPhases == PhaseRecorder::kPhases, "Note [Stragglers]");
+
 namespace {
 
 // Checks what the reducer is given before anything is laid out.
@@ -129,8 +131,7 @@ void Reducer::raise_if_out_of_step() {
   }
   if (message.empty()) {
     if (!step_check_->phases().empty()) { // See Note [Stragglers].
-      straggler_figures_ = step_check_->phases();
-      straggler_step_ = backward_step_;
+      phases_.received(backward_step_, step_check_->phases());
     }
     return;
   }
@@ -198,32 +199,17 @@ Phase Reducer::phase() const {
 
 void Reducer::set_straggler_every(int64_t every) {
   std::lock_guard<std::mutex> lock(mutex_);
-  straggler_every_ = every;
+  phases_.set_every(every);
 }
 
 std::pair<int64_t, std::vector<int64_t>> Reducer::straggler_figures() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return {straggler_step_, straggler_figures_};
-}
-
-void Reducer::add_phase_times() {
-  // See Note [Stragglers]; called once the buckets were awaited.
-  const RuntimeTimes& t = times_;
-  if (straggler_every_ > 0 && t.forward_start > 0 &&
-      t.forward_start <= t.backward_compute_start &&
-      t.backward_compute_start <= t.backward_compute_end) {
-    phase_sums_[0] += last_comm_end_ > 0 && t.forward_start > last_comm_end_
-        ? t.forward_start - last_comm_end_ : 0;
-    phase_sums_[1] += t.backward_compute_start - t.forward_start;
-    phase_sums_[2] += t.backward_compute_end - t.backward_compute_start;
-    ++phase_count_;
-  }
-  last_comm_end_ = t.backward_comm_end;
+  return phases_.figures();
 }
 
 RuntimeTimes Reducer::runtime_times() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return times_;
+  return phases_.times();
 }
 
 int64_t Reducer::iterations() const {
@@ -306,7 +292,7 @@ std::string Reducer::unfinished_reduction_message() const {
 
 void Reducer::prepare_for_forward(bool training_step) {
   std::lock_guard<std::mutex> lock(mutex_);
-  times_.forward_start = RuntimeTimes::now(); // See Note [Runtime statistics].
+  phases_.forward_begins(); // See Note [Runtime statistics].
   if (training_step) {
     ++training_steps_; // See Note [Ranks out of step].
   }
@@ -349,8 +335,7 @@ void Reducer::prepare_for_backward(
   }
   enter(phase_, Phase::kExpectingGradients);
   ++iterations_;
-  times_.backward_compute_start = RuntimeTimes::now(); // Note [Runtime statistics]
-  times_.backward_comm_start = times_.backward_compute_end = times_.backward_comm_end = 0;
+  phases_.backward_armed(); // See Note [Runtime statistics].
   wait_for_launched_buckets(); // left over from an unfinished iteration
   if (step_check_) {
     step_check_->drop();
@@ -424,19 +409,9 @@ void Reducer::start_reducing() {
   if (step_check_) {
     ++backwards_begun_;
     // See Note [Stragglers]: every rank is at the same step, so all publish.
-    int64_t phases[StepCheck::kPhases];
-    const bool publish = straggler_every_ > 0 && phase_count_ > 0 &&
-        training_steps_ % straggler_every_ == 0;
-    if (publish) {
-      for (int p = 0; p < StepCheck::kPhases; ++p) {
-        phases[p] = phase_sums_[p] / phase_count_ / 1000 + 1;
-        phase_sums_[p] = 0;
-      }
-      phase_count_ = 0;
-    }
     step_check_->launch_backward(
         *process_group_, training_steps_, order_vote, drop_plan_.fingerprint(),
-        publish ? phases : nullptr);
+        phases_.to_publish(training_steps_));
     timeline_.instant(TimelineEvent::kStepCheckLaunch, -1);
   }
   averaging_.take(process_group_->getSize()); // See Note [Join and the divide factor].
@@ -570,9 +545,7 @@ c10d::GradBucket Reducer::grad_bucket(size_t bucket_index, at::Tensor buffer) co
 }
 
 void Reducer::launch(size_t bucket_index) {
-  if (times_.backward_comm_start == 0) {
-    times_.backward_comm_start = RuntimeTimes::now(); // Note [Runtime statistics]
-  }
+  phases_.bucket_launched(); // See Note [Runtime statistics].
   if (gradients_stay_local_) {
     return; // See Note [A world of one rank].
   }
@@ -704,7 +677,7 @@ void Reducer::finalize_backward() {
   TORCH_INTERNAL_ASSERT(phase_ == Phase::kReducing && !static_graph_.learning());
   TORCH_INTERNAL_ASSERT(next_bucket_ == layout_.buckets().size());
   TimelineRange range(timeline_, TimelineEvent::kFinalize);
-  times_.backward_compute_end = RuntimeTimes::now(); // Note [Runtime statistics]
+  phases_.gradients_done(); // See Note [Runtime statistics].
   if (!options_.overlap_with_backward) {
     launch_all_buckets();
   }
@@ -713,8 +686,7 @@ void Reducer::finalize_backward() {
     TimelineRange wait_range(timeline_, TimelineEvent::kWaitForBuckets);
     wait_for_launched_buckets();
   }
-  times_.backward_comm_end = RuntimeTimes::now();
-  add_phase_times();
+  phases_.collectives_done();
   std::vector<bool> globally_used; // empty: every parameter counts as used
   if (static_graph_.on()) {
     globally_used = static_graph_.used_globally();
@@ -765,7 +737,7 @@ void Reducer::finish_learning_iteration() {
   }
   TORCH_INTERNAL_ASSERT(phase_ == Phase::kReducing);
   TimelineRange range(timeline_, TimelineEvent::kFinalize);
-  times_.backward_compute_end = RuntimeTimes::now(); // Note [Runtime statistics]
+  phases_.gradients_done(); // See Note [Runtime statistics].
   const std::vector<bool> used_locally = usage_.used_locally();
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!ready_[i]) {
@@ -781,7 +753,7 @@ void Reducer::finish_learning_iteration() {
     TimelineRange wait_range(timeline_, TimelineEvent::kWaitForBuckets);
     wait_for_launched_buckets();
   }
-  times_.backward_comm_end = RuntimeTimes::now();
+  phases_.collectives_done();
   static_graph_.learned_from(used_locally, usage_.wait(gradients_stay_local_, &stall_));
   write_back_gradients(static_graph_.used_globally());
   conclude_layout(/*launched_at_end=*/true);

@@ -23,7 +23,7 @@
 #include "reducer/gradient_order.h"
 #include "reducer/layer_drop.h"
 #include "reducer/reducer_options.h"
-#include "reducer/runtime_times.h"
+#include "reducer/phase_recorder.h"
 #include "reducer/stall_watch.h"
 #include "reducer/static_graph.h"
 #include "reducer/step_check.h"
@@ -207,22 +207,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // The instants of the last iteration; see Note [Runtime statistics].
   RuntimeTimes runtime_times() const;
 
-  // Note [Stragglers]
-  // ~~~~~~~~~~~~~~~~~
-  // A rank slower than the others makes them wait in their collectives,
-  // where nobody sees why. Each rank measures, per synchronising iteration,
-  // three phases from the instants of Note [Runtime statistics]: the data
-  // wait (the end of the last backward's finalize to the next forward), the
-  // forward, and the backward's computation (the forward's end to the last
-  // gradient: before any wait for a collective, so a rank that only waits
-  // for a slow peer does not look slow). Every `every` training steps each
-  // rank writes its means over the steps since, in microseconds, into slots
-  // of its own in the step check (Note [Ranks out of step]), which runs
-  // anyway: every rank then holds every rank's figures, and
-  // ddp_ext/_diagnosis/stragglers.py compares them. every <= 0: off.
+  // See Note [Stragglers] in reducer/phase_recorder.h. every <= 0: off.
   void set_straggler_every(int64_t every);
-  // The training step and every rank's figures (rank-major, kPhases each,
-  // microseconds + 1) of the last exchange; figures empty before one.
+  // The training step and every rank's figures (rank-major,
+  // PhaseRecorder::kPhases each, microseconds + 1) of the last exchange;
+  // figures empty before one.
   std::pair<int64_t, std::vector<int64_t>> straggler_figures() const;
 
   // Whether every synchronising iteration so far left the same parameters
@@ -338,17 +327,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   int64_t backward_step_ = 0; // training_steps_ when the backward began
   bool reported_unfinished_ = false;
 
-  // See Note [Runtime statistics].
-  RuntimeTimes times_;
-
-  // See Note [Stragglers].
-  void add_phase_times();
-  int64_t straggler_every_ = 0;
-  int64_t phase_sums_[StepCheck::kPhases] = {0, 0, 0};
-  int64_t phase_count_ = 0;
-  int64_t last_comm_end_ = 0;
-  int64_t straggler_step_ = 0;
-  std::vector<int64_t> straggler_figures_;
+  // See Note [Runtime statistics] and Note [Stragglers].
+  PhaseRecorder phases_;
 };
 
 } // namespace ddp_ext::reducer

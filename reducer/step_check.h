@@ -57,14 +57,14 @@ namespace ddp_ext::reducer {
 // Every rank also writes, in kPhases slots of its own, the mean length of
 // its phases over the last few steps when the reducer asks it to (zeros
 // otherwise): the straggler figures of ddp_ext/_diagnosis/stragglers.py
-// ride on the same allreduce (Note [Stragglers] in reducer/reducer.h).
+// ride on the same allreduce (Note [Stragglers] in reducer/phase_recorder.h).
 //
 // The cost: one latency-bound collective of ((2 + kPhases) * world_size + 1) * 8 bytes
 // per iteration, overlapped with the backward, and with buffer broadcasting
 // one more, awaited, before the broadcast.
 class StepCheck {
  public:
-  static constexpr int kPhases = 3; // data wait, forward, backward
+  static constexpr int kPhases = 3; // PhaseRecorder::kPhases (Note [Stragglers])
   StepCheck(int rank, int world_size, c10::Device device);
 
   // Starts the check of a backward at training step `step`; this rank adds
