@@ -71,6 +71,53 @@ std::vector<ddp_ext::reducer::TensorSpec> tensor_specs(
   return specs;
 }
 
+// See Note [Hang attribution]: a StallReport as the dict the Python
+// handler (ddp_ext/_diagnosis/) reads.
+py::dict stall_report_dict(const ddp_ext::reducer::StallReport& report) {
+  py::dict d;
+  d["kind"] = ddp_ext::reducer::stall_kind_name(report.event.kind);
+  d["waiting_for"] = report.event.waiting_for;
+  d["bucket"] = report.event.bucket;
+  d["waited_s"] = report.event.waited_s;
+  d["error"] = report.event.error;
+  d["rank"] = report.rank;
+  d["step"] = report.step;
+  d["training_steps"] = report.training_steps;
+  d["phase"] = report.phase;
+  d["buckets_launched"] = report.buckets_launched;
+  d["buckets_total"] = report.buckets_total;
+  d["unready"] = report.unready;
+  d["unready_buckets"] = report.unready_buckets;
+  return d;
+}
+
+// Calls `handler(report_dict)` under the GIL; a str it returns is raised
+// from the reducer's wait. An exception inside the handler is reported as
+// unraisable: diagnosis never breaks training.
+std::function<void(const ddp_ext::reducer::StallReport&)> stall_handler(py::function handler) {
+  std::shared_ptr<py::function> fn(new py::function(std::move(handler)), [](py::function* f) {
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      delete f;
+    }
+  });
+  return [fn](const ddp_ext::reducer::StallReport& report) {
+    std::optional<std::string> message;
+    {
+      py::gil_scoped_acquire gil;
+      try {
+        py::object result = (*fn)(stall_report_dict(report));
+        if (!result.is_none()) {
+          message = result.cast<std::string>();
+        }
+      } catch (py::error_already_set& error) {
+        error.discard_as_unraisable("ddp_ext's hang diagnosis");
+      }
+    }
+    TORCH_CHECK(!message, *message);
+  };
+}
+
 void bind_reducer(py::module& m) {
   using namespace ddp_ext::reducer;
 
@@ -186,6 +233,21 @@ void bind_reducer(py::module& m) {
       .def("bucket_indices", layout_reader([](const BucketLayout& l) { return l.indices(); }))
       .def("bucket_sizes", layout_reader([](const BucketLayout& l) { return l.sizes(); }))
       .def_property_readonly("iterations", without_gil(&Reducer::iterations))
+      // See Note [Runtime statistics]: (forward_start, backward_compute_start,
+      // backward_comm_start, backward_compute_end, backward_comm_end), ns.
+      // See Note [Stragglers].
+      .def("_set_straggler_every", &Reducer::set_straggler_every, py::arg("every"), NoGil())
+      .def("_straggler_figures", &Reducer::straggler_figures, NoGil())
+      .def("_runtime_times", [](const Reducer& r) {
+        RuntimeTimes t;
+        {
+          py::gil_scoped_release no_gil;
+          t = r.runtime_times();
+        }
+        return std::make_tuple(t.forward_start, t.backward_compute_start,
+                               t.backward_comm_start, t.backward_compute_end,
+                               t.backward_comm_end);
+      })
       // See Note [Gradient order prediction]: torch's has_rebuilt_buckets,
       // the rebuilds that changed the layout, and the last synchronising
       // backward's order, overlap fraction and launch delay (unset before one).
@@ -268,6 +330,17 @@ void bind_reducer(py::module& m) {
       .def("_update_process_group", &Reducer::update_process_group,
            py::arg("new_process_group"), NoGil())
       .def("_set_timeline", &Reducer::set_timeline, py::arg("on"), NoGil())
+      .def(
+          "_set_stall_handler",
+          [](Reducer& r, int64_t timeout_ms, std::optional<py::function> handler) {
+            std::function<void(const StallReport&)> call;
+            if (handler) {
+              call = stall_handler(std::move(*handler));
+            }
+            py::gil_scoped_release no_gil;
+            r.set_stall_handler(timeout_ms, std::move(call));
+          },
+          py::arg("timeout_ms"), py::arg("handler"))
       .def(
           "_take_timeline",
           [](Reducer& r, int64_t wait_ms) {

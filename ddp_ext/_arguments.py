@@ -297,3 +297,15 @@ def resolve_rebuild_buckets(value) -> str:
     if value not in REBUILD_BUCKETS_MODES:
         raise ValueError(f"rebuild_buckets must be one of {', '.join(map(repr, REBUILD_BUCKETS_MODES))}, got {value!r}")
     return value
+
+
+def settings_to_agree(caps: BucketCaps, find_unused_parameters, static_graph, rebuild_buckets, skip_unused) -> dict:
+    """The arguments every rank must pass alike: they decide which collectives
+    run and how buckets are cut (ddp_ext/_model_check.py compares them)."""
+    return {
+        "bucket_cap_mb": "auto" if caps.auto else [round(c / 2**20, 6) for c in caps.caps_bytes],
+        "find_unused_parameters": bool(find_unused_parameters),
+        "static_graph": bool(static_graph),
+        "rebuild_buckets": rebuild_buckets,
+        "skip_all_reduce_unused_params": bool(skip_unused),
+    }

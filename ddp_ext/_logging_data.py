@@ -67,12 +67,54 @@ def logging_data(ddp) -> Dict[str, Any]:
         data["bucket_cap_auto"] = ddp._auto_buckets.tuner.phase.value
     if ddp._comm_hooks:
         data["comm_hook"] = ddp._comm_hooks[-1][0]
+    data.update(ddp.__dict__.get("_runtime_stats", {}).get("logged", {}))
     return data
 
 
+RUNTIME_TIMES = ("forward_compute_time", "backward_compute_time", "backward_comm_time",
+                 "backward_compute_comm_overlap_time")
+
+
+def sample_runtime_stats(ddp) -> None:
+    """Called at every synchronising forward with gradients, before the
+    reducer's prepare_for_forward, as torch's logger is: on sampled
+    iterations (the first ten, then every `_runtime_logging_sample_rate`-th)
+    logs the last iteration's times, in nanoseconds, with torch's meaning
+    (Note [Runtime statistics] in reducer/runtime_times.h) and their running
+    averages (avg_*)."""
+    stats = ddp.__dict__.setdefault("_runtime_stats", {"forwards": 0, "samples": 0, "logged": {}})
+    forwards = stats["forwards"]
+    stats["forwards"] = forwards + 1
+    if forwards == 0 or not (forwards <= 10 or forwards % ddp._runtime_logging_sample_rate == 0):
+        return
+    forward, compute_start, comm_start, compute_end, comm_end = ddp.reducer._runtime_times()
+    if not (0 < forward <= compute_start <= comm_start <= comm_end and compute_start <= compute_end <= comm_end):
+        return  # the last forward had no finished synchronising backward
+    times = {
+        "forward_compute_time": compute_start - forward,
+        "backward_compute_time": compute_end - compute_start,
+        "backward_comm_time": comm_end - comm_start,
+        # Negative when every bucket left after the backward (no overlap).
+        "backward_compute_comm_overlap_time": max(0, compute_end - comm_start),
+    }
+    samples = stats["samples"] + 1
+    stats["samples"] = samples
+    logged = stats["logged"]
+    for key, value in times.items():
+        logged[key] = value
+        logged[f"avg_{key}"] = (logged.get(f"avg_{key}", 0) * (samples - 1) + value) // samples
+    logged.update(
+        forward_compute_time_start=forward,
+        backward_compute_time_start=compute_start,
+        backward_compute_time_end=compute_end,
+        backward_comm_time_start=comm_start,
+        backward_comm_time_end=comm_end,
+    )
+
+
 def set_runtime_logging_sample_rate(ddp, sample_rate: int) -> None:
-    """ddp_ext records no runtime timing statistics; the rate is checked
-    as torch checks it and kept, so callers work unchanged."""
+    """Every how many iterations, after the first ten, sample_runtime_stats
+    logs the times (torch's default: 100)."""
     if sample_rate < 1:
         raise ValueError("DDP runtime logging sample rate should be equal or greater than 1")
     ddp._runtime_logging_sample_rate = sample_rate

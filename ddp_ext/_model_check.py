@@ -1,7 +1,7 @@
 """Construction-time check that every rank wraps the same model."""
 
 import json
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -40,16 +40,51 @@ def _at(entries: List[str], index: int) -> str:
     return f"`{entries[index]}`" if index < len(entries) else "nothing"
 
 
+def _ignored_differ(every_rank: list) -> None:
+    reference = every_rank[0][2]
+    for rank, described in enumerate(every_rank[1:], start=1):
+        if described[2] != reference:
+            only_0 = sorted(set(reference) - set(described[2]))
+            only_r = sorted(set(described[2]) - set(reference))
+            raise RuntimeError(
+                "DDP expects same model across all ranks, but the ranks ignore different parameters and "
+                f"buffers (_set_params_and_buffers_to_ignore_for_model): rank 0 alone ignores {only_0}, rank {rank} "
+                f"alone ignores {only_r}. Their buckets would pair different gradients, and a parameter reduced on "
+                "some ranks only would leave the others waiting: ignore the same names on every rank."
+            )
+
+
+def _settings_differ(every_rank: list) -> None:
+    reference = every_rank[0][3]
+    for rank, described in enumerate(every_rank[1:], start=1):
+        differ = [key for key in reference if described[3].get(key) != reference[key]]
+        if differ:
+            values = "; ".join(f"{key}: rank 0 {reference[key]!r}, rank {rank} {described[3].get(key)!r}" for key in differ)
+            raise RuntimeError(
+                f"DistributedDataParallel's arguments differ across ranks ({values}). They decide which "
+                "collectives each rank runs and how its buckets are cut, so ranks with different values would pair "
+                "different gradients or wait for each other until the process group's timeout: pass the same "
+                "values on every rank."
+            )
+
+
 def verify_same_model(
-    process_group: dist.ProcessGroup, named_params: Named, device, named_broadcast: Named = ()
+    process_group: dist.ProcessGroup,
+    named_params: Named,
+    device,
+    named_broadcast: Named = (),
+    ignored: Sequence[str] = (),
+    settings: Optional[dict] = None,
 ) -> None:
-    """Raises the same RuntimeError on every rank if the ranks' parameters that
-    require grad differ in count, name, shape or dtype, or so do the other
-    tensors rank 0 broadcasts at construction (`named_broadcast`: frozen
-    parameters, buffers), which a broadcast would otherwise misplace
-    silently; names the first entry that differs."""
-    ours = [_describe(named_params), _describe(named_broadcast)]
+    """Raises the same RuntimeError on every rank if the ranks ignore
+    different parameters (`ignored`), if their parameters that require grad
+    differ in count, name, shape or dtype, or so do the other tensors rank 0
+    broadcasts at construction (`named_broadcast`: frozen parameters,
+    buffers), which a broadcast would otherwise misplace silently (names the
+    first entry that differs), or if the `settings` that must agree do."""
+    ours = [_describe(named_params), _describe(named_broadcast), sorted(ignored), settings or {}]
     every_rank = [json.loads(p) for p in _allgather_bytes(process_group, json.dumps(ours).encode(), device)]
+    _ignored_differ(every_rank)
     reference = every_rank[0]
     for rank, described in enumerate(every_rank[1:], start=1):
         if described[0] != reference[0]:
@@ -75,9 +110,13 @@ def verify_same_model(
                 f"{len(reference[1])} such tensors, rank {rank} has {len(described[1])}). Build the model "
                 "identically on every rank, or pass broadcast_buffers=False to keep buffers rank-local."
             )
+    _settings_differ(every_rank)
 
 
-def verify_module(process_group: dist.ProcessGroup, module, named_params: Named, ignored, include_buffers: bool) -> None:
+def verify_module(
+    process_group: dist.ProcessGroup, module, named_params: Named, ignored, include_buffers: bool,
+    settings: Optional[dict] = None,
+) -> None:
     """verify_same_model over all that the construction broadcast covers: a
     frozen parameter or buffer shaped differently would shift every tensor
     after it."""
@@ -85,4 +124,4 @@ def verify_module(process_group: dist.ProcessGroup, module, named_params: Named,
     named_broadcast = [(n, p) for n, p in module.named_parameters() if not p.requires_grad and n not in ignored]
     if include_buffers:
         named_broadcast += [(n, b) for n, b in module.named_buffers() if n not in ignored]
-    verify_same_model(process_group, named_params, device, named_broadcast)
+    verify_same_model(process_group, named_params, device, named_broadcast, sorted(ignored), settings)

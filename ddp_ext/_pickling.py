@@ -7,6 +7,8 @@ import copy
 import torch.distributed as dist
 from torch import nn
 
+from ddp_ext import _diagnosis
+from ddp_ext._diagnosis import stragglers
 from ddp_ext._dropped_layers import DroppedLayers
 from ddp_ext._parameter_watch import ParameterWatch
 
@@ -32,7 +34,7 @@ def getstate(ddp) -> dict:
             "pickled or deep-copied: wrap a copy of the module instead."
         )
     state = copy.copy(ddp.__dict__)
-    for name in ("process_group", "reducer", "_delayed"):
+    for name in ("process_group", "reducer", "_delayed", "_hang_diagnosis"):
         state.pop(name, None)
     state["_timeline"] = None  # the copy records nothing
     # Hooks hold process groups and state that does not travel; the copy
@@ -57,5 +59,7 @@ def setstate(ddp, state: dict) -> None:
     ddp._dropped_layers = DroppedLayers(ddp.module, reduced)
     ddp.reducer = None if ddp._delay_all_reduce_all_params else ddp._build_reducer()
     ddp._parameter_watch = ParameterWatch(ddp.module, ddp.parameters_to_ignore)
+    ddp._hang_diagnosis = _diagnosis.attach(ddp, settings=ddp.__dict__.get("_hang_settings"))
+    ddp._stragglers = stragglers.attach(ddp)
     if ddp.static_graph:
         ddp.reducer._set_static_graph()

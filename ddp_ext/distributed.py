@@ -11,7 +11,10 @@ from torch.distributed.algorithms.join import Join, Joinable
 from torch.nn.parallel.distributed import DistributedDataParallel as TorchDistributedDataParallel
 from torch.nn.parallel.scatter_gather import gather as _gather, scatter_kwargs as _scatter_kwargs
 
-from ddp_ext import _C, _buffers, _comm_hooks, _delayed_all_reduce, _join, _logging_data, _parameters, _pickling, _timeline
+from ddp_ext import _C, _buffers, _comm_hooks, _delayed_all_reduce, _diagnosis, _join, _logging_data, _parameters
+from ddp_ext import _pickling, _timeline
+from ddp_ext._diagnosis import stragglers as _stragglers
+from ddp_ext import _arguments
 from ddp_ext._arguments import (
     backend_name,
     check_arguments,
@@ -66,6 +69,16 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
     needs ``rebuild_buckets`` "once" or "continuous" and no
     ``bucket_cap_mb_list``; a Python communication hook stops it. See Note
     [Auto-tuned bucket caps] in ddp_ext/_auto_buckets.py.
+
+    ``hang_timeout_s`` and ``on_hang`` (keyword only, ddp_ext's additions;
+    environment variables DDP_EXT_HANG_TIMEOUT_S and DDP_EXT_ON_HANG override
+    them): when a collective of the reducer has waited ``hang_timeout_s``
+    seconds (default 60; 0: off), every rank reports what it is doing through
+    the store, and the message names the lagging or dead ranks, the training
+    step and the parameters that got no gradient. ``on_hang="auto"``
+    (default) raises when the reports prove the wait cannot end, else warns
+    once and waits on; ``"raise"`` and ``"warn"`` always do that. See
+    docs/DIAGNOSIS.md.
     """
 
     def __init__(
@@ -92,6 +105,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         forward_sync_buffers: Optional[bool] = None,
         *,
         rebuild_buckets: str = "continuous",
+        hang_timeout_s: Optional[float] = None,
+        on_hang: Optional[str] = None,
     ):
         # torch's DDP __init__ is deliberately not called: it would build
         # torch's reducer. See ddp_ext/_unsupported.py.
@@ -116,6 +131,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         buffer_sync = resolve_buffer_sync(broadcast_buffers, forward_sync_buffers)
         caps = resolve_bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
         rebuild_mode = resolve_rebuild_buckets(rebuild_buckets)
+        hang_settings = _diagnosis.resolve_hang_settings(hang_timeout_s, on_hang)
         if caps.auto and rebuild_mode == "never":
             raise ValueError(
                 "bucket_cap_mb='auto' re-lays the buckets as it tunes their caps, and "
@@ -132,7 +148,11 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         if init_sync:
             # First of all, so that a rank with a different model (even one with
             # nothing to train) makes every rank raise the same error.
-            verify_module(process_group, module, named_params, self.parameters_to_ignore, buffer_sync.at_init)
+            verify_module(
+                process_group, module, named_params, self.parameters_to_ignore, buffer_sync.at_init,
+                _arguments.settings_to_agree(caps, find_unused_parameters, static_graph, rebuild_mode,
+                                             skip_all_reduce_unused_params),
+            )
         if not named_params and not delayed_params:
             raise RuntimeError(
                 "DistributedDataParallel is not needed when a module doesn't have any "
@@ -183,6 +203,9 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         if self._dropped_layers and init_sync:
             self._dropped_layers.agree_with_rank_0(self._broadcast_from_rank_0)
         self.reducer = None if self._delay_all_reduce_all_params else self._build_reducer()
+        self._hang_settings = hang_settings
+        self._hang_diagnosis = _diagnosis.attach(self, settings=hang_settings)
+        self._stragglers = _stragglers.attach(self)
         # See Note [Auto-tuned bucket caps]; None: fixed caps.
         self._auto_buckets = AutoBuckets() if caps.auto and self.reducer is not None else None
         self._parameter_watch = ParameterWatch(module, self.parameters_to_ignore)
@@ -280,6 +303,10 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         if torch.is_grad_enabled():
             self._parameter_watch.check(self.module, self.process_group)
             self._dropped_layers.begin_forward()
+            if self.require_backward_grad_sync:
+                _logging_data.sample_runtime_stats(self)  # before prepare_for_forward, as torch's logger
+                if self._stragglers is not None:
+                    self._stragglers.forward(self.reducer)
             # See Note [Ranks out of step] in reducer/step_check.h.
             self.reducer.prepare_for_forward(training_step=self.require_backward_grad_sync and self.module.training)
         work = Join.notify_join_context(self)
@@ -473,6 +500,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         if not dist.distributed_c10d._rank_not_in_group(new_process_group):
             self.process_group = new_process_group
             self.reducer._update_process_group(new_process_group)
+            self._hang_diagnosis = _diagnosis.attach(self, settings=self._hang_settings)
+            self._stragglers = _stragglers.attach(self)
             if self._auto_buckets is not None:
                 self._auto_buckets.restart()
 
@@ -483,6 +512,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         self.reducer.set_overlap_with_backward(bool(overlap))
 
     record_timeline = _timeline.record_timeline
+    straggler_report = _stragglers.report
+    watch_stragglers = _stragglers.configure
 
     @property
     def _bucket_caps_bytes(self) -> List[int]:

@@ -153,13 +153,14 @@ bool BucketLayout::conclude(
     bool launched_at_end,
     std::optional<int64_t> summed_votes,
     c10d::ProcessGroup& group,
-    Timeline& timeline) {
+    Timeline& timeline,
+    StallWatch* watch) {
   order_.observe(bucket_of_param_, buckets_.size(), launched_at_end);
   bool changed = false;
   if (vote_cast_) {
     vote_cast_ = false;
     if (rebuild_agreed(summed_votes.value_or(own_vote_), group.getSize())) {
-      changed = rebuild(order_.layout_for(agreed_order(group)), timeline);
+      changed = rebuild(order_.layout_for(agreed_order(group, watch)), timeline);
       order_.rebuilt(changed);
     }
   }
@@ -167,7 +168,8 @@ bool BucketLayout::conclude(
   return changed;
 }
 
-std::vector<size_t> BucketLayout::agreed_order(c10d::ProcessGroup& group) const {
+std::vector<size_t> BucketLayout::agreed_order(
+    c10d::ProcessGroup& group, StallWatch* watch) const {
   // Every rank voted, so every rank has an order; rank 0's is the one.
   const auto& mine = order_.voted_order();
   TORCH_INTERNAL_ASSERT(mine.size() == params_.size());
@@ -180,7 +182,12 @@ std::vector<size_t> BucketLayout::agreed_order(c10d::ProcessGroup& group) const 
     std::vector<at::Tensor> tensors{order.to(params_.front().device())};
     c10d::BroadcastOptions from_rank_0;
     from_rank_0.rootRank = 0;
-    group.broadcast(tensors, from_rank_0)->wait();
+    auto work = group.broadcast(tensors, from_rank_0);
+    if (watch != nullptr) {
+      watch->wait(*work, "layout broadcast", -1);
+    } else {
+      work->wait();
+    }
     order = tensors.front().cpu();
     values = order.data_ptr<int64_t>();
   }

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "reducer/stall_watch.h"
 #include "reducer/bucket.h"
 #include "reducer/bucket_memory.h"
 #include "reducer/gradient_order.h"
@@ -113,6 +114,9 @@ class BucketLayout {
   Bucket& bucket_of(size_t index) {
     return buckets_[bucket_of_param_[index]];
   }
+  size_t bucket_index_of(size_t index) const {
+    return bucket_of_param_[index];
+  }
   size_t slot_of(size_t index) const {
     return slot_of_param_[index];
   }
@@ -145,12 +149,14 @@ class BucketLayout {
   int64_t cast_vote();
   // After a finished synchronising backward: observes its order and, if a
   // vote was cast and `summed_votes` (unset: this rank's own, a world of one)
-  // agree, rebuilds from rank 0's order. Returns whether the layout changed.
+  // agree, rebuilds from rank 0's order (broadcast, awaited through `watch`
+  // when given: Note [Hang attribution]). Returns whether the layout changed.
   bool conclude(
       bool launched_at_end,
       std::optional<int64_t> summed_votes,
       c10d::ProcessGroup& group,
-      Timeline& timeline);
+      Timeline& timeline,
+      StallWatch* watch = nullptr);
   // Forgets a vote cast for an iteration that will not conclude.
   void forget_vote() {
     vote_cast_ = false;
@@ -160,7 +166,7 @@ class BucketLayout {
   LayoutInputs inputs() const;
   void index_buckets();
   std::vector<size_t> current_order() const;
-  std::vector<size_t> agreed_order(c10d::ProcessGroup& group) const;
+  std::vector<size_t> agreed_order(c10d::ProcessGroup& group, StallWatch* watch) const;
   bool rebuild(const std::vector<std::vector<size_t>>& layout, Timeline& timeline);
 
   const std::vector<at::Tensor>& params_;

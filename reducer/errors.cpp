@@ -48,6 +48,7 @@ std::string marked_twice_message(int rank, const std::string& name) {
 
 std::string unfinished_reduction_message(
     int rank,
+    int64_t step,
     bool all_arrived,
     bool searching,
     const std::vector<std::string>& names,
@@ -63,7 +64,7 @@ std::string unfinished_reduction_message(
   std::ostringstream message;
   message << "Expected to have finished reduction in the prior iteration "
              "before starting a new one. On rank "
-          << rank << ", ";
+          << rank << " (training step " << step << "), ";
   if (all_arrived) {
     message << "every gradient of the previous backward pass arrived, but "
                "its end was never reached (the backward pass or a collective "
@@ -83,7 +84,10 @@ std::string unfinished_reduction_message(
             << ". If the forward does not always use them (a branch not "
                "taken, a frozen part, an output left out of the loss), pass "
                "find_unused_parameters=True to DistributedDataParallel; "
-               "otherwise make sure every parameter takes part in the loss.";
+               "otherwise make sure every parameter takes part in the loss. "
+               "Ranks that did produce these gradients wait for their "
+               "buckets' allreduce; with hang_timeout_s set (the default) "
+               "they raise, naming this rank.";
   }
   return message.str();
 }

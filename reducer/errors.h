@@ -1,5 +1,6 @@
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,7 @@ std::string marked_twice_message(int rank, const std::string& name);
 // its gradient.
 std::string unfinished_reduction_message(
     int rank,
+    int64_t step,
     bool all_arrived,
     bool searching,
     const std::vector<std::string>& names,

@@ -26,6 +26,8 @@ namespace ddp_ext::reducer {
 // nothing is written back. Parameters that got no gradient keep their .grad,
 // which is what "used by no rank" means in a world of one.
 
+static_assert(StepCheck::kPhases == PhaseRecorder::kPhases, "Note [Stragglers]");
+
 namespace {
 
 // Checks what the reducer is given before anything is laid out.
@@ -125,9 +127,12 @@ void Reducer::raise_if_out_of_step() {
   std::string message;
   {
     TimelineRange range(timeline_, TimelineEvent::kStepCheckWait);
-    message = step_check_->wait();
+    message = step_check_->wait(&stall_);
   }
   if (message.empty()) {
+    if (!step_check_->phases().empty()) { // See Note [Stragglers].
+      phases_.received(backward_step_, step_check_->phases());
+    }
     return;
   }
   // A peer may have raised instead of reducing: drop this backward's
@@ -141,7 +146,8 @@ void Reducer::raise_if_out_of_step() {
 void Reducer::check_step_before_forward_collectives() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (step_check_) {
-    const std::string message = step_check_->check_forward(*process_group_, backwards_begun_);
+    const std::string message =
+        step_check_->check_forward(*process_group_, backwards_begun_, &stall_);
     TORCH_CHECK(message.empty(), message);
   }
 }
@@ -189,6 +195,21 @@ void Reducer::enter(Phase from, Phase to) {
 Phase Reducer::phase() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return phase_;
+}
+
+void Reducer::set_straggler_every(int64_t every) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  phases_.set_every(every);
+}
+
+std::pair<int64_t, std::vector<int64_t>> Reducer::straggler_figures() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return phases_.figures();
+}
+
+RuntimeTimes Reducer::runtime_times() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return phases_.times();
 }
 
 int64_t Reducer::iterations() const {
@@ -265,12 +286,13 @@ bool Reducer::may_be_globally_unused(size_t index) const {
 
 std::string Reducer::unfinished_reduction_message() const {
   return ddp_ext::reducer::unfinished_reduction_message(
-      process_group_->getRank(), next_bucket_ == layout_.buckets().size(),
+      process_group_->getRank(), backward_step_, next_bucket_ == layout_.buckets().size(),
       usage_.searches(), param_names_, ready_);
 }
 
 void Reducer::prepare_for_forward(bool training_step) {
   std::lock_guard<std::mutex> lock(mutex_);
+  phases_.forward_begins(); // See Note [Runtime statistics].
   if (training_step) {
     ++training_steps_; // See Note [Ranks out of step].
   }
@@ -281,6 +303,10 @@ void Reducer::prepare_for_forward(bool training_step) {
 
 void Reducer::raise_unfinished_reduction() {
   const std::string message = unfinished_reduction_message();
+  if (!reported_unfinished_ && next_bucket_ < layout_.buckets().size()) {
+    stall_.report(StallEvent::kUnfinished); // See Note [Hang attribution].
+  }
+  reported_unfinished_ = false;
   // Raise without waiting for the buckets already launched: when ranks
   // skipped different parameters, some of those allreduces have no partner
   // and waiting would hang this rank instead of telling its user. A caller
@@ -309,6 +335,7 @@ void Reducer::prepare_for_backward(
   }
   enter(phase_, Phase::kExpectingGradients);
   ++iterations_;
+  phases_.backward_armed(); // See Note [Runtime statistics].
   wait_for_launched_buckets(); // left over from an unfinished iteration
   if (step_check_) {
     step_check_->drop();
@@ -366,11 +393,25 @@ void Reducer::set_forward_pass_work(
 void Reducer::start_reducing() {
   enter(Phase::kExpectingGradients, Phase::kReducing);
   timeline_.instant(TimelineEvent::kBackwardBegin, -1);
+  backward_step_ = training_steps_;
+  reported_unfinished_ = false;
+  if (stall_.on() && step_check_ && !static_graph_.learning()) {
+    // See Note [Hang attribution]; queued before finalize_backward, so it
+    // runs first.
+    torch::autograd::Engine::get_default_engine().queue_callback(
+        [weak = weak_from_this()] {
+          if (const std::shared_ptr<Reducer> self = weak.lock()) {
+            self->check_backward_ended();
+          }
+        });
+  }
   const int64_t order_vote = layout_.cast_vote();
   if (step_check_) {
     ++backwards_begun_;
+    // See Note [Stragglers]: every rank is at the same step, so all publish.
     step_check_->launch_backward(
-        *process_group_, training_steps_, order_vote, drop_plan_.fingerprint());
+        *process_group_, training_steps_, order_vote, drop_plan_.fingerprint(),
+        phases_.to_publish(training_steps_));
     timeline_.instant(TimelineEvent::kStepCheckLaunch, -1);
   }
   averaging_.take(process_group_->getSize()); // See Note [Join and the divide factor].
@@ -504,6 +545,7 @@ c10d::GradBucket Reducer::grad_bucket(size_t bucket_index, at::Tensor buffer) co
 }
 
 void Reducer::launch(size_t bucket_index) {
+  phases_.bucket_launched(); // See Note [Runtime statistics].
   if (gradients_stay_local_) {
     return; // See Note [A world of one rank].
   }
@@ -604,7 +646,7 @@ void Reducer::wait_for_launched_buckets() {
   for (size_t b = 0; b < next_bucket_; ++b) {
     Bucket& bucket = layout_.buckets()[b];
     if (bucket.work) {
-      bucket.work->wait();
+      stall_.wait(*bucket.work, "bucket", static_cast<int64_t>(b));
       timeline_.awaited(b);
       if (bucket.sparse) {
         bucket.sparse_grad = bucket.work->result().front();
@@ -615,7 +657,7 @@ void Reducer::wait_for_launched_buckets() {
       // See Note [Communication hooks] in comm_hooks/comm_hook.h.
       auto future = std::move(bucket.future);
       bucket.future.reset();
-      future->wait();
+      stall_.wait(*future, "bucket", static_cast<int64_t>(b));
       const at::Tensor reduced = comm_hook_->parseHookResult(future->value());
       if (!reduced.is_same(bucket.flat)) {
         TORCH_CHECK(
@@ -635,6 +677,7 @@ void Reducer::finalize_backward() {
   TORCH_INTERNAL_ASSERT(phase_ == Phase::kReducing && !static_graph_.learning());
   TORCH_INTERNAL_ASSERT(next_bucket_ == layout_.buckets().size());
   TimelineRange range(timeline_, TimelineEvent::kFinalize);
+  phases_.gradients_done(); // See Note [Runtime statistics].
   if (!options_.overlap_with_backward) {
     launch_all_buckets();
   }
@@ -643,15 +686,20 @@ void Reducer::finalize_backward() {
     TimelineRange wait_range(timeline_, TimelineEvent::kWaitForBuckets);
     wait_for_launched_buckets();
   }
+  phases_.collectives_done();
   std::vector<bool> globally_used; // empty: every parameter counts as used
   if (static_graph_.on()) {
     globally_used = static_graph_.used_globally();
   } else if (usage_.searches()) {
-    globally_used = usage_.wait(gradients_stay_local_);
+    globally_used = usage_.wait(gradients_stay_local_, &stall_);
   }
   write_back_gradients(globally_used);
   conclude_layout(/*launched_at_end=*/!options_.overlap_with_backward);
   enter(Phase::kReducing, Phase::kIdle);
+  if (reported_unfinished_) {
+    reported_unfinished_ = false; // a second backward completed it after all
+    stall_.report(StallEvent::kResolved);
+  }
 }
 
 void Reducer::queue_at_end_of_backward(void (Reducer::*step)()) {
@@ -689,6 +737,7 @@ void Reducer::finish_learning_iteration() {
   }
   TORCH_INTERNAL_ASSERT(phase_ == Phase::kReducing);
   TimelineRange range(timeline_, TimelineEvent::kFinalize);
+  phases_.gradients_done(); // See Note [Runtime statistics].
   const std::vector<bool> used_locally = usage_.used_locally();
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!ready_[i]) {
@@ -704,7 +753,8 @@ void Reducer::finish_learning_iteration() {
     TimelineRange wait_range(timeline_, TimelineEvent::kWaitForBuckets);
     wait_for_launched_buckets();
   }
-  static_graph_.learned_from(used_locally, usage_.wait(gradients_stay_local_));
+  phases_.collectives_done();
+  static_graph_.learned_from(used_locally, usage_.wait(gradients_stay_local_, &stall_));
   write_back_gradients(static_graph_.used_globally());
   conclude_layout(/*launched_at_end=*/true);
   enter(Phase::kReducing, Phase::kIdle);
@@ -717,8 +767,50 @@ void Reducer::conclude_layout(bool launched_at_end) {
   if (step_check_) {
     votes = step_check_->summed_rider();
   }
-  if (layout_.conclude(launched_at_end, votes, *process_group_, timeline_)) {
+  if (layout_.conclude(launched_at_end, votes, *process_group_, timeline_, &stall_)) {
     next_bucket_ = 0;
+  }
+}
+
+void Reducer::set_stall_handler(
+    int64_t timeout_ms, std::function<void(const StallReport&)> handler) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!handler) {
+    stall_.configure(0, nullptr);
+    return;
+  }
+  // The watch is a member: the lambda never outlives `this`.
+  stall_.configure(timeout_ms, [this, handler = std::move(handler)](const StallEvent& event) {
+    handler(stall_report(event));
+  });
+}
+
+StallReport Reducer::stall_report(const StallEvent& event) const {
+  StallReport report;
+  report.event = event;
+  report.rank = process_group_->getRank();
+  report.step = backward_step_;
+  report.training_steps = training_steps_;
+  report.phase = phase_name(phase_);
+  report.buckets_launched = static_cast<int64_t>(next_bucket_);
+  report.buckets_total = static_cast<int64_t>(layout_.buckets().size());
+  if (phase_ == Phase::kReducing) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!ready_[i]) {
+        report.unready.push_back(param_names_[i]);
+        report.unready_buckets.push_back(static_cast<int64_t>(layout_.bucket_index_of(i)));
+      }
+    }
+  }
+  return report;
+}
+
+void Reducer::check_backward_ended() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (phase_ == Phase::kReducing && !static_graph_.learning() &&
+      next_bucket_ < layout_.buckets().size() && !reported_unfinished_) {
+    reported_unfinished_ = true;
+    stall_.report(StallEvent::kUnfinished);
   }
 }
 

@@ -7,10 +7,12 @@
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "comm_hooks/comm_hook.h"
@@ -21,6 +23,8 @@
 #include "reducer/gradient_order.h"
 #include "reducer/layer_drop.h"
 #include "reducer/reducer_options.h"
+#include "reducer/phase_recorder.h"
+#include "reducer/stall_watch.h"
 #include "reducer/static_graph.h"
 #include "reducer/step_check.h"
 #include "reducer/timeline.h"
@@ -200,6 +204,16 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Synchronising backward passes begun so far.
   int64_t iterations() const;
 
+  // The instants of the last iteration; see Note [Runtime statistics].
+  RuntimeTimes runtime_times() const;
+
+  // See Note [Stragglers] in reducer/phase_recorder.h. every <= 0: off.
+  void set_straggler_every(int64_t every);
+  // The training step and every rank's figures (rank-major,
+  // PhaseRecorder::kPhases each, microseconds + 1) of the last exchange;
+  // figures empty before one.
+  std::pair<int64_t, std::vector<int64_t>> straggler_figures() const;
+
   // Whether every synchronising iteration so far left the same parameters
   // unused (what static_graph requires).
   bool unused_parameters_stable() const;
@@ -215,6 +229,13 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // launched buckets. See Note [Communication timeline].
   void set_timeline(bool on);
   std::vector<TimelineEvent> take_timeline(int64_t* dropped, int64_t wait_ms);
+
+  // Waits with a deadline of `timeout_ms` and reports to `handler` what
+  // this rank is doing when one passes, a wait fails or a backward ends
+  // unfinished; timeout_ms <= 0 or no handler: plain waits. See Note [Hang
+  // attribution] in reducer/stall_watch.h.
+  void set_stall_handler(
+      int64_t timeout_ms, std::function<void(const StallReport&)> handler);
 
   // Called by the autograd hook of parameter `index` once its gradient
   // accumulator has run. `gradient_arrived` is false when autograd ran the
@@ -252,6 +273,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Refills each bucket's pending count for the backward being armed.
   void arm_buckets();
   void reserve_timeline();
+  // See Note [Hang attribution]: this rank's side of a StallEvent, and the
+  // check, at the end of a backward, that every bucket was launched.
+  StallReport stall_report(const StallEvent& event) const;
+  void check_backward_ended();
 
   const std::vector<at::Tensor> params_;
   const std::vector<std::string> param_names_;
@@ -296,6 +321,14 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   // See Note [Communication timeline]: off unless asked for.
   Timeline timeline_;
+
+  // See Note [Hang attribution].
+  StallWatch stall_;
+  int64_t backward_step_ = 0; // training_steps_ when the backward began
+  bool reported_unfinished_ = false;
+
+  // See Note [Runtime statistics] and Note [Stragglers].
+  PhaseRecorder phases_;
 };
 
 } // namespace ddp_ext::reducer

@@ -99,12 +99,13 @@ std::string out_of_step_message(
 
 StepCheck::StepCheck(int rank, int world_size, c10::Device device)
     : rank_(rank), world_size_(world_size) {
-  host_ = at::zeros({2 * world_size + 1}, at::kLong);
+  host_ = at::zeros({(2 + kPhases) * world_size + 1}, at::kLong);
   slots_ = device.is_cpu() ? host_ : host_.to(device);
 }
 
 void StepCheck::start(
-    c10d::ProcessGroup& group, int64_t slot_value, int64_t plan, int64_t rider) {
+    c10d::ProcessGroup& group, int64_t slot_value, int64_t plan, int64_t rider,
+    const int64_t* phases) {
   TORCH_INTERNAL_ASSERT(!work_, "a step check is already in flight");
   written_ = slot_value;
   summed_rider_ = 0;
@@ -113,6 +114,9 @@ void StepCheck::start(
   values[rank_] = slot_value;
   values[world_size_ + rank_] = plan;
   values[2 * world_size_] = rider;
+  if (phases != nullptr) {
+    std::copy(phases, phases + kPhases, values + 2 * world_size_ + 1 + kPhases * rank_);
+  }
   if (!slots_.is_same(host_)) {
     // See Note [CUDA streams], point 5: no host wait in the backward pass.
     const bool snapshot = slots_.is_cuda();
@@ -125,34 +129,45 @@ void StepCheck::start(
 }
 
 void StepCheck::launch_backward(
-    c10d::ProcessGroup& group, int64_t step, int64_t rider, int64_t plan) {
+    c10d::ProcessGroup& group, int64_t step, int64_t rider, int64_t plan,
+    const int64_t* phases) {
   TORCH_INTERNAL_ASSERT(plan > 0, "a drop plan fingerprint is positive");
-  start(group, encode(kBackwardCheck, step), plan, rider);
+  start(group, encode(kBackwardCheck, step), plan, rider, phases);
 }
 
 void StepCheck::launch_forward(c10d::ProcessGroup& group, int64_t backwards) {
-  start(group, encode(kForwardCheck, backwards), 0, 0);
+  start(group, encode(kForwardCheck, backwards), 0, 0, nullptr);
 }
 
 void StepCheck::launch_as_joined(c10d::ProcessGroup& group) {
-  start(group, 0, 0, 0);
+  start(group, 0, 0, 0, nullptr);
 }
 
 bool StepCheck::launched() const {
   return static_cast<bool>(work_);
 }
 
-std::string StepCheck::wait() {
+std::string StepCheck::wait(StallWatch* watch) {
   TORCH_INTERNAL_ASSERT(work_, "no step check in flight");
   auto work = std::move(work_);
   work_.reset();
-  work->wait();
+  if (watch != nullptr) {
+    watch->wait(*work, "step check", -1);
+  } else {
+    work->wait();
+  }
   if (written_ == 0) {
     return std::string(); // A rank that joined has no position to compare.
   }
   const at::Tensor slots = slots_.is_same(host_) ? host_ : slots_.cpu();
   const int64_t* values = slots.data_ptr<int64_t>();
   summed_rider_ = values[2 * world_size_];
+  const int64_t* phases = values + 2 * world_size_ + 1;
+  const int64_t count = static_cast<int64_t>(kPhases) * world_size_;
+  phases_.clear();
+  if (std::any_of(phases, phases + count, [](int64_t v) { return v != 0; })) {
+    phases_.assign(phases, phases + count);
+  }
   std::map<int64_t, std::vector<int64_t>> ranks_at;
   std::map<int64_t, std::vector<int64_t>> ranks_with_plan;
   for (int64_t r = 0; r < world_size_; ++r) {
@@ -181,10 +196,11 @@ void StepCheck::drop() {
   work_.reset();
 }
 
-std::string StepCheck::check_forward(c10d::ProcessGroup& group, int64_t backwards) {
+std::string StepCheck::check_forward(
+    c10d::ProcessGroup& group, int64_t backwards, StallWatch* watch) {
   drop();
   launch_forward(group, backwards);
-  return wait();
+  return wait(watch);
 }
 
 void StepCheck::match_as_joined(c10d::ProcessGroup& group) {

@@ -7,6 +7,9 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
+
+#include "reducer/stall_watch.h"
 
 namespace ddp_ext::reducer {
 
@@ -51,18 +54,32 @@ namespace ddp_ext::reducer {
 // [Layer dropping]): ranks at the same step that dropped different layers
 // raise as ranks out of step do.
 //
-// The cost: one latency-bound collective of (2 * world_size + 1) * 8 bytes
+// Every rank also writes, in kPhases slots of its own, the mean length of
+// its phases over the last few steps when the reducer asks it to (zeros
+// otherwise): the straggler figures of ddp_ext/_diagnosis/stragglers.py
+// ride on the same allreduce (Note [Stragglers] in reducer/phase_recorder.h).
+//
+// The cost: one latency-bound collective of ((2 + kPhases) * world_size + 1) * 8 bytes
 // per iteration, overlapped with the backward, and with buffer broadcasting
 // one more, awaited, before the broadcast.
 class StepCheck {
  public:
+  static constexpr int kPhases = 3; // PhaseRecorder::kPhases (Note [Stragglers])
   StepCheck(int rank, int world_size, c10::Device device);
 
   // Starts the check of a backward at training step `step`; this rank adds
   // `rider` to the rider slot. `plan`: the fingerprint of the layers this
   // rank dropped (DropPlan::fingerprint, positive).
+  // `phases`: kPhases values this rank publishes, or null.
   void launch_backward(
-      c10d::ProcessGroup& group, int64_t step, int64_t rider, int64_t plan);
+      c10d::ProcessGroup& group, int64_t step, int64_t rider, int64_t plan,
+      const int64_t* phases = nullptr);
+
+  // Every rank's phase values (rank-major) from the last check waited for,
+  // if any rank wrote some; empty otherwise.
+  const std::vector<int64_t>& phases() const {
+    return phases_;
+  }
 
   // Starts the check of a forward's buffer broadcast, after `backwards`
   // synchronising backward passes.
@@ -76,14 +93,16 @@ class StepCheck {
   // Waits for the check in flight. Returns an empty string when every rank
   // with data wrote what this rank wrote, else the error message (the same on
   // every rank).
-  std::string wait();
+  // With a `watch`, waits through it (Note [Hang attribution]).
+  std::string wait(StallWatch* watch = nullptr);
 
   // Forgets a check in flight without waiting for it.
   void drop();
 
   // A whole forward check (any check left over from an unfinished iteration
   // dropped): its message, as wait() gives it.
-  std::string check_forward(c10d::ProcessGroup& group, int64_t backwards);
+  std::string check_forward(
+      c10d::ProcessGroup& group, int64_t backwards, StallWatch* watch = nullptr);
   // A whole check as a rank that joined.
   void match_as_joined(c10d::ProcessGroup& group);
 
@@ -94,12 +113,14 @@ class StepCheck {
 
  private:
   void start(
-      c10d::ProcessGroup& group, int64_t slot_value, int64_t plan, int64_t rider);
+      c10d::ProcessGroup& group, int64_t slot_value, int64_t plan, int64_t rider,
+      const int64_t* phases);
 
   int rank_;
   int world_size_;
   int64_t summed_rider_ = 0;
   int64_t written_ = 0; // this rank's slot in the check in flight
+  std::vector<int64_t> phases_;
   // world_size position slots, world_size plan slots and the rider, on the CPU
   at::Tensor host_;
   at::Tensor slots_; // the same on the parameters' device (host_ on CPU)

@@ -88,9 +88,13 @@ void Usage::launch_allreduce(c10d::ProcessGroup& group) {
   work_ = group.allreduce(tensors);
 }
 
-std::vector<bool> Usage::wait(bool local) {
+std::vector<bool> Usage::wait(bool local, StallWatch* watch) {
   if (work_) {
-    work_->wait();
+    if (watch != nullptr) {
+      watch->wait(*work_, "usage", -1);
+    } else {
+      work_->wait();
+    }
     work_.reset();
   }
   const at::Tensor used = local ? local_ : for_allreduce_.cpu();

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "reducer/accumulator_ptr.h"
+#include "reducer/stall_watch.h"
 
 namespace ddp_ext::reducer {
 
@@ -87,8 +88,9 @@ class Usage {
   // Starts summing the bitmap over the ranks of `group`.
   void launch_allreduce(c10d::ProcessGroup& group);
   // Per parameter, whether any rank used it (with `local`: this rank, in a
-  // world of one); clears the bitmap for the next iteration.
-  std::vector<bool> wait(bool local);
+  // world of one); clears the bitmap for the next iteration. With a
+  // `watch`, waits through it (Note [Hang attribution]).
+  std::vector<bool> wait(bool local, StallWatch* watch = nullptr);
   // Forgets an allreduce in flight without waiting, and the stashed .grad
   // values; `clear`: the bitmap too.
   void drop(bool clear);

@@ -103,10 +103,11 @@ def _construct(module, **ddp_kwargs):
 
 
 def _two_iterations_short_timeout(module, **ddp_kwargs):
-    """_two_iterations on a process group with a short timeout, which turns a
-    hang into an error."""
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=5))
-    _two_iterations(module, process_group=group, **ddp_kwargs)
+    """_two_iterations on a process group with a short timeout (which the
+    ranks that wait would otherwise reach, see docs/DIAGNOSIS.md) and a
+    shorter hang_timeout_s: those ranks name the rank that skipped."""
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=20))
+    _two_iterations(module, process_group=group, hang_timeout_s=2, **ddp_kwargs)
 
 
 class _SkipsOnLastRank(_Skips):
@@ -193,7 +194,7 @@ CASES = [
     ErrorCase("forward_without_backward", None),
     ErrorCase("reentrant_checkpoint", None),
     ErrorCase("nonreentrant_checkpoint_find_unused", None),
-    # Last: on failure its ranks fall out of step (see the xfail below).
+    # Last: on failure its ranks fall out of step.
     ErrorCase(
         "unused_on_one_rank",
         "RuntimeError",
@@ -201,16 +202,6 @@ CASES = [
         ("fc0.", "fc1."),
     ),
 ]
-UNUSED_ON_ONE_RANK_XFAIL = pytest.mark.xfail(
-    reason="BUG/LIMITATION (torch's DDP behaves the same): a parameter unused on only some ranks "
-    "with find_unused_parameters=False: the ranks that used it launch its bucket's allreduce and wait "
-    "for it at the end of backward; the others never launch it and raise the explanatory error at "
-    "their next forward, while the first ones hang until the process group times out or a peer exits "
-    "(then: gloo 'Connection closed by peer')",
-    strict=True,
-)
-
-
 def _trigger(rank, world_size, c):
     trigger, factory, kwargs = TRIGGERS[c.id]
     torch.manual_seed(0)
@@ -227,7 +218,7 @@ TABLE = CaseTable(_trigger, CASES, timeout=90, isolated=True)  # process groups 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize(
     "c",
-    [pytest.param(c, marks=UNUSED_ON_ONE_RANK_XFAIL) if c.id == "unused_on_one_rank" else c for c in CASES],
+    CASES,
     ids=lambda c: c.id,
 )
 def test_error_on_every_rank(c, world_size):

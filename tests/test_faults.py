@@ -40,7 +40,9 @@ def test_every_survivor_raises_soon(fault, world_size, victim):
     for error in run.errors():
         # The collective that lost its peer raised, not something unrelated.
         assert error["error_type"] in ("RuntimeError", "DistBackendError"), run.describe()
-        assert "gloo" in error["error"].lower(), run.describe()
+        # Gloo's own error, or hang attribution's, which names the victim
+        # (docs/DIAGNOSIS.md; the transport's error follows in its report).
+        assert "gloo" in error["error"].lower() or f"rank {victim} died" in error["error"], run.describe()
         assert error["phase"] in ("forward", "backward"), run.describe()
         assert error["iteration"] in (FAULT_ITERATION, FAULT_ITERATION + 1), run.describe()
         assert error["buckets"] == LAYERS, "test setup: one bucket per layer"

@@ -48,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--block-iterations", type=int, default=None,
                    help=f"default {defaults.block_iterations}{lengths}")
     p.add_argument("--discard-per-block", type=int, default=None, help=f"default {defaults.discard_per_block}")
+    p.add_argument("--hang-watch-cost", action="store_true",
+                   help="compare: also measure ddp_ext with hang attribution off (hang_timeout_s=0), interleaved")
     p.add_argument("--auto", action="store_true",
                    help='bucket: also measure bucket_cap_mb="auto", interleaved with ddp_ext at every fixed cap')
     p.add_argument("--world-sizes", type=int, nargs="+", default=list(defaults.world_sizes), help="scale")
@@ -99,7 +101,7 @@ def _options(args, experiment: str, part_of_all: bool = False) -> BenchOptions:
         experiment=experiment, preset=args.preset, world_size=args.world_size, bucket_cap_mb=tuple(caps),
         models=tuple(models), out=args.out or BenchOptions.out, tag=args.tag, seed=args.seed, threads=args.threads,
         world_sizes=tuple(args.world_sizes), sync_every=tuple(args.sync_every), rr_groups=tuple(args.rr_groups),
-        auto=args.auto and experiment == "bucket", round_robin=not args.no_round_robin, convergence_iterations=args.convergence_iterations,
+        auto=args.auto and experiment == "bucket", hang_watch_cost=args.hang_watch_cost and experiment == "compare", round_robin=not args.no_round_robin, convergence_iterations=args.convergence_iterations,
         allreduce_elements=args.allreduce_elements, soak_iterations=soak, timeout_s=args.timeout, quick=args.quick,
         device=args.device, backend=args.backend or "",
         **lengths,

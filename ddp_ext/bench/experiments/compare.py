@@ -13,8 +13,8 @@ from ddp_ext.bench.harness.launcher import launch
 from ddp_ext.bench.harness.options import BenchOptions
 from ddp_ext.bench.reporting import figures, markdown
 from ddp_ext.bench.workloads.presets import Workload
-from ddp_ext.bench.workloads.replicas import KINDS, LABELS, LOCAL, OURS, TORCH
-from ddp_ext.bench.workloads.side_by_side import measure_kinds
+from ddp_ext.bench.workloads.replicas import KINDS, LABELS, LOCAL, OURS, OURS_NO_HANG_WATCH, TORCH
+from ddp_ext.bench.workloads.side_by_side import measure_kinds, measure_kinds_and_no_hang_watch
 
 NAME = "compare"
 FIGURE = "none (the issue's performance target)"
@@ -23,7 +23,9 @@ TITLE = "Per-iteration latency: ddp_ext vs torch DDP vs local training"
 
 def run(options: BenchOptions, progress) -> dict:
     options.single_bucket_cap()
-    per_rank = launch(measure_kinds, options.world_size, (options, progress), options.threads, options.timeout_s,
+    body = measure_kinds_and_no_hang_watch if options.hang_watch_cost else measure_kinds
+    kinds = (*KINDS, OURS_NO_HANG_WATCH) if options.hang_watch_cost else KINDS
+    per_rank = launch(body, options.world_size, (options, progress), options.threads, options.timeout_s,
                       backend=options.process_group_backend())
     models = {}
     for model in options.models:
@@ -37,10 +39,13 @@ def run(options: BenchOptions, progress) -> dict:
             "ratio_per_block": vs_torch["per_block"],
             "ours_over_local": stats.ratio(merged[OURS], merged[LOCAL]),
             "torch_over_local": stats.ratio(merged[TORCH], merged[LOCAL]),
-            "summary": {kind: stats.summarize(merged[kind]) for kind in KINDS},
-            "samples_ms": {kind: stats.values(merged[kind]) for kind in KINDS},
+            "summary": {kind: stats.summarize(merged[kind]) for kind in kinds},
+            "samples_ms": {kind: stats.values(merged[kind]) for kind in kinds},
             "workload": Workload(model, options.preset).describe(),
         }
+        if options.hang_watch_cost:
+            # See Note [Hang attribution]: ddp_ext as shipped over ddp_ext with it off.
+            models[model]["hang_watch_cost"] = stats.ratio(merged[OURS], merged[OURS_NO_HANG_WATCH])
     notes = ["ratio = median ddp_ext / median torch DDP over all measured iterations; "
              "[min-max] is the range of the same ratio over back-to-back block pairs."]
     return {"models": models, "notes": notes}
@@ -57,19 +62,24 @@ def table(data: dict) -> str:
             markdown.ratio_spread({"ratio": r["ratio"], "per_block": r["ratio_per_block"]}),
             markdown.ratio_spread(r["ours_over_local"]),
         ])
+        if "hang_watch_cost" in r:
+            rows[-1] += [markdown.ms_iqr(r["summary"][OURS_NO_HANG_WATCH]), markdown.ratio_spread(r["hang_watch_cost"])]
     headers = ["model", "ddp_ext ms (IQR)", "torch DDP ms (IQR)", "local ms (IQR)",
                "ddp_ext / torch [block range]", "ddp_ext / local [block range]"]
+    if any("hang_watch_cost" in r for r in data["models"].values()):
+        headers += ["ddp_ext, hang watch off, ms (IQR)", "ddp_ext / hang watch off [block range]"]
     return markdown.table(headers, rows)
 
 
 def plot(data: dict, path: str) -> None:
     figure, axes = figures.panels(len(data["models"]))
     for ax, (model, r) in zip(axes, data["models"].items()):
-        boxes = ax.boxplot([r["samples_ms"][kind] for kind in KINDS], showfliers=True, patch_artist=True,
+        kinds = list(r["samples_ms"])
+        boxes = ax.boxplot([r["samples_ms"][kind] for kind in kinds], showfliers=True, patch_artist=True,
                             medianprops=figures.MEDIAN)
-        for patch, kind in zip(boxes["boxes"], KINDS):
-            patch.set_facecolor(figures.COLORS[kind])
-        ax.set_xticks(range(1, len(KINDS) + 1), [LABELS[k] for k in KINDS])
+        for patch, kind in zip(boxes["boxes"], kinds):
+            patch.set_facecolor(figures.COLORS.get(kind, "tab:cyan"))
+        ax.set_xticks(range(1, len(kinds) + 1), [LABELS[k] for k in kinds])
         ax.set_title(f"{model}: ddp_ext/torch = {r['ratio']:.3f}")
         ax.set_ylabel("per-iteration latency (ms)")
     world = data["options"]["world_size"]

@@ -32,6 +32,7 @@ class BenchOptions:
     block_iterations: int = 5  # measured iterations per block
     discard_per_block: int = 1  # unmeasured iterations at the start of each block (the switch)
     auto: bool = False  # bucket: also measure bucket_cap_mb="auto" beside ddp_ext's fixed caps
+    hang_watch_cost: bool = False  # compare: also measure ddp_ext with hang attribution off
     world_sizes: Tuple[int, ...] = (1, 2, 3, 4)  # scale
     sync_every: Tuple[int, ...] = (1, 2, 4, 8)  # nosync
     rr_groups: Tuple[int, ...] = (1, 3, 5)  # roundrobin and allreduce

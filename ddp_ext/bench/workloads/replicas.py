@@ -13,8 +13,9 @@ from ddp_ext.bench.workloads.presets import Workload
 OURS = "ours"  # ddp_ext.DistributedDataParallel
 TORCH = "torch"  # torch.nn.parallel.DistributedDataParallel
 LOCAL = "local"  # the bare model, no communication
+OURS_NO_HANG_WATCH = "ours_no_hang_watch"  # ddp_ext with hang attribution off (hang_timeout_s=0)
 KINDS = (OURS, TORCH, LOCAL)
-LABELS = {OURS: "ddp_ext", TORCH: "torch DDP", LOCAL: "local"}
+LABELS = {OURS: "ddp_ext", TORCH: "torch DDP", LOCAL: "local", OURS_NO_HANG_WATCH: "ddp_ext, no hang watch"}
 
 
 def make_replica(kind: str, workload: Workload, seed: int, bucket_cap_mb: Union[float, str, None] = None,
@@ -33,6 +34,8 @@ def make_replica(kind: str, workload: Workload, seed: int, bucket_cap_mb: Union[
         kwargs["bucket_cap_mb"] = bucket_cap_mb
     if kind == OURS:
         return OurDDP(model, **kwargs)
+    if kind == OURS_NO_HANG_WATCH:
+        return OurDDP(model, hang_timeout_s=0, **kwargs)
     if kind == TORCH:
         return TorchDDP(model, **kwargs)
     raise ValueError(f"unknown implementation {kind!r}; choose from {', '.join(KINDS)}")

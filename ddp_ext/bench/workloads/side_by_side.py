@@ -6,7 +6,7 @@ import torch
 from ddp_ext.bench.harness.interleave import run_interleaved
 from ddp_ext.bench.harness.options import effective_bucket_cap_mb
 from ddp_ext.bench.workloads.presets import Workload, input_seed
-from ddp_ext.bench.workloads.replicas import KINDS, make_replica
+from ddp_ext.bench.workloads.replicas import KINDS, OURS_NO_HANG_WATCH, make_replica
 from ddp_ext.bench.workloads.training_step import TrainingStep
 
 
@@ -44,3 +44,17 @@ def _kinds(workload, batch, seed, cap):
 def measure_kinds(rank, world_size, job):
     """Rank body: ours, torch and local interleaved, per model (compare and scale)."""
     return measure_models(rank, job, _kinds)
+
+
+def _kinds_and_no_hang_watch(workload, batch, seed, cap):
+    variants = _kinds(workload, batch, seed, cap)
+    device = batch[0].device
+    variants[OURS_NO_HANG_WATCH] = TrainingStep(
+        make_replica(OURS_NO_HANG_WATCH, workload, seed, cap, device=device), batch
+    )
+    return variants
+
+
+def measure_kinds_and_no_hang_watch(rank, world_size, job):
+    """Rank body of compare --hang-watch-cost: also ddp_ext with hang attribution off."""
+    return measure_models(rank, job, _kinds_and_no_hang_watch)

@@ -1,0 +1,12 @@
+"""Diagnosis: what went wrong, on which rank, named in seconds.
+
+`attach(ddp)` gives the wrapper's reducer a hang handler (Note [Hang
+attribution] in reducer/stall_watch.h): the reducer waits with a deadline and
+reports what this rank is doing; ddp_ext/_diagnosis/hang.py publishes it
+through the store, reads the other ranks' reports and formats the message.
+"""
+
+from ddp_ext._diagnosis.hang import HangDiagnosis, attach
+from ddp_ext._diagnosis.settings import HangSettings, resolve_hang_settings
+
+__all__ = ["HangDiagnosis", "HangSettings", "attach", "resolve_hang_settings"]

@@ -1,0 +1,127 @@
+#include "reducer/stall_watch.h"
+
+#include <condition_variable>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <utility>
+
+namespace ddp_ext::reducer {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Completion of a future, observable with a deadline.
+struct Completion {
+  std::mutex mutex;
+  std::condition_variable done_cv;
+  bool done = false;
+};
+
+} // namespace
+
+const char* stall_kind_name(StallEvent::Kind kind) {
+  switch (kind) {
+    case StallEvent::kStalled:
+      return "stalled";
+    case StallEvent::kFailed:
+      return "failed";
+    case StallEvent::kUnfinished:
+      return "unfinished";
+    case StallEvent::kResolved:
+      return "resolved";
+  }
+  return "unknown";
+}
+
+void StallWatch::configure(int64_t timeout_ms, Report report) {
+  timeout_ = std::chrono::milliseconds(timeout_ms > 0 ? timeout_ms : 0);
+  report_ = std::move(report);
+}
+
+void StallWatch::report(StallEvent::Kind kind) {
+  if (on()) {
+    StallEvent event;
+    event.kind = kind;
+    report_(event);
+  }
+}
+
+void StallWatch::wait(c10d::Work& work, const char* waiting_for, int64_t bucket) {
+  if (!on()) {
+    work.wait();
+    return;
+  }
+  const auto start = Clock::now();
+  bool stalled = false;
+  while (true) {
+    try {
+      work.wait(timeout_);
+      if (stalled) {
+        report(StallEvent::kResolved); // what this rank published is over
+      }
+      return;
+    } catch (const std::exception& error) {
+      StallEvent event;
+      event.waiting_for = waiting_for;
+      event.bucket = bucket;
+      event.waited_s = seconds_since(start);
+      if (!work.isCompleted()) {
+        event.kind = StallEvent::kStalled; // the deadline passed: wait on
+        stalled = true;
+        report_(event);
+        continue;
+      }
+      event.kind = StallEvent::kFailed;
+      event.error = error.what();
+      report_(event); // may raise its own message instead
+      throw;
+    }
+  }
+}
+
+void StallWatch::wait(
+    c10::ivalue::Future& future, const char* waiting_for, int64_t bucket) {
+  if (on() && !future.completed()) {
+    auto completion = std::make_shared<Completion>();
+    future.addCallback([completion](c10::ivalue::Future&) {
+      std::lock_guard<std::mutex> lock(completion->mutex);
+      completion->done = true;
+      completion->done_cv.notify_all();
+    });
+    const auto start = Clock::now();
+    bool stalled = false;
+    std::unique_lock<std::mutex> lock(completion->mutex);
+    while (!completion->done_cv.wait_for(
+        lock, timeout_, [&completion] { return completion->done; })) {
+      stalled = true;
+      lock.unlock();
+      StallEvent event;
+      event.waiting_for = waiting_for;
+      event.bucket = bucket;
+      event.waited_s = seconds_since(start);
+      report_(event);
+      lock.lock();
+    }
+    lock.unlock();
+    if (stalled && !future.hasError()) {
+      report(StallEvent::kResolved); // what this rank published is over
+    }
+  }
+  if (on() && future.hasError()) {
+    StallEvent event;
+    event.kind = StallEvent::kFailed;
+    event.waiting_for = waiting_for;
+    event.bucket = bucket;
+    event.error = future.tryRetrieveErrorMessage();
+    report_(event);
+  }
+  future.wait();
+}
+
+} // namespace ddp_ext::reducer

@@ -1,0 +1,100 @@
+#pragma once
+
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace ddp_ext::reducer {
+
+// Note [Hang attribution]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// A collective whose partner never comes waits until the process group's
+// timeout (30 minutes by default), then says only that a transport timed out.
+// The usual cause is a parameter that got no gradient on some ranks: their
+// bucket is never launched there, while the ranks that did compute it wait
+// for its allreduce at the end of their backward.
+//
+// So every wait of the reducer (the step check, each bucket, the usage
+// allreduce) is a wait with a deadline, `hang_timeout`: the waiting thread
+// waits in slices of that length, and when one passes without completion, or
+// the wait fails (a peer's connection closed), it reports a StallEvent to a
+// handler and then waits on, or raises the handler's message. A rank whose
+// backward ends with buckets never launched reports kUnfinished at that
+// moment (from a callback queued when its backward began), and kResolved if a
+// second backward over the same forward completes them after all, or when a
+// wait that stalled completes.
+//
+// The handler (the Python side, ddp_ext/_diagnosis/) publishes what this
+// rank is doing through the store the process group was made from, a side
+// channel that does not depend on the stuck collective, reads what the other
+// ranks published, and decides whether to raise: the message naming the
+// lagging rank, the step and the parameters is formatted there, never in the
+// reducer, which describes only itself.
+//
+// Cost: a wait that completes within its first slice is one
+// Work::wait(timeout) instead of Work::wait(), the same condition variable;
+// a hook's future not yet complete gets one callback. The per-gradient hook
+// is untouched. The end-of-backward callback is queued once per backward.
+// Off (timeout 0), every wait is the plain one.
+struct StallEvent {
+  enum Kind { kStalled, kFailed, kUnfinished, kResolved };
+  Kind kind = kStalled;
+  // kStalled, kFailed: what the wait was for ("bucket", "step check",
+  // "usage"), and the bucket's index (-1 otherwise).
+  std::string waiting_for;
+  int64_t bucket = -1;
+  double waited_s = 0.0;
+  // kFailed: what the wait raised.
+  std::string error;
+};
+
+const char* stall_kind_name(StallEvent::Kind kind);
+
+// A StallEvent with what the reducer says about itself (only itself).
+struct StallReport {
+  StallEvent event;
+  int rank = 0;
+  // The training step whose backward is (or was last) under way, and the
+  // synchronising forwards begun so far; see Note [Ranks out of step].
+  int64_t step = 0;
+  int64_t training_steps = 0;
+  std::string phase;
+  int64_t buckets_launched = 0;
+  int64_t buckets_total = 0;
+  // Parameters that got no gradient yet in this backward, and their buckets.
+  std::vector<std::string> unready;
+  std::vector<int64_t> unready_buckets;
+};
+
+class StallWatch {
+ public:
+  using Report = std::function<void(const StallEvent&)>;
+
+  // timeout_ms <= 0 or no `report`: plain waits. `report` may throw; the
+  // exception leaves the wait.
+  void configure(int64_t timeout_ms, Report report);
+  bool on() const {
+    return timeout_.count() > 0 && static_cast<bool>(report_);
+  }
+  int64_t timeout_ms() const {
+    return timeout_.count();
+  }
+
+  // Waits for `work` (or `future`); see the Note.
+  void wait(c10d::Work& work, const char* waiting_for, int64_t bucket);
+  void wait(c10::ivalue::Future& future, const char* waiting_for, int64_t bucket);
+
+  // Reports an event that is not about a wait.
+  void report(StallEvent::Kind kind);
+
+ private:
+  std::chrono::milliseconds timeout_{0};
+  Report report_;
+};
+
+} // namespace ddp_ext::reducer
