@@ -14,6 +14,8 @@ SOURCES = [
     "comm_hooks/compression/accumulate.cpp",
     "comm_hooks/compression/adaptive_precision.cpp",
     "comm_hooks/compression/int8_codec.cpp",
+    "comm_hooks/compression/int8_exchange.cpp",
+    "comm_hooks/compression/ordered_launches.cpp",
     "comm_hooks/compression/precision_policy.cpp",
     "comm_hooks/compression/residuals.cpp",
     "process_groups/broadcast_coalesced.cpp",
