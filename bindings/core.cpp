@@ -13,6 +13,7 @@
 #include "comm_hooks/compression/adaptive_precision.h"
 #include "comm_hooks/compression/int8_codec.h"
 #include "comm_hooks/compression/int8_exchange.h"
+#include "process_groups/hierarchical/backend.h"
 #include "process_groups/round_robin/backend.h"
 
 #include "process_groups/broadcast_coalesced.h"
@@ -453,6 +454,20 @@ void bind_process_groups(py::module& m) {
           [](const RoundRobinBackend& b) { return b.options().owns_children; })
       .def_property_readonly(
           "timeout", [](const RoundRobinBackend& b) { return b.options().timeout; });
+
+  using ddp_ext::hierarchical::HierarchicalBackend;
+  using ddp_ext::hierarchical::HierarchicalGroups;
+  py::class_<HierarchicalBackend, c10d::Backend, c10::intrusive_ptr<HierarchicalBackend>>(
+      m, "HierarchicalBackend",
+      "c10d Backend whose allreduce runs inside each host, across hosts, and inside "
+      "again; see process_groups/hierarchical/backend.h.")
+      .def(py::init([](ProcessGroupPtr flat, ProcessGroupPtr intra, ProcessGroupPtr inter,
+                       ProcessGroupPtr intra_gather) {
+             return c10::make_intrusive<HierarchicalBackend>(HierarchicalGroups{
+                 std::move(flat), std::move(intra), std::move(inter), std::move(intra_gather)});
+           }),
+           py::arg("flat"), py::arg("intra"), py::arg("inter"), py::arg("intra_gather"))
+      .def_property_readonly("hierarchical_calls", &HierarchicalBackend::hierarchical_calls);
 }
 
 } // namespace

@@ -16,7 +16,7 @@
 
 #include "comm_hooks/comm_hook.h"
 #include "comm_hooks/compression/int8_exchange.h"
-#include "comm_hooks/compression/ordered_launches.h"
+#include "process_groups/ordered_launches.h"
 #include "comm_hooks/compression/precision_policy.h"
 #include "comm_hooks/compression/residuals.h"
 

@@ -5,12 +5,14 @@
 #include <map>
 #include <mutex>
 
-namespace ddp_ext::compression {
+namespace ddp_ext {
 
 // Launches collectives in the order their tickets were taken, whenever each
-// becomes ready (see Note [Eight bits at any world size], Ordering): take()
-// on the hook's thread, in hook order; ready() from any thread, in any
-// order. A launch runs, under this object's lock, once every earlier
+// becomes ready: for a step of a multi-step collective that can start only
+// once the step before has arrived, so is issued from a completion callback
+// (see Note [Eight bits at any world size], Ordering, and Note
+// [Hierarchical allreduce]). take() on the caller's thread, in call order;
+// ready() from any thread, in any order. A launch runs, under this object's lock, once every earlier
 // ticket's launch has run, so every rank issues them in ticket order.
 class OrderedLaunches {
  public:
@@ -32,4 +34,4 @@ class OrderedLaunches {
   std::map<Ticket, std::function<void()>> waiting_;
 };
 
-} // namespace ddp_ext::compression
+} // namespace ddp_ext

@@ -1,10 +1,10 @@
-#include "comm_hooks/compression/ordered_launches.h"
+#include "process_groups/ordered_launches.h"
 
 #include <c10/util/Exception.h>
 
 #include <utility>
 
-namespace ddp_ext::compression {
+namespace ddp_ext {
 
 OrderedLaunches::Ticket OrderedLaunches::take() {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -30,4 +30,4 @@ size_t OrderedLaunches::pending() const {
   return static_cast<size_t>(next_ticket_ - next_launch_);
 }
 
-} // namespace ddp_ext::compression
+} // namespace ddp_ext
