@@ -212,3 +212,49 @@ FORCED = CaseTable(_forced_without_topology, [Off(0)])
 def test_forcing_it_on_without_a_topology_says_why():
     for message in FORCED.results(2, Off(0)):
         assert "hierarchical_allreduce=True: cannot reduce hierarchically" in message and "LOCAL_WORLD_SIZE" in message
+
+
+def _join(rank, world_size, setting):
+    from torch.distributed.algorithms.join import Join
+
+    from tests import models
+
+    module = models.build("mlp")
+    with _fake_hosts(rank, 2):
+        ddp = ddp_ext.DistributedDataParallel(module, hierarchical_allreduce=setting)
+        calls = hierarchy.hierarchical_calls(ddp.reducer_group)
+        group = ddp.reducer_group
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    with Join([ddp]):
+        for step in range(3 + 2 * rank):  # uneven inputs: ranks join at different steps
+            args, target = models.rank_batch("mlp", step, 0, rank, world_size, 4)
+            models.MODELS["mlp"].loss(ddp(*args), target).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return dict(params=reference.state_tensors(module)[0], calls=hierarchy.hierarchical_calls(group) - calls)
+
+
+@dataclasses.dataclass(frozen=True)
+class JoinCase:
+    setting: object
+
+    @property
+    def id(self):
+        return f"join-{self.setting}"
+
+
+def _join_case(rank, world_size, c: JoinCase):
+    return _join(rank, world_size, c.setting)
+
+
+JOIN = CaseTable(_join_case, [JoinCase("auto"), JoinCase(False)])
+
+
+def test_join_with_uneven_inputs_matches_flat_allreduce():
+    hier = JOIN.results(4, JoinCase("auto"))
+    flat = JOIN.results(4, JoinCase(False))
+    assert all(h["calls"] > 0 for h in hier) and all(f["calls"] == 0 for f in flat)
+    for h, f in zip(hier, flat):
+        assert_states_close(h["params"], f["params"], "join", rtol=1e-5, atol=1e-6)
+        for name, value in h["params"].items():
+            assert same_bits(value, hier[0]["params"][name]), name
