@@ -83,8 +83,14 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::allreduce(
   const int64_t numel = steps->tensor.numel();
   const int64_t local = groups_.intra->getSize();
   const int64_t segment = (numel + local - 1) / local;
-  steps->padded = at::zeros({segment * local}, steps->tensor.options());
-  steps->padded.narrow(0, 0, numel).copy_(steps->tensor.view({-1}));
+  if (segment * local == numel) {
+    // Equal segments: step 1 reads the tensor and step 3 writes it in place.
+    steps->padded = steps->tensor.view({-1});
+  } else {
+    steps->padded = at::empty({segment * local}, steps->tensor.options());
+    steps->padded.narrow(0, 0, numel).copy_(steps->tensor.view({-1}));
+    steps->padded.narrow(0, numel, segment * local - numel).zero_();
+  }
   steps->segment = at::empty({segment}, steps->tensor.options());
 
   // See Note [Hierarchical allreduce]. Step 1, here, in call order: segment
@@ -105,7 +111,10 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::allreduce(
   auto gather = [steps, groups]() {
     auto third = groups.intra_gather->_allgather_base(steps->padded, steps->segment);
     after(third, steps, [steps]() {
-      steps->tensor.view({-1}).copy_(steps->padded.narrow(0, 0, steps->tensor.numel()));
+      if (!steps->padded.is_same(steps->tensor) &&
+          steps->padded.data_ptr() != steps->tensor.data_ptr()) {
+        steps->tensor.view({-1}).copy_(steps->padded.narrow(0, 0, steps->tensor.numel()));
+      }
       steps->result->markCompleted(c10::IValue(std::vector<at::Tensor>{steps->tensor}));
     });
   };

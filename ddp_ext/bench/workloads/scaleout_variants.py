@@ -1,9 +1,11 @@
 """scaleout's model and its eight DDP variants.
 
 The model is small enough that 8 ranks fit on a 2-core machine: an MLP of
-2.2 M parameters (about 9 MB of float32 gradients) whose hidden blocks sit
-in a ddp_ext.LayerDrop (p = 0 but for the layer-drop variants, the same seed
-on every rank). Every ddp_ext variant but `ours_hierarchy` is told
+2.2 M parameters (about 9 MB of float32 gradients). For the layer-drop
+variants its hidden blocks sit in a ddp_ext.LayerDrop (p = 0.5, the same
+seed on every rank); for the others in an nn.Sequential (a LayerDrop, even
+at p = 0, makes ddp_ext cut buckets at its layers, ten buckets here instead
+of torch's two, which is not what those variants compare). Every ddp_ext variant but `ours_hierarchy` is told
 hierarchical_allreduce=False, so `ours` is the flat allreduce whatever the
 topology; `ours_hierarchy` takes the default ("auto"), which turns the
 hierarchy on only with several hosts of several ranks.
@@ -40,8 +42,8 @@ class ScaleoutMLP(nn.Module):
     def __init__(self, p: float):
         super().__init__()
         self.inp = nn.Linear(IN_FEATURES, WIDTH)
-        self.blocks = ddp_ext.LayerDrop([nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU()) for _ in range(BLOCKS)],
-                                        p=p, seed=LAYERDROP_SEED)
+        blocks = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU()) for _ in range(BLOCKS)]
+        self.blocks = ddp_ext.LayerDrop(blocks, p=p, seed=LAYERDROP_SEED) if p > 0 else nn.Sequential(*blocks)
         self.head = nn.Linear(WIDTH, CLASSES)
 
     def forward(self, x):
