@@ -188,16 +188,17 @@ def table(data: dict) -> str:
 
 
 def plot(data: dict, path: str) -> None:
-    links = sorted({r["link_gbit"] for r in data["rows"] if r["link_gbit"] is not None}) or [None]
-    figure, axes = figures.panels(len(links))
-    for ax, gbit in zip(axes, links):
+    """One panel per host count and link, time against ranks, one line per variant."""
+    panels = sorted({(r["hosts"], r["link_gbit"]) for r in data["rows"]}, key=lambda k: (k[1] or 0, k[0]))
+    figure, axes = figures.panels(max(1, len(panels)), width_per_panel=4.0)
+    for ax, (host_count, gbit) in zip(axes, panels):
         for v in sv.VARIANTS:
-            points = sorted((r["ranks"], r["hosts"], r["ms"]) for r in data["rows"]
-                            if r["variant"] == v and r["link_gbit"] in (gbit, None))
-            if points:
-                ax.plot([p[0] + 0.05 * p[1] for p in points], [p[2] for p in points], marker="o", label=sv.LABELS[v])
-        ax.set_xlabel("ranks (hosts x ranks per host; points of more hosts drawn slightly right)")
+            points = sorted((r["ranks"], r["ms"]) for r in data["rows"]
+                            if r["variant"] == v and r["hosts"] == host_count and r["link_gbit"] == gbit)
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=sv.LABELS[v])
+        ax.set_xticks(sorted({r["ranks"] for r in data["rows"] if r["hosts"] == host_count}))
+        ax.set_xlabel("ranks (all on the machine's shared cores)")
         ax.set_ylabel("per-iteration time (ms), median")
-        ax.set_title(f"link {gbit} Gbit/s" if gbit is not None else "one host")
-        ax.legend(fontsize="x-small")
-    figures.save(figure, path, TITLE)
+        ax.set_title(f"{host_count} host(s)" + ("" if gbit is None else f", link {gbit:g} Gbit/s"))
+    axes[0].legend(fontsize="x-small")
+    figures.save(figure, path, TITLE + " (shared, loaded machine: noisy)")
