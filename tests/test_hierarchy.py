@@ -258,3 +258,41 @@ def test_join_with_uneven_inputs_matches_flat_allreduce():
         assert_states_close(h["params"], f["params"], "join", rtol=1e-5, atol=1e-6)
         for name, value in h["params"].items():
             assert same_bits(value, hier[0]["params"][name]), name
+
+
+def _collectives(rank, world_size, _):
+    """What the reducer's group does besides its three-step SUM allreduce."""
+    with _fake_hosts(rank, 2):
+        ddp = ddp_ext.DistributedDataParallel(nn.Linear(3, 2))
+        group = ddp.reducer_group
+    before = hierarchy.hierarchical_calls(group)
+    out = {}
+    ints = torch.tensor([rank, 1, 2 * rank], dtype=torch.int32)  # odd length: padded segments
+    group.allreduce([ints]).wait()
+    out["ints"] = ints.tolist()
+    out["three_step"] = hierarchy.hierarchical_calls(group) - before
+    biggest = torch.tensor([float(rank)])
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    group.allreduce([biggest], opts).wait()  # not SUM: the flat group
+    pair = [torch.ones(2), torch.full((2,), float(rank))]
+    group.allreduce(pair).wait()  # two tensors: the flat group
+    out["flat"] = [biggest.item(), pair[0].tolist(), pair[1].tolist()]
+    out["flat_three_step"] = hierarchy.hierarchical_calls(group) - before
+    sent = torch.full((4,), float(rank))
+    bopts = dist.BroadcastOptions()
+    bopts.rootRank = 2
+    group.broadcast([sent], bopts).wait()
+    group.barrier().wait()
+    out["broadcast"] = sent.tolist()
+    return out
+
+
+COLLECTIVES = CaseTable(_collectives, [Off(-1)])
+
+
+def test_the_reducer_group_forwards_what_it_does_not_run_in_three_steps():
+    for r in COLLECTIVES.results(4, Off(-1)):
+        assert r["ints"] == [6, 4, 12] and r["three_step"] == 1
+        assert r["flat"] == [3.0, [10.0, 10.0], [10.0, 10.0]]  # Gloo sums the local tensors too and r["flat_three_step"] == 1
+        assert r["broadcast"] == [2.0] * 4
