@@ -82,9 +82,11 @@ def resolve(setting: Union[str, bool], process_group: dist.ProcessGroup) -> Opti
     if setting is False:
         return None
     topology = topology_from_env(process_group.size())
-    is_world = process_group is c10d._get_default_group()
+    if setting == "auto" and not pays(topology):
+        return None  # nothing else looked at: one host changes nothing
+    is_world = dist.is_initialized() and process_group is c10d._get_default_group()
     if setting == "auto":
-        if not (is_world and pays(topology)):
+        if not is_world:
             return None
         return topology if _layout_holds(process_group, topology) else None
     why = None
