@@ -15,9 +15,11 @@ The groups are made with ``dist.new_group`` (Gloo), once per process and
 flat group, on every rank in the same order.
 """
 
+import atexit
 import dataclasses
 import os
-from typing import Dict, Optional, Union
+import weakref
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -26,9 +28,11 @@ from torch.distributed import distributed_c10d as c10d
 from ddp_ext import _C
 
 SETTINGS = ("auto", True, False)
-_resolved: Dict[tuple, dist.ProcessGroup] = {}  # (flat group, setting, torchrun variables) -> reducer group
-_hierarchical: Dict[tuple, dist.ProcessGroup] = {}  # (flat group, Topology) -> hierarchical twin
-_backends: Dict[dist.ProcessGroup, object] = {}  # reducer group -> its HierarchicalBackend
+# flat group -> {(setting, torchrun variables) -> its twin, or None: the flat group itself}
+_resolved: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# flat group -> {Topology -> its hierarchical twin}
+_hierarchical: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_backends: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # twin -> its HierarchicalBackend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,19 +110,28 @@ def reducer_group(setting: Union[str, bool], process_group: dist.ProcessGroup) -
     """The group the reducer reduces buckets over: `process_group`, or its
     hierarchical twin when `resolve` says so. Both the decision (for this
     setting and these torchrun variables) and the twin's groups are made
-    once per process."""
+    once per process and flat group, remembered only while the flat group
+    lives (a process group that module state keeps until the interpreter's
+    teardown is destroyed after its threads' runtime, and aborts)."""
     if setting is False:
         return process_group
-    key = (process_group, setting, os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("LOCAL_RANK"))
-    if key not in _resolved:
+    decisions = _resolved.setdefault(process_group, {})
+    key = (setting, os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("LOCAL_RANK"))
+    if key not in decisions:
         topology = resolve(setting, process_group)
-        if topology is None:
-            _resolved[key] = process_group
-        else:
-            if (process_group, topology) not in _hierarchical:
-                _hierarchical[(process_group, topology)] = _make(process_group, topology)
-            _resolved[key] = _hierarchical[(process_group, topology)]
-    return _resolved[key]
+        twins = _hierarchical.setdefault(process_group, {})
+        if topology is not None and topology not in twins:
+            twins[topology] = _make(process_group, topology)
+        decisions[key] = None if topology is None else twins[topology]
+    return decisions[key] if decisions[key] is not None else process_group
+
+
+@atexit.register
+def _forget() -> None:
+    """Releases the hierarchical groups before the interpreter's teardown."""
+    _resolved.clear()
+    _hierarchical.clear()
+    _backends.clear()
 
 
 def _make(process_group: dist.ProcessGroup, topology: Topology) -> dist.ProcessGroup:
