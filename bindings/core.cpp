@@ -12,6 +12,8 @@
 
 #include "comm_hooks/compression/adaptive_precision.h"
 #include "comm_hooks/compression/int8_codec.h"
+#include "comm_hooks/compression/int8_exchange.h"
+#include "process_groups/hierarchical/backend.h"
 #include "process_groups/round_robin/backend.h"
 
 #include "process_groups/broadcast_coalesced.h"
@@ -404,11 +406,22 @@ void bind_compression(py::module& m) {
       m, "AdaptivePrecision",
       "State of the adaptive-precision communication hook; see "
       "comm_hooks/compression/adaptive_precision.h.")
-      .def(py::init([](ProcessGroupPtr group, PolicyOptions policy, int64_t int8_chunk) {
+      .def(py::init([](ProcessGroupPtr group, PolicyOptions policy, int64_t int8_chunk,
+                       std::optional<std::string> int8_exchange, py::object companion) {
+             std::optional<Int8Exchange> exchange;
+             if (int8_exchange) {
+               TORCH_CHECK(*int8_exchange == "allgather" || *int8_exchange == "reduce_scatter",
+                           "int8_exchange is 'allgather' or 'reduce_scatter', got '",
+                           *int8_exchange, "'");
+               exchange = *int8_exchange == "allgather" ? Int8Exchange::kAllgather
+                                                        : Int8Exchange::kReduceScatter;
+             }
              return std::make_shared<AdaptivePrecision>(
-                 std::move(group), AdaptivePrecisionOptions{policy, int8_chunk});
+                 std::move(group), AdaptivePrecisionOptions{policy, int8_chunk, exchange},
+                 companion.is_none() ? ProcessGroupPtr() : companion.cast<ProcessGroupPtr>());
            }),
-           py::arg("process_group"), py::arg("policy"), py::arg("int8_chunk"))
+           py::arg("process_group"), py::arg("policy"), py::arg("int8_chunk"),
+           py::arg("int8_exchange") = py::none(), py::arg("companion") = py::none())
       .def(
           "run",
           [](AdaptivePrecision& state, c10d::GradBucket& bucket) -> FuturePtr {
@@ -420,7 +433,25 @@ void bind_compression(py::module& m) {
       .def_property_readonly("mode", &AdaptivePrecision::mode)
       .def_property_readonly("formats", &AdaptivePrecision::formats)
       .def("decisions", &AdaptivePrecision::decisions)
-      .def("residual", &AdaptivePrecision::residual, py::arg("bucket_index"));
+      .def("residual", &AdaptivePrecision::residual, py::arg("bucket_index"))
+      .def_property_readonly("int8_exchange", [](const AdaptivePrecision& state) {
+        return std::string(int8_exchange_name(state.int8_exchange()));
+      });
+
+  m.def(
+      "int8_exchange_for",
+      [](int64_t world_size) { return std::string(int8_exchange_name(int8_exchange_for(world_size))); },
+      py::arg("world_size"));
+  m.def(
+      "int8_segments",
+      [](int64_t numel, int64_t chunk, int64_t world_size) {
+        const Int8Segments s = int8_segments(numel, chunk, world_size);
+        return py::dict(py::arg("begin") = s.begin, py::arg("numel") = s.numel,
+                        py::arg("bytes") = s.bytes, py::arg("offset") = s.offset,
+                        py::arg("total_bytes") = s.total_bytes,
+                        py::arg("largest_slot") = s.largest_slot);
+      },
+      py::arg("numel"), py::arg("chunk"), py::arg("world_size"));
 
   m.def(
       "int8_encode",
@@ -496,6 +527,20 @@ void bind_process_groups(py::module& m) {
           [](const RoundRobinBackend& b) { return b.options().owns_children; })
       .def_property_readonly(
           "timeout", [](const RoundRobinBackend& b) { return b.options().timeout; });
+
+  using ddp_ext::hierarchical::HierarchicalBackend;
+  using ddp_ext::hierarchical::HierarchicalGroups;
+  py::class_<HierarchicalBackend, c10d::Backend, c10::intrusive_ptr<HierarchicalBackend>>(
+      m, "HierarchicalBackend",
+      "c10d Backend whose allreduce runs inside each host, across hosts, and inside "
+      "again; see process_groups/hierarchical/backend.h.")
+      .def(py::init([](ProcessGroupPtr flat, ProcessGroupPtr intra, ProcessGroupPtr inter,
+                       ProcessGroupPtr intra_gather) {
+             return c10::make_intrusive<HierarchicalBackend>(HierarchicalGroups{
+                 std::move(flat), std::move(intra), std::move(inter), std::move(intra_gather)});
+           }),
+           py::arg("flat"), py::arg("intra"), py::arg("inter"), py::arg("intra_gather"))
+      .def_property_readonly("hierarchical_calls", &HierarchicalBackend::hierarchical_calls);
 }
 
 } // namespace

@@ -12,16 +12,43 @@ The same line works on torch's DistributedDataParallel (the hook then runs
 through Python); on ddp_ext's it runs in C++ without the GIL.
 """
 
+import itertools
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from ddp_ext import _C
 
-# Up to this many ranks the 8-bit format moves fewer bytes than float16 (each
-# rank receives every other rank's payload); see Note [Adaptive precision].
-INT8_MAX_WORLD_SIZE = 3
+INT8_EXCHANGES = ("auto", "allgather", "reduce_scatter")
+_companions = itertools.count()
+
+
+def int8_exchange_for(world_size: int) -> str:
+    """How 8-bit payloads travel in a world of `world_size` ranks when
+    ``int8_exchange="auto"``: "allgather" up to 3 ranks, "reduce_scatter"
+    from 4 (see Note [Eight bits at any world size])."""
+    return _C.int8_exchange_for(world_size)
+
+
+def _companion_group(group: dist.ProcessGroup) -> Optional[dist.ProcessGroup]:
+    """A Gloo group of `group`'s ranks that carries nothing else, for the
+    second round of the reduce-scatter exchange (Note [Eight bits at any world
+    size], Ordering); None if `group` is not known to torch.distributed (no
+    store to meet in). Every rank of `group` makes its companions in the same
+    order (at the hook's first use, which is collective), so the counter in
+    the store prefix agrees."""
+    if group not in c10d._world.pg_map:
+        return None
+    store = dist.PrefixStore(f"ddp_ext_int8_companion/{next(_companions)}/", c10d._world.pg_map[group][1])
+    rank, size = group.rank(), group.size()
+    backend = dist.ProcessGroupGloo(store, rank, size, c10d.default_pg_timeout)
+    companion = dist.ProcessGroup(store, rank, size)
+    for device in dist.Backend.backend_capability["gloo"]:
+        companion._register_backend(torch.device(device), dist.Backend.backend_type_map["gloo"], backend)
+    companion._set_default_backend(dist.Backend.backend_type_map["gloo"])
+    return companion
 
 
 def _positive_int(name: str, value, minimum: int) -> int:
@@ -43,8 +70,12 @@ class AdaptivePrecision:
             windows above which it is sent in float16 rather than 8 bits.
         reprobe_every: windows between re-measurements of the choice not taken
             (compression on or off).
-        int8: allow the 8-bit format (used only with up to 3 ranks).
+        int8: allow the 8-bit format.
         int8_chunk: elements per 8-bit scale.
+        int8_exchange: how 8-bit payloads travel: "allgather" (one round;
+            the bytes per rank grow with the world size), "reduce_scatter"
+            (two rounds; the bytes per rank do not), or "auto": allgather up
+            to 3 ranks, reduce-scatter from 4 (`int8_exchange_for`).
         off_when_slower: send full precision while compression measures
             slower than it; False compresses whatever it costs.
     """
@@ -59,6 +90,7 @@ class AdaptivePrecision:
         reprobe_every: int = 10,
         int8: bool = True,
         int8_chunk: int = 1024,
+        int8_exchange: str = "auto",
         off_when_slower: bool = True,
     ):
         self.process_group = process_group
@@ -70,8 +102,12 @@ class AdaptivePrecision:
             raise ValueError(f"AdaptivePrecision: critical_change must be a number >= 0, got {critical_change!r}")
         self.critical_change = float(critical_change)
         self.int8 = bool(int8)
+        if int8_exchange not in INT8_EXCHANGES:
+            raise ValueError(f"AdaptivePrecision: int8_exchange must be one of {INT8_EXCHANGES}, got {int8_exchange!r}")
+        self.int8_exchange = int8_exchange
         self.off_when_slower = bool(off_when_slower)
         self._native = None
+        self._companion = None
 
     def _bind(self, process_group: Optional[dist.ProcessGroup] = None):
         """The native state, made on first use for `process_group` (or the
@@ -91,9 +127,23 @@ class AdaptivePrecision:
             policy.check_every = self.check_every
             policy.critical_change = self.critical_change
             policy.reprobe_every = self.reprobe_every
-            policy.int8_allowed = self.int8 and group.size() <= INT8_MAX_WORLD_SIZE
             policy.off_when_slower = self.off_when_slower
-            self._native = _C.AdaptivePrecision(group, policy, self.int8_chunk)
+            exchange = int8_exchange_for(group.size()) if self.int8_exchange == "auto" else self.int8_exchange
+            companion = None
+            if self.int8 and exchange == "reduce_scatter":
+                companion = _companion_group(group)
+                if companion is None and self.int8_exchange == "reduce_scatter":
+                    raise ValueError(
+                        "AdaptivePrecision: int8_exchange='reduce_scatter' needs a process group made by "
+                        "torch.distributed (init_process_group or new_group), to meet its companion group in"
+                    )
+            # Without a companion, 8 bits only where the allgather sends
+            # fewer bytes than float16 (see Note [Eight bits at any world size]).
+            policy.int8_allowed = self.int8 and (companion is not None or exchange == "allgather")
+            self._native = _C.AdaptivePrecision(
+                group, policy, self.int8_chunk, "allgather" if companion is None else exchange, companion
+            )
+            self._companion = companion
         return self._native
 
     # What the hook has done so far (zeros and empty lists before its first bucket).
@@ -124,6 +174,12 @@ class AdaptivePrecision:
         costs (ms per iteration) of full precision and of compression."""
         return list(self._native.decisions()) if self._native else []
 
+    @property
+    def int8_exchange_used(self) -> Optional[str]:
+        """How 8-bit payloads travel ("allgather" or "reduce_scatter"); None
+        before the hook's first use."""
+        return self._native.int8_exchange if self._native else None
+
     def residual(self, bucket_index: int) -> Optional[torch.Tensor]:
         """What bucket `bucket_index` still owes to later iterations (error
         feedback), in the units sent (gradients divided by the world size)."""
@@ -134,7 +190,7 @@ class AdaptivePrecision:
         # what was measured and owed do not; a copy starts afresh on the
         # default group (or the one its DDP model registers it with).
         state = dict(self.__dict__)
-        state.update(process_group=None, _native=None)
+        state.update(process_group=None, _native=None, _companion=None)
         return state
 
 

@@ -11,10 +11,9 @@ from torch.distributed.algorithms.join import Join, Joinable
 from torch.nn.parallel.distributed import DistributedDataParallel as TorchDistributedDataParallel
 from torch.nn.parallel.scatter_gather import gather as _gather, scatter_kwargs as _scatter_kwargs
 
-from ddp_ext import _C, _buffers, _comm_hooks, _delayed_all_reduce, _diagnosis, _join, _logging_data, _parameters
-from ddp_ext import _pickling, _timeline
+from ddp_ext import _C, _arguments, _buffers, _comm_hooks, _delayed_all_reduce, _diagnosis, _join, _logging_data
+from ddp_ext import _parameters, _pickling, _timeline, hierarchy
 from ddp_ext._diagnosis import stragglers as _stragglers
-from ddp_ext import _arguments
 from ddp_ext._arguments import (
     backend_name,
     check_arguments,
@@ -107,6 +106,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         rebuild_buckets: str = "continuous",
         hang_timeout_s: Optional[float] = None,
         on_hang: Optional[str] = None,
+        hierarchical_allreduce: Union[str, bool] = "auto",
     ):
         # torch's DDP __init__ is deliberately not called: it would build
         # torch's reducer. See ddp_ext/_unsupported.py.
@@ -132,6 +132,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         caps = resolve_bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
         rebuild_mode = resolve_rebuild_buckets(rebuild_buckets)
         hang_settings = _diagnosis.resolve_hang_settings(hang_timeout_s, on_hang)
+        hierarchy.check_setting(hierarchical_allreduce)
         if caps.auto and rebuild_mode == "never":
             raise ValueError(
                 "bucket_cap_mb='auto' re-lays the buckets as it tunes their caps, and "
@@ -175,6 +176,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.batched_grad_copy = batched_grad_copy
         self.rebuild_buckets = rebuild_mode
+        self.hierarchical_allreduce = hierarchical_allreduce  # ddp_ext/hierarchy.py
         self.mixed_precision = mixed_precision
         self.static_graph = False
         self.require_backward_grad_sync = True
@@ -248,7 +250,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         options.rebuild_buckets = getattr(_C.BucketRebuild, self.rebuild_buckets)
         options.bucket_caps = self._requested_caps.caps_bytes  # the reducer's layout owns them from here
         options.layer_units = self._dropped_layers.units
-        return _C.Reducer(params, [n for n, _ in named_params], self.process_group, options, sparse)
+        return _C.Reducer(params, [n for n, _ in named_params], self.reducer_group, options, sparse)
 
     # --- forward ----------------------------------------------------------
 
@@ -536,6 +538,12 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
     def bucket_bytes_cap_default(self) -> bool:
         """torch's attribute: neither bucket_cap_mb nor bucket_cap_mb_list was given."""
         return self._requested_caps.default
+
+    @property
+    def reducer_group(self) -> dist.ProcessGroup:
+        """The group gradient buckets are reduced over without a hook:
+        process_group, or its hierarchical twin (ddp_ext/hierarchy.py)."""
+        return hierarchy.reducer_group(self.__dict__.get("hierarchical_allreduce", False), self.process_group)
 
     def bucket_indices(self) -> List[List[int]]:
         """ddp_ext only. Parameter indices (among those that require grad and

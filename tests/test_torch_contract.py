@@ -52,7 +52,7 @@ def test_unsupported_internals_raise_naming_themselves(name, single_process_grou
 
 # ddp_ext's own constructor arguments, keyword-only after torch's
 # (docs/TORCH_CONTRACT.md).
-ADDITIONS = ["rebuild_buckets", "hang_timeout_s", "on_hang"]
+ADDITIONS = ["rebuild_buckets", "hang_timeout_s", "on_hang", "hierarchical_allreduce"]
 
 
 def test_constructor_takes_torch_arguments_and_defaults():

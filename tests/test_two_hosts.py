@@ -9,11 +9,11 @@ concatenated batch, then that when host 1's worker is SIGKILLed mid-training,
 host 0's worker raises within ERROR_BOUND_S (its process group timeout is
 20 s, so an error that quick comes from the lost connection, not a timeout).
 
-Needs root (`ip netns add`); skips, saying why, otherwise. The namespaces,
-and any process left in them, are removed whatever happens.
+Needs root (`ip netns add`); skips, saying why, otherwise. The namespaces
+(made by ddp_ext/bench/harness/hosts.py), and any process left in them, are
+removed whatever happens.
 """
 
-import dataclasses
 import itertools
 import json
 import os
@@ -25,6 +25,7 @@ import time
 import pytest
 import torch
 
+from ddp_ext.bench.harness import hosts as fake
 from tests import reference
 from tests import two_host_train as worker
 from tests.harness import assert_states_close, same_bits
@@ -35,70 +36,24 @@ SCRIPT = os.path.join(ROOT, "tests", "two_host_train.py")
 LAUNCH_TIMEOUT_S = 120  # per torchrun launch (both hosts)
 ERROR_BOUND_S = 10.0
 RDZV_PORT = 29400  # free: the namespaces are new
-PREFIX = "ddpx"
 _runs = itertools.count()
-
-
-@dataclasses.dataclass
-class Host:
-    netns: str
-    veth: str
-    addr: str
-
-
-def _ip(*args: str) -> str:
-    return subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30).stdout
-
-
-def _remove_namespace(netns: str) -> None:
-    """Kills what still runs in `netns` (only this test's processes run
-    there), then deletes it, which deletes its end of the veth pair and so
-    the pair."""
-    try:
-        pids = [int(p) for p in _ip("netns", "pids", netns).split()]
-    except subprocess.CalledProcessError:
-        return  # never created
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    subprocess.run(["ip", "netns", "del", netns], capture_output=True, timeout=30)
-
-
-def _remove_stale_namespaces() -> None:
-    """Namespaces of earlier runs whose pytest died before its cleanup."""
-    for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout.splitlines():
-        name = line.split()[0] if line.split() else ""
-        pid = name[len(PREFIX) :].split("_")[0]
-        if name.startswith(PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            _remove_namespace(name)
 
 
 @pytest.fixture
 def hosts():
-    if os.geteuid() != 0:
-        pytest.skip("two-host test: needs root to create network namespaces (`ip netns add`)")
-    tag = f"{os.getpid()}_{next(_runs)}"
-    pair = [Host(f"{PREFIX}{tag}_h{i}", f"dx{tag.replace('_', '')}{'ab'[i]}", f"10.213.0.{i + 1}") for i in range(2)]
+    reason = fake.cannot_make_namespaces()
+    if reason:
+        pytest.skip(f"two-host test: {reason}")
     try:
-        try:
-            _remove_stale_namespaces()
-            for h in pair:
-                _ip("netns", "add", h.netns)
-            _ip("link", "add", pair[0].veth, "type", "veth", "peer", "name", pair[1].veth)
-            for h in pair:
-                _ip("link", "set", h.veth, "netns", h.netns)
-                _ip("-n", h.netns, "addr", "add", f"{h.addr}/24", "dev", h.veth)
-                _ip("-n", h.netns, "link", "set", "lo", "up")
-                _ip("-n", h.netns, "link", "set", h.veth, "up")
-        except (OSError, subprocess.SubprocessError) as e:
-            detail = getattr(e, "stderr", None) or e
-            pytest.skip(f"two-host test: cannot create network namespaces joined by a veth pair: {detail}")
+        made = fake.fake_hosts(2, f"t{next(_runs)}")
+        pair = made.__enter__()
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", None) or e
+        pytest.skip(f"two-host test: cannot create network namespaces joined by a veth pair: {detail}")
+    try:
         yield pair
     finally:
-        for h in pair:
-            _remove_namespace(h.netns)
+        made.__exit__(None, None, None)
 
 
 def _launch(pair, out: str, mode: str):

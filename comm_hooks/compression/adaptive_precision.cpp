@@ -29,12 +29,21 @@ std::vector<std::string> format_names(const PrecisionPolicy& policy, size_t buck
 } // namespace
 
 AdaptivePrecision::AdaptivePrecision(c10::intrusive_ptr<c10d::ProcessGroup> group,
-                                     AdaptivePrecisionOptions options)
+                                     AdaptivePrecisionOptions options,
+                                     c10::intrusive_ptr<c10d::ProcessGroup> companion)
     : group_(std::move(group)),
       world_size_(group_->getSize()),
       int8_chunk_(options.int8_chunk),
+      int8_exchange_(options.int8_exchange.value_or(int8_exchange_for(world_size_))),
+      companion_(std::move(companion)),
+      gathers_(std::make_shared<OrderedLaunches>()),
       policy_(options.policy) {
   TORCH_CHECK(int8_chunk_ > 0, "int8_chunk must be positive, got ", int8_chunk_);
+  TORCH_CHECK(int8_exchange_ != Int8Exchange::kReduceScatter || !policy_.options().int8_allowed ||
+                  (companion_ && companion_->getSize() == world_size_ &&
+                   companion_->getRank() == group_->getRank()),
+              "AdaptivePrecision: the reduce_scatter exchange of 8-bit payloads needs a "
+              "companion process group of the same ranks (see Note [Eight bits at any world size])");
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> AdaptivePrecision::run(c10d::GradBucket& bucket) {
@@ -136,15 +145,19 @@ AdaptivePrecision::FuturePtr AdaptivePrecision::complete_with(
         TORCH_CHECK(!done.hasError(), done.tryRetrieveErrorMessage());
         finish();
         if (auto self = weak.lock()) {
-          const auto now = Clock::now();
-          std::lock_guard<std::mutex> guard(self->completion_mutex_);
-          if (!self->last_completion_ || *self->last_completion_ < now) {
-            self->last_completion_ = now;
-          }
+          self->note_completion();
         }
         return c10::IValue(result);
       },
       c10::TensorType::get());
+}
+
+void AdaptivePrecision::note_completion() {
+  const auto now = Clock::now();
+  std::lock_guard<std::mutex> guard(completion_mutex_);
+  if (!last_completion_ || *last_completion_ < now) {
+    last_completion_ = now;
+  }
 }
 
 AdaptivePrecision::FuturePtr AdaptivePrecision::send_full(c10d::GradBucket& bucket,
@@ -181,6 +194,14 @@ AdaptivePrecision::FuturePtr AdaptivePrecision::send_int8(c10d::GradBucket& buck
   at::Tensor& owed = residuals_.of(bucket.getIndex(), bucket.getParameters(), flat);
   window_sq_norms_[bucket.getIndex()] +=
       accumulate_scaled(owed, flat, 1.0 / static_cast<double>(world_size_));
+  return int8_exchange_ == Int8Exchange::kAllgather
+      ? send_int8_gathered(owed, bucket, flat)
+      : send_int8_scattered(owed, bucket, flat);
+}
+
+AdaptivePrecision::FuturePtr AdaptivePrecision::send_int8_gathered(at::Tensor& owed,
+                                                                   c10d::GradBucket& bucket,
+                                                                   at::Tensor& flat) {
   const int64_t bytes = int8_payload_bytes(flat.numel(), int8_chunk_);
   at::Tensor payload = at::empty({bytes}, flat.options().dtype(at::kByte));
   encode_int8(owed, payload, int8_chunk_);
@@ -197,6 +218,149 @@ AdaptivePrecision::FuturePtr AdaptivePrecision::send_int8(c10d::GradBucket& buck
                        [flat, payloads = gathered[0], chunk]() mutable {
                          decode_sum_int8(payloads, flat, chunk);
                        });
+}
+
+namespace {
+
+// The steps of one bucket's kReduceScatter exchange that run on completion
+// callbacks; see Note [Eight bits at any world size].
+struct ScatteredBucket {
+  Int8Segments segments;
+  int64_t rank;
+  int64_t chunk;
+  at::Tensor owed;     // this rank's residual of the whole bucket
+  at::Tensor flat;     // the bucket, where the average is written
+  at::Tensor buffer;   // the bucket as the hook's result
+  at::Tensor received; // round 1: every rank's payload of this rank's segment
+  c10::intrusive_ptr<c10::ivalue::Future> result;
+
+  int64_t slot(int64_t r) const {
+    return (segments.bytes[r] + 3) / 4 * 4;
+  }
+
+  // Round 1 has arrived: sums this rank's segment, encodes the sum again,
+  // and feeds what that misses back into this rank's residual. Returns the
+  // payload for round 2, padded to the largest slot.
+  at::Tensor owner_payload() {
+    const int64_t numel = segments.numel[rank];
+    const int64_t bytes = segments.bytes[rank];
+    at::Tensor mine = at::zeros({segments.largest_slot}, received.options());
+    if (numel == 0) {
+      return mine;
+    }
+    std::vector<at::Tensor> payloads;
+    for (int64_t r = 0; r < static_cast<int64_t>(segments.numel.size()); ++r) {
+      payloads.push_back(received.narrow(0, r * slot(rank), bytes));
+    }
+    at::Tensor sum = at::empty({numel}, owed.options());
+    decode_sum_int8(payloads, sum, chunk);
+    at::Tensor payload = mine.narrow(0, 0, bytes);
+    encode_int8(sum, payload, chunk);
+    owed.narrow(0, segments.begin[rank], numel).add_(sum);
+    return mine;
+  }
+
+  // Round 2 has arrived: every owner's payload, decoded into its segment.
+  void decode(const std::vector<at::Tensor>& gathered) {
+    for (size_t r = 0; r < gathered.size(); ++r) {
+      if (segments.numel[r] == 0) {
+        continue;
+      }
+      at::Tensor out = flat.narrow(0, segments.begin[r], segments.numel[r]);
+      decode_sum_int8({gathered[r].narrow(0, 0, segments.bytes[r])}, out, chunk);
+    }
+  }
+};
+
+} // namespace
+
+AdaptivePrecision::FuturePtr AdaptivePrecision::send_int8_scattered(at::Tensor& owed,
+                                                                    c10d::GradBucket& bucket,
+                                                                    at::Tensor& flat) {
+  auto job = std::make_shared<ScatteredBucket>();
+  job->segments = int8_segments(flat.numel(), int8_chunk_, world_size_);
+  job->rank = group_->getRank();
+  job->chunk = int8_chunk_;
+  job->owed = owed;
+  job->flat = flat;
+  job->buffer = bucket.getBuffer();
+  job->result = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
+  const Int8Segments& seg = job->segments;
+
+  // Round 1: segment s's payload goes to rank s.
+  at::Tensor outgoing = at::zeros({seg.total_bytes}, flat.options().dtype(at::kByte));
+  std::vector<int64_t> out_splits;
+  for (int64_t s = 0; s < world_size_; ++s) {
+    out_splits.push_back(job->slot(s));
+    if (seg.numel[s] == 0) {
+      continue;
+    }
+    at::Tensor values = owed.narrow(0, seg.begin[s], seg.numel[s]);
+    at::Tensor payload = outgoing.narrow(0, seg.offset[s], seg.bytes[s]);
+    encode_int8(values, payload, int8_chunk_);
+  }
+  job->received = at::empty({world_size_ * job->slot(job->rank)}, outgoing.options());
+  std::vector<int64_t> in_splits(world_size_, job->slot(job->rank));
+  bytes_sent_ += seg.total_bytes + seg.largest_slot;
+  // alltoall_base: all_to_all_single's name in every supported torch.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+  auto first = group_->alltoall_base(job->received, outgoing, in_splits, out_splits)->getFuture();
+#pragma GCC diagnostic pop
+  const OrderedLaunches::Ticket ticket = gathers_->take();
+
+  std::weak_ptr<AdaptivePrecision> weak = weak_from_this();
+  auto companion = companion_;
+  auto gathers = gathers_;
+  first->addCallback([job, ticket, companion, gathers, weak,
+                      outgoing](c10::ivalue::Future& done) {
+    at::Tensor mine;
+    std::exception_ptr failed;
+    if (done.hasError()) {
+      failed = done.exception_ptr();
+    } else {
+      try {
+        mine = job->owner_payload();
+      } catch (...) {
+        failed = std::current_exception();
+      }
+    }
+    // Round 2, in hook order on the companion group (a failed round 1
+    // still takes its turn, launching nothing).
+    gathers->ready(ticket, [job, companion, weak, mine, failed]() {
+      if (failed) {
+        job->result->setError(failed);
+        return;
+      }
+      try {
+        auto gathered = std::make_shared<std::vector<std::vector<at::Tensor>>>(1);
+        for (int64_t r = 0; r < companion->getSize(); ++r) {
+          (*gathered)[0].push_back(at::empty_like(mine));
+        }
+        std::vector<at::Tensor> inputs{mine};
+        auto second = companion->allgather(*gathered, inputs)->getFuture();
+        second->addCallback([job, gathered, weak](c10::ivalue::Future& done) {
+          if (done.hasError()) {
+            job->result->setError(done.exception_ptr());
+            return;
+          }
+          try {
+            job->decode((*gathered)[0]);
+          } catch (...) {
+            job->result->setError(std::current_exception());
+            return;
+          }
+          if (auto self = weak.lock()) {
+            self->note_completion();
+          }
+          job->result->markCompleted(c10::IValue(job->buffer));
+        });
+      } catch (...) {
+        job->result->setError(std::current_exception());
+      }
+    });
+  });
+  return job->result;
 }
 
 int64_t AdaptivePrecision::iterations() const {

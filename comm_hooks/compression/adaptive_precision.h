@@ -15,6 +15,8 @@
 #include <vector>
 
 #include "comm_hooks/comm_hook.h"
+#include "comm_hooks/compression/int8_exchange.h"
+#include "process_groups/ordered_launches.h"
 #include "comm_hooks/compression/precision_policy.h"
 #include "comm_hooks/compression/residuals.h"
 
@@ -25,6 +27,9 @@ struct AdaptivePrecisionOptions {
   PolicyOptions policy;
   // Elements per int8 scale. Default: 1024 (scales add 0.4% to the bytes).
   int64_t int8_chunk = 1024;
+  // How 8-bit payloads travel; see Note [Eight bits at any world size].
+  // Default: int8_exchange_for(world size).
+  std::optional<Int8Exchange> int8_exchange;
 };
 
 // One format decision, as the tests and reports see it.
@@ -43,8 +48,12 @@ struct PrecisionDecision {
 // instance per DDP model.
 class AdaptivePrecision : public std::enable_shared_from_this<AdaptivePrecision> {
  public:
+  // `companion`: a group of the same ranks that carries nothing else, for
+  // the second round of kReduceScatter; needed only with that exchange.
+  // See Note [Eight bits at any world size], Ordering.
   AdaptivePrecision(c10::intrusive_ptr<c10d::ProcessGroup> group,
-                    AdaptivePrecisionOptions options);
+                    AdaptivePrecisionOptions options,
+                    c10::intrusive_ptr<c10d::ProcessGroup> companion = {});
 
   c10::intrusive_ptr<c10::ivalue::Future> run(c10d::GradBucket& bucket);
 
@@ -56,6 +65,7 @@ class AdaptivePrecision : public std::enable_shared_from_this<AdaptivePrecision>
   std::string mode() const;
   std::vector<std::string> formats() const;
   std::vector<PrecisionDecision> decisions() const;
+  Int8Exchange int8_exchange() const { return int8_exchange_; }
   // What bucket `index` owes to later iterations (error feedback); undefined
   // if nothing. A copy.
   at::Tensor residual(size_t index) const;
@@ -70,6 +80,10 @@ class AdaptivePrecision : public std::enable_shared_from_this<AdaptivePrecision>
   FuturePtr send_full(c10d::GradBucket& bucket, at::Tensor& flat);
   FuturePtr send_half(c10d::GradBucket& bucket, at::Tensor& flat);
   FuturePtr send_int8(c10d::GradBucket& bucket, at::Tensor& flat);
+  FuturePtr send_int8_gathered(at::Tensor& owed, c10d::GradBucket& bucket, at::Tensor& flat);
+  FuturePtr send_int8_scattered(at::Tensor& owed, c10d::GradBucket& bucket, at::Tensor& flat);
+  // Records that a bucket's reduction finished now (for the cost).
+  void note_completion();
   // The future's value becomes `result`, once `finish` has run on completion.
   FuturePtr complete_with(FuturePtr sent, at::Tensor result,
                           std::function<void()> finish);
@@ -77,6 +91,10 @@ class AdaptivePrecision : public std::enable_shared_from_this<AdaptivePrecision>
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   const int64_t world_size_;
   const int64_t int8_chunk_;
+  const Int8Exchange int8_exchange_;
+  const c10::intrusive_ptr<c10d::ProcessGroup> companion_;
+  // kReduceScatter's second rounds, in hook order.
+  const std::shared_ptr<OrderedLaunches> gathers_;
 
   mutable std::mutex mutex_; // everything below but the completion time
   PrecisionPolicy policy_;

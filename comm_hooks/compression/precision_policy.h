@@ -17,16 +17,18 @@ namespace ddp_ext::compression {
 //   kFull   float32, one allreduce (what DDP sends without a hook);
 //   kHalf   float16, one allreduce, half the bytes;
 //   kInt8   8-bit codes with one float32 scale per chunk of `int8_chunk`
-//           elements, one allgather (each rank's scales differ, so the codes
-//           cannot be summed on the wire); every rank decodes the payloads
-//           in rank order and sums them in float32, so all ranks get the
-//           same bits. A quarter of the bytes each rank sends; each rank
-//           receives world_size - 1 payloads, so from 4 ranks on it receives
-//           as much as an allreduce of float16 moves, and kInt8 is offered
-//           only to smaller worlds.
+//           elements. Each rank's scales differ, so the codes cannot be
+//           summed on the wire: up to 3 ranks they are allgathered and
+//           every rank decodes the payloads in rank order and sums them in
+//           float32; from 4 ranks they are reduce-scattered (summed in
+//           float32 on each segment's owner, encoded again, allgathered),
+//           so the bytes per rank stay a quarter of float32's whatever the
+//           world size. Either way all ranks get the same bits. See
+//           Note [Eight bits at any world size] (int8_exchange.h).
 //
 // Error feedback: what rounding drops is kept per parameter (a residual)
-// and added to the next gradient sent, so the sum of what a rank sent over
+// and added to the next gradient sent (the reduce-scatter's second
+// rounding, too: it goes into the segment owner's residual), so the sum of what a rank sent over
 // any stretch of iterations differs from the sum of its gradients by its
 // current residual only: one rounding's worth, never an accumulation.
 // Float16's allreduce also rounds the sum on the wire, which no rank sees;
@@ -90,7 +92,8 @@ struct PolicyOptions {
   double critical_change = 0.3;
   // Windows between re-measurements of the choice not taken. Default: 10.
   int64_t reprobe_every = 10;
-  // Whether kInt8 may be chosen (see above: worlds of up to 3 ranks).
+  // Whether kInt8 may be chosen (false without a way to exchange it that
+  // pays; see Note [Eight bits at any world size]). Default: true.
   bool int8_allowed = true;
   // Send full precision while compression measures slower (2. above);
   // false keeps compressing whatever it costs. Default: true.

@@ -10,5 +10,5 @@ Layout, each layer importing only those below it:
   worlds and fault injection;
 - `harness/`: launching ranks (spawned, or with mpirun), interleaved
   measurement, statistics, machine state, progress, the recording process
-  group, and `product`, the one seam into ddp_ext's private modules.
+  group, hosts as network namespaces, and `product`, the one seam into ddp_ext's private modules.
 """

@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 from ddp_ext.bench.harness import mpi_launcher
 from ddp_ext.bench.harness.ranks import RanksFailed, values_in_rank_order
@@ -28,7 +28,9 @@ DEFAULT_TIMEOUT_S = 3600.0
 GRACE_AFTER_FAILURE_S = 10.0
 
 
-def _rank_main(fn, rank, world_size, store_path, threads, job, results, backend=BACKEND):
+def _rank_main(fn, rank, world_size, store_path, threads, job, results, backend=BACKEND, setup=None):
+    if setup is not None:
+        setup(rank)  # first of all: it may move this process into another network namespace
     import torch
     import torch.distributed as dist
 
@@ -67,12 +69,15 @@ def _collect(procs, results, timeout: float) -> dict:
 
 
 def launch(fn: Callable[[int, int, Any], Any], world_size: int, job: Any, threads: int = 1,
-           timeout: float = DEFAULT_TIMEOUT_S, backend: str = BACKEND) -> List[Any]:
+           timeout: float = DEFAULT_TIMEOUT_S, backend: str = BACKEND,
+           setup: Optional[Callable[[int], None]] = None) -> List[Any]:
     """Runs fn(rank, world_size, job) on `world_size` ranks with `threads`
     intra-op threads each; returns the ranks' return values in rank order.
     With backend "nccl" each rank first makes cuda:(rank % GPUs) current.
 
     fn must be a module-level function and job and the return values picklable.
+    setup(rank), if given (picklable too), runs first in each rank's process,
+    before torch is imported (e.g. harness.hosts.enter).
     backend "ddp_ext_mpi" starts the ranks with mpirun instead (mpi_launcher).
     """
     if backend == mpi_launcher.BACKEND:
@@ -83,7 +88,8 @@ def launch(fn: Callable[[int, int, Any], Any], world_size: int, job: Any, thread
     with tempfile.TemporaryDirectory(prefix="ddp_ext_bench_") as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [
-            context.Process(target=_rank_main, args=(fn, rank, world_size, store_path, threads, job, results, backend),
+            context.Process(target=_rank_main,
+                            args=(fn, rank, world_size, store_path, threads, job, results, backend, setup),
                             daemon=True)
             for rank in range(world_size)
         ]

@@ -23,6 +23,9 @@ from typing import List, Tuple
 SERIES_LENGTH = 20
 # Always raw, whatever their length: every measured iteration by block.
 RAW_KEYS = ("samples_ms",)
+# Always summary, whatever their length: tables of summarised records (one
+# per configuration and variant).
+SUMMARY_KEYS = ("rows", "targets")
 
 
 def paths(out_dir: str, name: str) -> dict:
@@ -33,6 +36,8 @@ def paths(out_dir: str, name: str) -> dict:
 def _is_series(key: str, value) -> bool:
     if key in RAW_KEYS:
         return True
+    if key in SUMMARY_KEYS:
+        return False
     return isinstance(value, list) and len(value) >= SERIES_LENGTH and not all(isinstance(x, str) for x in value)
 
 

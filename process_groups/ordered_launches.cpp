@@ -1,0 +1,33 @@
+#include "process_groups/ordered_launches.h"
+
+#include <c10/util/Exception.h>
+
+#include <utility>
+
+namespace ddp_ext {
+
+OrderedLaunches::Ticket OrderedLaunches::take() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return next_ticket_++;
+}
+
+void OrderedLaunches::ready(Ticket ticket, std::function<void()> launch) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(ticket >= next_launch_ && ticket < next_ticket_ && !waiting_.count(ticket),
+              "OrderedLaunches: ticket ", ticket, " is not waiting (next to launch ",
+              next_launch_, ", next to take ", next_ticket_, ")");
+  waiting_.emplace(ticket, std::move(launch));
+  // Run every launch whose predecessors have all run.
+  for (auto it = waiting_.begin(); it != waiting_.end() && it->first == next_launch_;
+       it = waiting_.erase(it)) {
+    ++next_launch_;
+    it->second();
+  }
+}
+
+size_t OrderedLaunches::pending() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return static_cast<size_t>(next_ticket_ - next_launch_);
+}
+
+} // namespace ddp_ext
