@@ -2,6 +2,10 @@
 
 #include <c10/util/Exception.h>
 
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+
 namespace ddp_ext::hierarchical {
 
 FutureWork::FutureWork(int rank, c10d::OpType op,
@@ -25,7 +29,24 @@ std::vector<at::Tensor> FutureWork::result() {
 }
 
 bool FutureWork::wait(std::chrono::milliseconds timeout) {
-  TORCH_CHECK(timeout == kNoTimeout, "FutureWork::wait takes no timeout (the steps' groups have theirs)");
+  if (timeout != kNoTimeout && !future_->completed()) {
+    // Like Gloo's work: raise when the deadline passes first. The state is
+    // shared with the callback, which may run after this wait gave up.
+    struct Done {
+      std::mutex mutex;
+      std::condition_variable cv;
+      bool done = false;
+    };
+    auto done = std::make_shared<Done>();
+    future_->addCallback([done](c10::ivalue::Future&) {
+      std::lock_guard<std::mutex> lock(done->mutex);
+      done->done = true;
+      done->cv.notify_all();
+    });
+    std::unique_lock<std::mutex> lock(done->mutex);
+    TORCH_CHECK(done->cv.wait_for(lock, timeout, [&] { return done->done; }),
+                "Timed out after ", timeout.count(), " ms waiting for a hierarchical collective");
+  }
   future_->wait();
   future_->value(); // rethrows a step's error
   return true;
