@@ -112,10 +112,10 @@ class Run:
             self.coordinator.stdout.close()
 
 
-def reference(first_source: str, steps: int) -> List[torch.Tensor]:
+def reference(first_source: str, steps: int, kind: str = "mlp") -> List[torch.Tensor]:
     """Local training from the first quorum's rank 0 model: each step on the
     whole global batch, which is the concatenation of the quorum's shards."""
-    net = worker.model(worker.seed_of(first_source))
+    net = worker.model(worker.seed_of(first_source), kind)
     opt = worker.optimizer(net)
     for step in range(steps):
         opt.zero_grad()
@@ -125,7 +125,8 @@ def reference(first_source: str, steps: int) -> List[torch.Tensor]:
     return [p.detach().clone() for p in net.parameters()]
 
 
-def check_run(run: Run, replica_ids, steps: int, finished: Optional[List[str]] = None) -> Dict[int, dict]:
+def check_run(run: Run, replica_ids, steps: int, finished: Optional[List[str]] = None,
+              kind: str = "mlp") -> Dict[int, dict]:
     """Every committed step: the replicas that recorded it are members of
     its quorum and hold bitwise equal parameters; every finished replica's
     parameters equal local training on the quorums' concatenated shards."""
@@ -142,7 +143,7 @@ def check_run(run: Run, replica_ids, steps: int, finished: Optional[List[str]] =
     assert sorted(per_step) == list(range(steps)), f"committed steps {sorted(per_step)}"
     for step, seen in per_step.items():
         assert len(set(seen["hashes"].values())) == 1, f"step {step}: replicas differ: {seen['hashes']}"
-    expected = reference(per_step[0]["members"][0], steps)
+    expected = reference(per_step[0]["members"][0], steps, kind)
     for rid in finished if finished is not None else replica_ids:
         done = [r for r in run.records(rid) if r["kind"] == "done"]
         assert done, f"{rid} did not finish\n{run.logs()}"

@@ -31,11 +31,18 @@ LR, MOMENTUM = 0.05, 0.9
 
 
 def model(seed: int, kind: str = "mlp") -> nn.Module:
+    """"mlp"; "wide" (another model, for a refused joiner); "layerdrop"
+    (the middle layers in a ddp_ext.LayerDrop with a fixed seed)."""
     torch.manual_seed(seed)
-    width = HIDDEN if kind == "mlp" else HIDDEN + 1
+    width = HIDDEN + 1 if kind == "wide" else HIDDEN
+    middle = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(3)]
+    if kind == "layerdrop":
+        from ddp_ext import LayerDrop
+
+        return nn.Sequential(nn.Linear(IN, width), nn.Tanh(), LayerDrop(middle, p=0.3, seed=7), nn.Linear(width, OUT))
     layers = [nn.Linear(IN, width), nn.Tanh()]
-    for _ in range(3):
-        layers += [nn.Linear(width, width), nn.Tanh()]
+    for block in middle:
+        layers += [block[0], block[1]]
     layers.append(nn.Linear(width, OUT))
     return nn.Sequential(*layers)
 
@@ -108,7 +115,7 @@ def main(argv=None):
         out.flush()
         os.kill(os.getpid(), sig)
 
-    middle = net[4]  # the third Linear: its buckets come mid-backward
+    middle = net[4] if args.model != "layerdrop" else net[0]  # mlp: the third Linear, mid-backward
     if fault == "kill-forward":
         middle.register_forward_pre_hook(lambda *_: die_here(signal.SIGKILL) if replica.step == fault_step else None)
     if fault == "stop":
@@ -146,7 +153,9 @@ def main(argv=None):
         m = result.membership
         note(kind="step", step=m.step, epoch=m.epoch, rank=m.rank, world_size=m.world_size,
              members=list(m.members), attempts=result.attempts, hash=params_hash(net),
-             heal_bytes=replica.last_heal_bytes, time=time.time())
+             heal_bytes=replica.last_heal_bytes, time=time.time(), caps=list(replica.ddp._bucket_caps_bytes),
+             tuner=None if replica.ddp.bucket_tuner is None else replica.ddp.bucket_tuner.phase.value,
+             draws=[m.draws for m in net.modules() if hasattr(m, "draws")])
         if fault == "kill-between" and m.step == fault_step:
             die_here(signal.SIGKILL)
     note(kind="done", params=[p.detach().tolist() for p in net.parameters()], rejoins=replica.rejoins)

@@ -108,19 +108,30 @@ def test_two_kills_one_after_the_other(run):
     assert len(per_step[6]["members"]) == 2
 
 
-def test_a_replacement_joins_and_catches_up(run):
+# The second case carries ddp_ext's own replicated state: tuned caps and the
+# tuner (bucket_cap_mb="auto", with a short policy... the default one is
+# used), LayerDrop's plan counter; a joiner with the wrong caps or plan count
+# would make the step check or the bucket allreduces disagree.
+@pytest.mark.parametrize("model, ddp", [("mlp", "{}"), ("layerdrop", '{"bucket_cap_mb": "auto"}')])
+def test_a_replacement_joins_and_catches_up(run, model, ddp):
     r = run(min_replicas=3)
     gate = r.tmp / "gate"
     for rid in REPLICAS:
         r.start(rid, STEPS, heartbeat=HEARTBEAT_S, fault="kill-between@3" if rid == "r2" else "",
-                gate=f"10:{gate}" if rid != "r2" else "")
+                gate=f"10:{gate}" if rid != "r2" else "", model=model, ddp=ddp)
     r.wait_for(lambda: r.procs["r2"].poll() is not None, 120, "r2 to die")
-    r.start("r3", STEPS, heartbeat=HEARTBEAT_S)
+    r.start("r3", STEPS, heartbeat=HEARTBEAT_S, model=model, ddp=ddp)
     r.wait_for(lambda: any("r3" in members for members in r.epochs()), 120, "r3 to be let in")
     gate.touch()
     codes = r.wait(["r0", "r1", "r3"])
     assert codes == {"r0": 0, "r1": 0, "r3": 0}, r.logs()
-    per_step = check_run(r, ["r0", "r1", "r2", "r3"], STEPS, finished=["r0", "r1", "r3"])
+    per_step = check_run(r, ["r0", "r1", "r2", "r3"], STEPS, finished=["r0", "r1", "r3"], kind=model)
     assert per_step[STEPS - 1]["members"] == ["r0", "r1", "r3"] or sorted(per_step[STEPS - 1]["members"]) == ["r0", "r1", "r3"]
     r3 = [rec for rec in r.records("r3") if rec["kind"] == "step"]
     assert r3[0]["step"] >= 10 and r3[0]["heal_bytes"] > 0
+    r0 = {rec["step"]: rec for rec in r.records("r0") if rec["kind"] == "step"}
+    for rec in r3:
+        assert (rec["caps"], rec["tuner"], rec["draws"]) == (r0[rec["step"]]["caps"], r0[rec["step"]]["tuner"],
+                                                             r0[rec["step"]]["draws"])
+    if model == "layerdrop":
+        assert r3[0]["draws"] == [r3[0]["step"] + 1] and r0[STEPS - 1]["tuner"] is not None
