@@ -9,7 +9,8 @@ a hash of the parameters after the step), then a final line with the
 parameters. Faults it does to itself at step K: kill-forward@K,
 kill-backward@K (mid-backward, after the last layers' buckets were
 launched), kill-between@K (right after step K committed), stop@K (SIGSTOP in
-the forward of step K; the test sends SIGCONT).
+the forward of step K; the test sends SIGCONT), kill-heal (dies while sending
+its state to a joiner).
 """
 
 import argparse
@@ -111,7 +112,7 @@ def main(argv=None):
     note(kind="connected", pid=os.getpid())
 
     def die_here(sig):
-        note(kind="fault", fault=args.fault, step=replica.step)
+        note(kind="fault", fault=args.fault, step=replica.step, time=time.time())
         out.flush()
         os.kill(os.getpid(), sig)
 
@@ -129,6 +130,16 @@ def main(argv=None):
         middle.register_forward_pre_hook(stop_once)
     if fault == "kill-backward":
         middle.weight.register_hook(lambda g: die_here(signal.SIGKILL) if replica.step == fault_step else None)
+
+    if fault == "kill-heal":
+        # Dies as the source of a heal, after the payload's size went out.
+        from ddp_ext.fault_tolerance import heal
+
+        def send_then_die(group, blob, dst):
+            group.send([torch.tensor([len(blob)], dtype=torch.int64)], dst, 0).wait()
+            die_here(signal.SIGKILL)
+
+        heal.send = send_then_die
 
     gate_step, _, gate_file = args.gate.partition(":")
 
@@ -153,7 +164,8 @@ def main(argv=None):
         m = result.membership
         note(kind="step", step=m.step, epoch=m.epoch, rank=m.rank, world_size=m.world_size,
              members=list(m.members), attempts=result.attempts, hash=params_hash(net),
-             heal_bytes=replica.last_heal_bytes, time=time.time(), caps=list(replica.ddp._bucket_caps_bytes),
+             heal_bytes=replica.last_heal_bytes, heal_s=replica.last_heal_s, wrap_s=replica.last_wrap_s,
+             time=time.time(), caps=list(replica.ddp._bucket_caps_bytes),
              tuner=None if replica.ddp.bucket_tuner is None else replica.ddp.bucket_tuner.phase.value,
              draws=[m.draws for m in net.modules() if hasattr(m, "draws")])
         if fault == "kill-between" and m.step == fault_step:

@@ -61,10 +61,7 @@ def test_survivors_go_on_after_a_kill(run, fault):
 
 
 def _fault_time(r, rid):
-    # The fault note is written just before the signal; its step record time is close enough.
-    records = r.records(rid)
-    steps = [rec["time"] for rec in records if rec["kind"] == "step"]
-    return steps[-1] if steps else 0.0
+    return [rec["time"] for rec in r.records(rid) if rec["kind"] == "fault"][0]  # written just before the signal
 
 
 def test_a_stopped_replica_is_dropped_then_rejoins_and_heals(run):
@@ -135,3 +132,22 @@ def test_a_replacement_joins_and_catches_up(run, model, ddp):
                                                              r0[rec["step"]]["draws"])
     if model == "layerdrop":
         assert r3[0]["draws"] == [r3[0]["step"] + 1] and r0[STEPS - 1]["tuner"] is not None
+
+
+def test_the_source_dying_during_a_heal(run):
+    # r2 dies; its replacement r3 is healed by rank 0 (r0), which dies after
+    # sending the state's size: the next epoch heals r3 from r1.
+    r = run(min_replicas=3)
+    gate = r.tmp / "gate"
+    faults = {"r0": "kill-heal", "r1": "", "r2": "kill-between@3"}
+    for rid in REPLICAS:
+        r.start(rid, STEPS, heartbeat=HEARTBEAT_S, fault=faults[rid], gate=f"10:{gate}" if rid != "r2" else "")
+    r.wait_for(lambda: r.procs["r2"].poll() is not None, 120, "r2 to die")
+    r.start("r3", STEPS, heartbeat=HEARTBEAT_S)
+    r.wait_for(lambda: any("r3" in members for members in r.epochs()), 120, "r3 to be let in")
+    gate.touch()
+    codes = r.wait(["r0", "r1", "r3"])
+    assert codes == {"r0": -signal.SIGKILL, "r1": 0, "r3": 0}, r.logs()
+    per_step = check_run(r, ["r0", "r1", "r2", "r3"], STEPS, finished=["r1", "r3"])
+    assert sorted(per_step[STEPS - 1]["members"]) == ["r1", "r3"]
+    assert [rec for rec in r.records("r0") if rec["kind"] == "fault"]
