@@ -138,7 +138,7 @@ def check_run(run: Run, replica_ids, steps: int, finished: Optional[List[str]] =
             assert rid in r["members"] and r["members"][r["rank"]] == rid
             assert r["world_size"] == len(r["members"])
             seen = per_step.setdefault(r["step"], {"members": r["members"], "hashes": {}})
-            assert seen["members"] == r["members"], f"step {r['step']}: quorums differ: {seen['members']} vs {r['members']}"
+            assert seen["members"] == r["members"], f"step {r['step']}: {seen['members']} vs {r['members']}"
             seen["hashes"][rid] = r["hash"]
     assert sorted(per_step) == list(range(steps)), f"committed steps {sorted(per_step)}"
     for step, seen in per_step.items():

@@ -1,7 +1,8 @@
 """One replica of a fault-tolerant run, for tests/test_fault_tolerance_*.py
-and the recovery benchmark. Run as a script:
+and tools/measure_recovery.py. Run as a script:
 
-    python tests/fault_tolerance_worker.py --coordinator HOST:PORT --id r0 --steps 30 --out r0.jsonl [--fault kill-backward@5]
+    python tests/fault_tolerance_worker.py --coordinator HOST:PORT --id r0 --steps 30 --out r0.jsonl \
+        [--fault kill-backward@5]
 
 It trains `model()` on `global_batch(step)`, taking its shard for the step's
 quorum, and appends one JSON line per committed step to --out (its quorum and

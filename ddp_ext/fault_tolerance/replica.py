@@ -89,7 +89,8 @@ class Replica:
         max_attempts: int = 3,
         connect_timeout: float = 30.0,
     ):
-        if isinstance(heartbeat_timeout, bool) or not isinstance(heartbeat_timeout, (int, float)) or not heartbeat_timeout > 0:
+        if isinstance(heartbeat_timeout, bool) or not isinstance(heartbeat_timeout, (int, float)) \
+                or not heartbeat_timeout > 0:
             raise ValueError(f"heartbeat_timeout must be a positive number of seconds, got {heartbeat_timeout!r}")
         ddp_kwargs = dict(ddp_kwargs or {})
         for name in _OWN_ARGUMENTS:
