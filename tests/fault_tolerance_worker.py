@@ -11,7 +11,8 @@ parameters. Faults it does to itself at step K: kill-forward@K,
 kill-backward@K (mid-backward, after the last layers' buckets were
 launched), kill-between@K (right after step K committed), stop@K (SIGSTOP in
 the forward of step K; the test sends SIGCONT), kill-heal (dies while sending
-its state to a joiner).
+its state to a joiner), raise@K1,K2,... (a RuntimeError in train_step at
+each of those steps, once: the quorum aborts and re-forms with the same members).
 """
 
 import argparse
@@ -71,6 +72,11 @@ def params_hash(module: nn.Module) -> str:
     return h.hexdigest()[:20]
 
 
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
 def seed_of(replica_id: str) -> int:
     return int("".join(c for c in replica_id if c.isdigit()) or 0)
 
@@ -99,7 +105,7 @@ def main(argv=None):
         out.write(json.dumps(record) + "\n")
 
     fault, _, at = args.fault.partition("@")
-    fault_step = int(at) if at else -1
+    fault_step = int(at) if at and "," not in at else -1
     net = model(seed_of(args.id), args.model)
     opt = optimizer(net)
     ddp_kwargs = {"bucket_cap_mb": 0.001}
@@ -144,7 +150,12 @@ def main(argv=None):
 
     gate_step, _, gate_file = args.gate.partition(":")
 
+    raise_at = {int(k) for k in at.split(",")} if fault == "raise" else set()
+
     def train_step(m):
+        if m.step in raise_at:
+            raise_at.discard(m.step)  # once: the step is run again and commits
+            raise RuntimeError(f"injected failure at step {m.step}")
         opt.zero_grad()
         x, y = shard(m.step, m.rank, m.world_size)
         loss = nn.functional.mse_loss(replica.ddp(x), y)
@@ -168,7 +179,9 @@ def main(argv=None):
              heal_bytes=replica.last_heal_bytes, heal_s=replica.last_heal_s, wrap_s=replica.last_wrap_s,
              time=time.time(), caps=list(replica.ddp._bucket_caps_bytes),
              tuner=None if replica.ddp.bucket_tuner is None else replica.ddp.bucket_tuner.phase.value,
-             draws=[m.draws for m in net.modules() if hasattr(m, "draws")])
+             draws=[m.draws for m in net.modules() if hasattr(m, "draws")],
+             threads=len(os.listdir("/proc/self/task")), fds=len(os.listdir("/proc/self/fd")),
+             rss_kib=_rss_kib())
         if fault == "kill-between" and m.step == fault_step:
             die_here(signal.SIGKILL)
     note(kind="done", params=[p.detach().tolist() for p in net.parameters()], rejoins=replica.rejoins)

@@ -150,3 +150,25 @@ def test_the_source_dying_during_a_heal(run):
     per_step = check_run(r, ["r0", "r1", "r2", "r3"], STEPS, finished=["r1", "r3"])
     assert sorted(per_step[STEPS - 1]["members"]) == ["r1", "r3"]
     assert [rec for rec in r.records("r0") if rec["kind"] == "fault"]
+
+
+def test_twenty_re_formations_leak_no_threads_fds_or_memory(run):
+    # r1 raises in 20 steps: each aborts the step, and the same three
+    # replicas form a new Gloo group and run it again. Threads and file
+    # descriptors must come back to where they were; memory must stay flat.
+    steps = 160
+    failing = list(range(40, 140, 5))
+    r = run(min_replicas=3)
+    for rid in REPLICAS:
+        r.start(rid, steps, heartbeat=HEARTBEAT_S, fault="raise@" + ",".join(map(str, failing)) if rid == "r1" else "")
+    assert r.wait(REPLICAS) == {rid: 0 for rid in REPLICAS}, r.logs()
+    per_step = check_run(r, REPLICAS, steps)
+    assert len(r.epochs()) >= 1 + len(failing)
+    for rid in REPLICAS:
+        recs = {rec["step"]: rec for rec in r.records(rid) if rec["kind"] == "step"}
+        assert all(recs[s]["attempts"] == 2 for s in failing) and recs[30]["attempts"] == 1
+        before, after = recs[35], recs[steps - 1]
+        assert after["threads"] <= before["threads"] + 2, (rid, before["threads"], after["threads"])
+        assert after["fds"] <= before["fds"] + 4, (rid, before["fds"], after["fds"])
+        assert after["rss_kib"] - before["rss_kib"] < 20 * 1024, (rid, before["rss_kib"], after["rss_kib"])
+    assert all(len(seen["members"]) == 3 for seen in per_step.values())
