@@ -77,7 +77,7 @@ class Run:
             time.sleep(0.05)
         raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{self.logs()}")
 
-    def wait(self, replica_ids, timeout: float = 120.0) -> Dict[str, int]:
+    def wait(self, replica_ids, timeout: float = 300.0) -> Dict[str, int]:
         deadline = time.monotonic() + timeout
         codes = {}
         for rid in replica_ids:

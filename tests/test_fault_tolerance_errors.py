@@ -47,7 +47,7 @@ def test_bad_joiners_are_refused_and_the_run_goes_on(runs, tmp_path):
         r.start(rid, STEPS, gate=f"4:{gate}")
     r.start("r2", STEPS, model="wide")  # a different model
     r.start("r3", STEPS, coordinator=other.address)  # another run's coordinator
-    r.wait({"r2": 0, "r3": 0}.keys(), timeout=120)
+    r.wait(["r2", "r3"])
     refused = {rid: [rec for rec in r.records(rid) if rec["kind"] == "refused"] for rid in ("r2", "r3")}
     assert "different model" in refused["r2"][0]["message"], refused
     assert "serves run 'other'" in refused["r3"][0]["message"], refused
@@ -65,7 +65,7 @@ def test_the_coordinator_dying_stops_the_replicas_with_a_clear_error(runs):
                "training to start")
     killed = time.time()
     r.coordinator.send_signal(signal.SIGKILL)
-    codes = r.wait(["r0", "r1"], timeout=60)
+    codes = r.wait(["r0", "r1"], timeout=120)
     assert codes == {"r0": 4, "r1": 4}, r.logs()
     for rid in ("r0", "r1"):
         error = [rec for rec in r.records(rid) if rec["kind"] == "error"][0]
