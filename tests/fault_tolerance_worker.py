@@ -142,7 +142,11 @@ def main(argv=None):
         # Dies as the source of a heal, after the payload's size went out.
         from ddp_ext.fault_tolerance import heal
 
+        first_send = heal.send
+
         def send_then_die(group, blob, dst):
+            if replica.step == 0:  # the run's start (rank 0's model to all): not this fault
+                return first_send(group, blob, dst)
             group.send([torch.tensor([len(blob)], dtype=torch.int64)], dst, 0).wait()
             die_here(signal.SIGKILL)
 

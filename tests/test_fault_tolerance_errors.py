@@ -45,6 +45,9 @@ def test_bad_joiners_are_refused_and_the_run_goes_on(runs, tmp_path):
     gate = tmp_path / "gate"
     for rid in ("r0", "r1"):
         r.start(rid, STEPS, gate=f"4:{gate}")
+    # The run's model is its first replica's: let the good ones in first.
+    r.wait_for(lambda: all(any(rec["kind"] == "step" for rec in r.records(rid)) for rid in ("r0", "r1")), 300,
+               "r0 and r1 to train")
     r.start("r2", STEPS, model="wide")  # a different model
     r.start("r3", STEPS, coordinator=other.address)  # another run's coordinator
     r.wait(["r2", "r3"])

@@ -141,6 +141,8 @@ def test_the_source_dying_during_a_heal(run):
     faults = {"r0": "kill-heal", "r1": "", "r2": "kill-between@3"}
     for rid in REPLICAS:
         r.start(rid, STEPS, heartbeat=HEARTBEAT_S, fault=faults[rid], gate=f"10:{gate}" if rid != "r2" else "")
+        if rid == "r0":  # first to say hello: rank 0, the source of every heal while it lives
+            r.wait_for(lambda: any(rec["kind"] == "connected" for rec in r.records("r0")), 300, "r0 to connect")
     r.wait_for(lambda: r.procs["r2"].poll() is not None, 300, "r2 to die")
     r.start("r3", STEPS, heartbeat=HEARTBEAT_S)
     r.wait_for(lambda: any("r3" in members for members in r.epochs()), 300, "r3 to be let in")
