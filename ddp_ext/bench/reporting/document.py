@@ -16,7 +16,7 @@ import re
 from typing import Callable, List
 
 SECTIONS = ("introduction", "compare", "allreduce", "breakdown", "bucket", "scale", "nosync", "roundrobin", "mpi",
-            "faults", "order", "layerdrop", "timeline", "compression", "scaleout")
+            "faults", "order", "layerdrop", "timeline", "compression", "scaleout", "recovery")
 PLACEHOLDER = re.compile(r"^<!-- RESULT: (\S+) -->$", re.MULTILINE)
 BEGIN = "<!-- BEGIN GENERATED: {name} -->"
 END = "<!-- END GENERATED: {name} -->"

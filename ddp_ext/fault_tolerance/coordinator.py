@@ -1,0 +1,189 @@
+"""The coordination service of fault-tolerant training: its own process.
+
+    python -m ddp_ext.fault_tolerance.coordinator --port 29600 [--min-replicas 3] [--run-id NAME]
+
+It serves a torch TCPStore on --port (the replicas' Gloo groups meet there,
+and each step's commit decision is kept there) and a control port (the
+store's key `<run-id>/control_port` says which) where every replica keeps
+one connection: heartbeats in, membership epochs out. See Note [Epochs and
+quorums] in ddp_ext/fault_tolerance/membership.py. It prints one line
+`ddp_ext coordinator ready port=P control_port=C run_id=R` once it listens,
+then one line per epoch.
+
+If the coordinator dies, the replicas' control connections close and every
+replica raises CoordinatorLost at its next step boundary (or within its
+heartbeat timeout while it waits on the coordinator): training stops with
+the last committed step intact in memory; it never hangs.
+"""
+
+import argparse
+import datetime
+import selectors
+import socket
+import sys
+import time
+from typing import Dict, Optional
+
+import torch.distributed as dist
+
+from ddp_ext.fault_tolerance import _wire
+from ddp_ext.fault_tolerance.membership import Membership
+
+TICK_S = 0.01  # how often silence is checked
+
+
+class Coordinator:
+    def __init__(self, host: str = "0.0.0.0", port: int = 29600, run_id: str = "default", min_replicas: int = 1,
+                 log=print):
+        self.membership = Membership(run_id, min_replicas)
+        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=60))
+        self.port = self.store.port
+        self._listener = socket.create_server((host, 0))
+        self.control_port = self._listener.getsockname()[1]
+        self.store.set(f"{run_id}/control_port", str(self.control_port))
+        self.store.set("ddp_ext/coordinator_run_id", run_id)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._clients: Dict[socket.socket, dict] = {}  # socket -> {"reader", "rid"}
+        self._by_id: Dict[str, socket.socket] = {}
+        self._log = log
+
+    def serve_forever(self) -> None:
+        self._log(f"ddp_ext coordinator ready port={self.port} control_port={self.control_port} "
+                  f"run_id={self.membership.run_id}")
+        while True:
+            self.poll(TICK_S)
+
+    def poll(self, timeout: float) -> None:
+        for key, _ in self._selector.select(timeout):
+            if key.fileobj is self._listener:
+                conn, _ = self._listener.accept()
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn.setblocking(False)
+                self._clients[conn] = {"reader": _wire.LineReader(), "rid": None}
+                self._selector.register(conn, selectors.EVENT_READ)
+            else:
+                self._read(key.fileobj)
+        now = time.monotonic()
+        for rid in self.membership.stale(now):
+            self._drop(rid, f"no heartbeat for more than {self.membership.peers[rid].heartbeat_timeout} s")
+        epoch = self.membership.next_epoch()
+        if epoch is not None:
+            self._log(f"epoch {epoch.number}: {list(epoch.members)}")
+            self._broadcast({"type": "epoch", "epoch": epoch.number, "members": list(epoch.members),
+                             "history": self.membership.history})
+
+    def _read(self, conn: socket.socket) -> None:
+        client = self._clients.get(conn)
+        if client is None:
+            return
+        try:
+            data = conn.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._close(conn)
+            return
+        try:
+            messages = client["reader"].feed(data)
+        except ValueError:
+            self._close(conn)
+            return
+        now = time.monotonic()
+        for message in messages:
+            kind = message.get("type")
+            rid = client["rid"]
+            if kind == "hello" and rid is None:
+                self._hello(conn, message, now)
+            elif rid is None:
+                continue
+            elif kind == "hb":
+                self.membership.heard(rid, now)
+            elif kind == "abort":
+                self.membership.heard(rid, now)
+                self.membership.aborted(int(message["epoch"]))
+            elif kind == "formed":
+                self.membership.formed(int(message["epoch"]))
+
+    def _hello(self, conn, message: dict, now: float) -> None:
+        reason = self.membership.hello(message, now)
+        if reason is not None:
+            self._log(f"refused {message.get('replica_id')!r}: {reason}")
+            self._send(conn, {"type": "refused", "reason": reason})
+            self._close(conn, lose=False)
+            return
+        rid = message["replica_id"]
+        old = self._by_id.pop(rid, None)
+        if old is not None and old is not conn:
+            self._send(old, {"type": "dropped", "reason": "a replica with the same id said hello"})
+            self._close(old, lose=False)
+        self._clients[conn]["rid"] = rid
+        self._by_id[rid] = conn
+        self._send(conn, {"type": "welcome"})
+        epoch = self.membership.epoch
+        if epoch.number:
+            self._send(conn, {"type": "epoch", "epoch": epoch.number, "members": list(epoch.members),
+                              "history": self.membership.history})
+
+    def _drop(self, rid: str, reason: str) -> None:
+        self._log(f"dropping {rid!r}: {reason}")
+        conn = self._by_id.get(rid)
+        if conn is not None:
+            self._send(conn, {"type": "dropped", "reason": reason})
+            self._close(conn)
+        else:
+            self.membership.lost(rid)
+
+    def _close(self, conn: socket.socket, lose: bool = True) -> None:
+        client = self._clients.pop(conn, None)
+        try:
+            self._selector.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
+        if client is not None and client["rid"] is not None:
+            if self._by_id.get(client["rid"]) is conn:
+                del self._by_id[client["rid"]]
+                if lose:
+                    self.membership.lost(client["rid"])
+
+    def _send(self, conn: socket.socket, message: dict) -> None:
+        try:
+            conn.setblocking(True)
+            conn.settimeout(1.0)
+            _wire.send(conn, message)
+        except OSError:
+            pass
+        finally:
+            try:
+                conn.setblocking(False)
+            except OSError:
+                pass
+
+    def _broadcast(self, message: dict) -> None:
+        for rid, conn in list(self._by_id.items()):
+            self._send(conn, message)
+
+
+def main(argv: Optional[list] = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m ddp_ext.fault_tolerance.coordinator",
+        description="Membership, heartbeats and per-step quorums for ddp_ext.fault_tolerance.Replica.")
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all)")
+    parser.add_argument("--port", type=int, default=29600, help="TCPStore port (0: any free port)")
+    parser.add_argument("--run-id", default="default", help="name of the run; replicas must name the same")
+    parser.add_argument("--min-replicas", type=int, default=1, help="replicas to wait for before the first step")
+    args = parser.parse_args(argv)
+    coordinator = Coordinator(args.host, args.port, args.run_id, args.min_replicas,
+                              log=lambda line: print(line, flush=True))
+    try:
+        coordinator.serve_forever()
+    except KeyboardInterrupt:
+        sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""A Gloo process group per epoch, met through the coordinator's store
+under a prefix of its own, with the heartbeat timeout as its collective
+timeout: a collective waiting on a hung peer raises after that long instead
+of hanging (Gloo honours the group's timeout in every collective)."""
+
+import datetime
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroup, ProcessGroupGloo
+
+from ddp_ext.fault_tolerance.commit import _store_call
+from ddp_ext.fault_tolerance.link import Link
+
+
+def meet(store, link: Link, run_id: str, epoch: int, size: int) -> bool:
+    """Waits until all `size` members of `epoch` arrived; False if a newer
+    epoch was announced first (go there instead)."""
+    key = f"{run_id}/form/{epoch}/arrived"
+    if _store_call(link, store.add, key, 1) >= size:
+        return True
+    pause = 0.0005
+    while True:
+        if _store_call(link, store.add, key, 0) >= size:
+            return True
+        link.check()
+        if link.latest > epoch:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+
+
+def make_group(store, run_id: str, epoch: int, rank: int, size: int, timeout_s: float) -> dist.ProcessGroup:
+    prefix = dist.PrefixStore(f"{run_id}/group/{epoch}/", store)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    group = ProcessGroup(prefix, rank, size)
+    group._set_default_backend(ProcessGroup.BackendType.GLOO)
+    backend = ProcessGroupGloo(dist.PrefixStore("cpu/", prefix), rank, size, timeout)
+    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
+    return group

@@ -1,0 +1,344 @@
+"""Replica: one data-parallel replica of a fault-tolerant run.
+
+    replica = Replica(model, optimizer, coordinator="host:29600", replica_id="r0", heartbeat_timeout=2.0)
+    while replica.step < steps:
+        replica.run_step(train_step)   # train_step(membership): forward and backward through replica.ddp
+
+run_step finds the step's quorum (forming a new Gloo group and healing
+joiners when membership changed), runs `train_step`, and applies the
+optimizer step only if every member of the quorum finished it (Note
+[Committing a step] in ddp_ext/fault_tolerance/commit.py); when a member
+failed, it runs the step again with the survivors.
+"""
+
+import dataclasses
+import logging
+import datetime
+import time
+from typing import Any, Callable, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddp_ext.distributed import DistributedDataParallel
+from ddp_ext.fault_tolerance import _wire, commit, group as groups, heal
+from ddp_ext.fault_tolerance.link import CoordinatorLost, Link, ReplicaDropped
+
+_log = logging.getLogger("ddp_ext.fault_tolerance")
+
+# DistributedDataParallel arguments the replica sets itself.
+_OWN_ARGUMENTS = ("process_group", "init_sync", "device_mesh")
+
+
+class StateLost(RuntimeError):
+    """Every replica that held the run's committed state is gone."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Membership:
+    """Who takes part in the step being run (what a sampler shards by)."""
+
+    step: int  # committed steps so far: the number of the step being run
+    rank: int  # this replica's index among the live members
+    world_size: int  # live members in this step's quorum
+    members: Tuple[str, ...]  # their replica ids, by rank
+    epoch: int  # the membership epoch (Note [Epochs and quorums])
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    membership: Membership  # the quorum that committed the step
+    value: Any  # what train_step returned
+    attempts: int  # 1 unless members failed during the step
+
+
+class Replica:
+    """One replica of a fault-tolerant data-parallel run; see the module doc
+    and docs/FAULT_TOLERANCE.md.
+
+    Args:
+        module: the model, the same architecture on every replica.
+        optimizer: its optimizer (stepped by run_step when a step commits).
+        coordinator: "host:port" of `python -m ddp_ext.fault_tolerance.coordinator`.
+        replica_id: this replica's name, unique in the run (a restarted replica
+            may reuse its old name).
+        run_id: the coordinator's --run-id.
+        heartbeat_timeout: seconds of silence after which the coordinator drops
+            this replica; also every collective's timeout, so a hung peer makes
+            collectives raise after that long.
+        ddp_kwargs: arguments for ddp_ext's DistributedDataParallel (not
+            process_group, init_sync or device_mesh).
+        configure: called as configure(ddp, group) on every new wrapper, e.g. to
+            register a communication hook (hooks do not carry over).
+        max_attempts: how often one step may fail with the same members before
+            run_step re-raises the error (a failure that is not a peer's).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: Optional[torch.optim.Optimizer],
+        *,
+        coordinator: str,
+        replica_id: str,
+        run_id: str = "default",
+        heartbeat_timeout: float = 5.0,
+        ddp_kwargs: Optional[dict] = None,
+        configure: Optional[Callable[[DistributedDataParallel, dist.ProcessGroup], None]] = None,
+        max_attempts: int = 3,
+        connect_timeout: float = 30.0,
+    ):
+        if isinstance(heartbeat_timeout, bool) or not isinstance(heartbeat_timeout, (int, float)) \
+                or not heartbeat_timeout > 0:
+            raise ValueError(f"heartbeat_timeout must be a positive number of seconds, got {heartbeat_timeout!r}")
+        ddp_kwargs = dict(ddp_kwargs or {})
+        for name in _OWN_ARGUMENTS:
+            if name in ddp_kwargs:
+                raise ValueError(
+                    f"Replica makes the process group of every membership epoch itself: do not pass "
+                    f"{name!r} in ddp_kwargs"
+                )
+        self.module = module
+        self.optimizer = optimizer
+        self.replica_id = replica_id
+        self.run_id = run_id
+        self.heartbeat_timeout = float(heartbeat_timeout)
+        self._ddp_kwargs = ddp_kwargs
+        self._configure = configure
+        self._max_attempts = max_attempts
+        host, port = _wire.parse_address(coordinator)
+        self._store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=connect_timeout))
+        served = self._store.get("ddp_ext/coordinator_run_id").decode()
+        if served != run_id:
+            raise ValueError(
+                f"the coordinator at {coordinator} serves run {served!r}, and this replica "
+                f"({replica_id!r}) belongs to run {run_id!r}: point it at its own run's coordinator"
+            )
+        control_port = int(self._store.get(f"{run_id}/control_port"))
+        # From here on, blocking store calls (Gloo's rendezvous) wait at most this long.
+        self._store.set_timeout(datetime.timedelta(seconds=self.heartbeat_timeout + 2.0))
+        hello = {"type": "hello", "run_id": run_id, "replica_id": replica_id,
+                 "heartbeat_timeout": self.heartbeat_timeout,
+                 "fingerprint": heal.fingerprint(module, optimizer)}
+        self._link_args = (host, control_port, hello, self.heartbeat_timeout, connect_timeout)
+        self._link = Link(*self._link_args)
+        self.rejoins = 0
+        self._step = 0
+        self.ddp: Optional[DistributedDataParallel] = None
+        self._group = None
+        self._hooks_after_configure = 0
+        self._formed: Optional[Tuple[int, Tuple[str, ...]]] = None  # (epoch, members) in use
+        self._last_formed = -1  # the last epoch this replica trained in; -1: holds no state
+        self._next_epoch: Optional[int] = None  # named by the last commit decision
+        self._failed_epoch = 0  # after an abort: wait for an epoch newer than this
+        self._caps = None  # bucket caps to carry to the next wrapper
+        self._auto_buckets = None
+        self.last_heal_bytes = 0
+        self.last_heal_s = 0.0
+        self.last_wrap_s = 0.0
+
+    # --- what the loop reads ------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        """Committed steps so far."""
+        return self._step
+
+    @property
+    def membership(self) -> Membership:
+        """The current quorum (forming it first if membership changed)."""
+        return self._quorum()
+
+    # --- one step -----------------------------------------------------------
+
+    def run_step(self, train_step: Callable[[Membership], Any]) -> StepResult:
+        """Runs `train_step(membership)` (forward and backward through
+        self.ddp, zeroing gradients first as usual) until a quorum commits it,
+        then applies the optimizer step. See Note [Committing a step]."""
+        attempts, same_members_failures, last_members = 0, 0, None
+        while True:
+            try:
+                membership = self._quorum()
+                attempts += 1
+                if membership.members != last_members:
+                    same_members_failures, last_members = 0, membership.members
+                drops = heal.layer_drop_counters(self.module)
+                error = None
+                try:
+                    self._check_hooks()
+                    value = train_step(membership)
+                except (CoordinatorLost, ReplicaDropped):
+                    raise
+                except Exception as exc:  # a peer failed, or this step did
+                    self._link.check()
+                    error, value = exc, None
+                decision = commit.decide(self._store, self._link, self.run_id, membership.epoch, self._step,
+                                         membership.members, voted=error is None)
+            except ReplicaDropped:
+                # Stopped or cut off for longer than the heartbeat timeout: the
+                # others went on without this replica. Join again; the next
+                # formation heals it if it is behind.
+                self._rejoin()
+                continue
+            if decision.committed:
+                if self.optimizer is not None:
+                    self.optimizer.step()
+                self._step += 1
+                self._next_epoch = decision.next_epoch
+                return StepResult(membership, value, attempts)
+            # Aborted: nothing applied; run the step again with the next quorum.
+            heal.set_layer_drop_counters(self.module, drops)
+            for p in self.module.parameters():
+                p.grad = None
+            self._abandon(membership.epoch)
+            if isinstance(error, (ValueError, TypeError)):
+                raise error  # this replica's own mistake, not a peer's failure
+            same_members_failures += 1
+            if same_members_failures >= self._max_attempts:
+                raise RuntimeError(
+                    f"step {self._step} failed {same_members_failures} times with the same members "
+                    f"{list(membership.members)}; the last error on this replica is chained below"
+                ) from error
+
+    def _check_hooks(self) -> None:
+        if self.ddp is not None and len(self.ddp._comm_hooks) != self._hooks_after_configure:
+            raise ValueError(
+                "a communication hook was registered on replica.ddp directly: it would be lost when "
+                "the group is re-formed after a failure; register it in Replica(configure=...) instead"
+            )
+
+    # --- membership ---------------------------------------------------------
+
+    def _quorum(self) -> Membership:
+        link = self._link
+        if self._formed is not None and self._next_epoch in (None, self._formed[0]):
+            epoch, members = self._formed
+            return Membership(self._step, members.index(self.replica_id), len(members), members, epoch)
+        target = self._next_epoch
+        while True:
+            link.check()
+            if target is None or link.members(target) is None:
+                floor = self._failed_epoch
+                link.wait(lambda: link.latest > floor and (target is None or target in link.epochs), 0.5)
+                link.check()
+                if link.latest <= floor:
+                    continue
+                target = target if target in link.epochs else link.latest
+            members = link.members(target)
+            if self.replica_id not in members:
+                # Not in this quorum (dropped, or not yet let in): wait for one that has us.
+                floor = target
+                link.wait(lambda: link.latest > floor, 0.5)
+                target = link.latest if link.latest > floor else target
+                self._release()
+                continue
+            self._release()
+            if not groups.meet(self._store, link, self.run_id, target, len(members)):
+                target = link.latest
+                continue
+            try:
+                self._form(target, members)
+            except (CoordinatorLost, ReplicaDropped, StateLost):
+                raise
+            except Exception as exc:
+                link.check()
+                if not isinstance(exc, RuntimeError):  # Gloo's errors are RuntimeErrors; this is a bug
+                    self._abandon(target)
+                    raise
+                _log.warning("replica %s: forming epoch %d failed: %s", self.replica_id, target, exc)
+                self._abandon(target)
+                target = None
+                continue
+            self._next_epoch = target
+            return self._quorum()
+
+    def _form(self, epoch: int, members: Tuple[str, ...]) -> None:
+        rank, size = members.index(self.replica_id), len(members)
+        group = groups.make_group(self._store, self.run_id, epoch, rank, size, self.heartbeat_timeout)
+        mine = torch.tensor([self._last_formed, self._step], dtype=torch.int64)
+        rows = [torch.zeros(2, dtype=torch.int64) for _ in range(size)]
+        group.allgather([rows], [mine]).wait()
+        rows = [tuple(r.tolist()) for r in rows]
+        holders = [r for r in range(size) if rows[r][0] >= 0]
+        if not holders:
+            if self._link.history:
+                raise StateLost(
+                    "every replica that held the run's committed state is gone (the members of "
+                    f"epoch {epoch} are all new processes): restart the run from a checkpoint"
+                )
+            source, best = 0, rows[0]  # the run's start: rank 0's model, as DDP broadcasts it
+        else:
+            best = max(rows[r] for r in holders)
+            source = min(r for r in holders if rows[r] == best)
+        needy = [r for r in range(size) if r != source and (rows[r] != best or rows[r][0] < 0)]
+        started = time.perf_counter()
+        if rank == source and needy:
+            blob = heal.capture(self.module, self.optimizer, self._step, self._current_caps(), self._auto_buckets)
+            for r in needy:
+                heal.send(group, blob, r)
+            self.last_heal_bytes = len(blob) * len(needy)
+        elif rank in needy:
+            blob = heal.receive(group, source)
+            state = heal.restore(blob, self.module, self.optimizer)
+            self._step, self._caps, self._auto_buckets = state["step"], state["caps"], state["auto_buckets"]
+            self.last_heal_bytes = len(blob)
+        self.last_heal_s = time.perf_counter() - started
+        started = time.perf_counter()
+        self.ddp = self._wrap(group)
+        self.last_wrap_s = time.perf_counter() - started
+        self._group = group
+        self._formed = (epoch, members)
+        self._last_formed = epoch
+        self._link.send({"type": "formed", "epoch": epoch})
+
+    def _current_caps(self):
+        if self.ddp is not None and self.ddp.reducer is not None:
+            return list(self.ddp.reducer.bucket_caps)
+        return list(self._caps or [])
+
+    def _wrap(self, group) -> DistributedDataParallel:
+        """The one entry point by which ddp_ext learns that the group changed:
+        a fresh wrapper over the new group, carrying the caps and the tuner."""
+        ddp = DistributedDataParallel(self.module, process_group=group, init_sync=False, **self._ddp_kwargs)
+        if self._auto_buckets is not None and ddp._auto_buckets is not None:
+            ddp._auto_buckets = self._auto_buckets
+            ddp._auto_buckets.restart()  # every member restarts it here, at the same step
+        if self._caps and ddp.reducer is not None and list(ddp.reducer.bucket_caps) != list(self._caps):
+            ddp.reducer._set_bucket_caps(list(self._caps))
+        if self._configure is not None:
+            self._configure(ddp, group)
+        self._hooks_after_configure = len(ddp._comm_hooks)
+        return ddp
+
+    def _release(self) -> None:
+        """Drops the wrapper and the group (keeping what the next wrapper carries)."""
+        if self.ddp is not None:
+            self._caps = self._current_caps()
+            self._auto_buckets = self.ddp._auto_buckets
+            if self.ddp.reducer is not None:
+                self.ddp.reducer._remove_autograd_hooks()
+            self.ddp = None
+        self._group = None
+        self._formed = None
+
+    def _abandon(self, epoch: int) -> None:
+        self._link.send({"type": "abort", "epoch": epoch})
+        self._release()
+        self._failed_epoch = max(self._failed_epoch, epoch)
+        self._next_epoch = None
+
+    def _rejoin(self) -> None:
+        self._release()
+        self._link.close()
+        self._link = Link(*self._link_args)
+        self._failed_epoch = 0
+        self._next_epoch = None
+        self.rejoins += 1
+
+    def close(self) -> None:
+        """Leaves the run (the others go on without this replica)."""
+        self._release()
+        self._link.close()
+

@@ -1,0 +1,135 @@
+"""The coordinator on its own: the membership decisions as a table (pure,
+no processes), then the coordinator's server in this process with raw
+control connections (hello, refusals, heartbeats, drops, aborts)."""
+
+import json
+import socket
+import time
+
+import pytest
+
+from ddp_ext.fault_tolerance import _wire
+from ddp_ext.fault_tolerance.coordinator import Coordinator
+from ddp_ext.fault_tolerance.membership import Membership
+
+
+def hello(rid, run_id="run", fingerprint="f", timeout=1.0):
+    return {"type": "hello", "run_id": run_id, "replica_id": rid, "fingerprint": fingerprint,
+            "heartbeat_timeout": timeout}
+
+
+def test_first_epoch_waits_for_min_replicas():
+    m = Membership("run", min_replicas=2)
+    assert m.hello(hello("a"), 0.0) is None
+    assert m.next_epoch() is None
+    assert m.hello(hello("b"), 0.0) is None
+    e = m.next_epoch()
+    assert (e.number, e.members) == (1, ("a", "b"))
+    assert m.next_epoch() is None  # nothing changed
+
+
+def test_leaving_joining_and_aborting_make_new_epochs():
+    m = Membership("run")
+    for rid in "abc":
+        m.hello(hello(rid), 0.0)
+    assert m.next_epoch().members == ("a", "b", "c")
+    m.lost("a")
+    assert m.next_epoch().members == ("b", "c")  # survivors keep their order
+    m.hello(hello("a"), 1.0)
+    assert m.next_epoch().members == ("b", "c", "a")  # joiners are appended
+    m.aborted(2)  # an old epoch's abort changes nothing
+    assert m.next_epoch() is None
+    m.aborted(3)
+    e = m.next_epoch()
+    assert (e.number, e.members) == (4, ("b", "c", "a"))
+
+
+@pytest.mark.parametrize("message, phrase", [
+    (hello("x", run_id="other"), "serves run 'run'"),
+    (hello("x", fingerprint="g"), "different model"),
+    (hello("x", timeout=0), "heartbeat_timeout must be a positive"),
+    (hello("x", timeout=-1.0), "heartbeat_timeout must be a positive"),
+    (hello(""), "replica_id must be a non-empty string"),
+])
+def test_refusals_name_the_problem(message, phrase):
+    m = Membership("run")
+    assert m.hello(hello("a"), 0.0) is None
+    m.next_epoch()
+    reason = m.hello(message, 0.0)
+    assert reason is not None and phrase in reason
+    assert m.next_epoch() is None and m.epoch.members == ("a",)  # nothing changed for the run
+
+
+def test_silence_longer_than_the_timeout_is_stale():
+    m = Membership("run")
+    m.hello(hello("a", timeout=1.0), 0.0)
+    m.hello(hello("b", timeout=3.0), 0.0)
+    m.heard("a", 0.5)
+    assert m.stale(1.4) == []
+    assert m.stale(1.6) == ["a"]
+    assert m.stale(3.1) == ["a", "b"]
+
+
+def test_min_replicas_must_be_positive():
+    with pytest.raises(ValueError, match="min_replicas"):
+        Membership("run", min_replicas=0)
+
+
+class Client:
+    def __init__(self, coordinator, message):
+        self.sock = socket.create_connection(("127.0.0.1", coordinator.control_port))
+        self.reader = _wire.LineReader()
+        self.inbox = []
+        _wire.send(self.sock, message)
+
+    def receive(self, coordinator, kind, timeout=5.0):
+        deadline = time.monotonic() + timeout
+        self.sock.setblocking(False)
+        while time.monotonic() < deadline:
+            coordinator.poll(0.005)
+            for i, m in enumerate(self.inbox):
+                if m["type"] == kind:
+                    return self.inbox.pop(i)
+            try:
+                data = self.sock.recv(65536)
+                if not data:
+                    return {"type": "closed"}
+                self.inbox += self.reader.feed(data)
+            except BlockingIOError:
+                pass
+        raise AssertionError(f"no {kind!r} message; got {self.inbox}")
+
+    def epoch_with(self, coordinator, members):
+        """Epoch announcements until one with `members` (the welcome repeats the current one)."""
+        while True:
+            e = self.receive(coordinator, "epoch")
+            if e["members"] == members:
+                return e
+
+
+def test_the_server_announces_epochs_and_drops_the_silent():
+    coordinator = Coordinator("127.0.0.1", 0, run_id="run", log=lambda line: None)
+    assert coordinator.store.get("ddp_ext/coordinator_run_id") == b"run"
+    a = Client(coordinator, hello("a", timeout=0.3))
+    assert a.receive(coordinator, "welcome")
+    assert a.receive(coordinator, "epoch")["members"] == ["a"]
+    b = Client(coordinator, hello("b", timeout=30.0))
+    assert b.receive(coordinator, "welcome")
+    assert b.epoch_with(coordinator, ["a", "b"])["epoch"] == 2
+    # a sends no heartbeat: dropped after 0.3 s, told why, and b hears of it.
+    dropped = a.receive(coordinator, "dropped")
+    assert "no heartbeat" in dropped["reason"]
+    assert b.epoch_with(coordinator, ["b"])["epoch"] == 3
+    # An abort in the current epoch re-forms it with the same members.
+    _wire.send(b.sock, {"type": "abort", "epoch": coordinator.membership.epoch.number})
+    e = b.receive(coordinator, "epoch")
+    assert e["members"] == ["b"] and e["epoch"] == coordinator.membership.epoch.number
+    # A refused hello is answered with the reason and closed.
+    c = Client(coordinator, hello("c", run_id="elsewhere"))
+    refused = c.receive(coordinator, "refused")
+    assert "serves run 'run'" in refused["reason"]
+    # A closed connection is a replica gone.
+    b.sock.close()
+    for _ in range(50):
+        coordinator.poll(0.005)
+    assert coordinator.membership.peers == {}
