@@ -8,7 +8,7 @@ import inspect
 import torch
 import torch.distributed as dist
 
-from ddp_ext import _C
+from ddp_ext import _C, _model_check
 from ddp_ext.compression import AdaptivePrecision, adaptive_precision_hook
 
 
@@ -52,6 +52,25 @@ def register_builtin_comm_hook(ddp, comm_hook_type) -> None:
     _install(ddp, native, str(comm_hook_type), None)
     if _stops_tuning(ddp, native):
         ddp._auto_buckets.freeze(f"the communication hook {comm_hook_type} may keep state per bucket")
+
+
+def agree_on_hooks(ddp) -> None:
+    """Raises the same RuntimeError on every rank when the ranks registered
+    different communication hooks (or a hook on some ranks only): their
+    buckets would run different collectives, which pair wrongly or wait for
+    each other. Run once, at the first forward, before any gradient is
+    averaged; two small allgathers."""
+    mine = "; ".join(f"{name} (state: {type(state).__name__})" for name, state in ddp._comm_hooks) or "none"
+    every_rank = [b.decode() for b in _model_check.allgather_bytes(ddp.process_group, mine.encode(), ddp.device)]
+    if len(set(every_rank)) == 1:
+        return
+    described = "; ".join(f"rank {rank}: {hooks}" for rank, hooks in enumerate(every_rank))
+    raise RuntimeError(
+        f"DistributedDataParallel: the ranks registered different communication hooks ({described}). "
+        "Each rank's buckets would run different collectives, which pair wrong gradients or wait for each other "
+        "until the process group's timeout: register the same hook, with the same kind of state, on every rank "
+        "before the first forward."
+    )
 
 
 def _native_hook(ddp, state, hook):

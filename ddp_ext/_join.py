@@ -40,6 +40,8 @@ class DistributedDataParallelJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         ddp = self.ddp
+        if not ddp._lazy_init_ran:  # the peers' first forward checks their hooks
+            ddp._lazy_init()
         # The peers' forward draws LayerDrop plans; draw the same ones.
         ddp._dropped_layers.simulate_forward()
         ddp._check_and_sync_module_buffers()

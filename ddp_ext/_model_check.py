@@ -13,7 +13,7 @@ def _describe(named_tensors: Named) -> List[str]:
     return [f"{name} {tuple(t.shape)} {t.dtype}".replace("torch.", "") for name, t in named_tensors]
 
 
-def _allgather_bytes(process_group: dist.ProcessGroup, payload: bytes, device) -> List[bytes]:
+def allgather_bytes(process_group: dist.ProcessGroup, payload: bytes, device) -> List[bytes]:
     """Every rank's `payload`, gathered with two allgathers on `process_group` itself,
     so any c10d process group works, registered with torch.distributed or not."""
     world_size = process_group.size()
@@ -83,7 +83,7 @@ def verify_same_model(
     buffers), which a broadcast would otherwise misplace silently (names the
     first entry that differs), or if the `settings` that must agree do."""
     ours = [_describe(named_params), _describe(named_broadcast), sorted(ignored), settings or {}]
-    every_rank = [json.loads(p) for p in _allgather_bytes(process_group, json.dumps(ours).encode(), device)]
+    every_rank = [json.loads(p) for p in allgather_bytes(process_group, json.dumps(ours).encode(), device)]
     _ignored_differ(every_rank)
     reference = every_rank[0]
     for rank, described in enumerate(every_rank[1:], start=1):

@@ -285,7 +285,10 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         return output
 
     def _lazy_init(self) -> None:
+        """At the first forward, which every rank runs (a rank that joins
+        before it runs it from its Join hook)."""
         self._setup_in_backward_optimizers()
+        _comm_hooks.agree_on_hooks(self)
         self._lazy_init_ran = True
 
     def _setup_in_backward_optimizers(self) -> None:
