@@ -7,7 +7,8 @@ bucket's launch and completion (seen when awaited where a backend's Work has
 no future), the end-of-backward wait; nothing recorded when off; recording
 that starts after a forward or stops after N iterations; communication hooks
 and rebuilds show up; torch.profiler sees ddp_ext's ranges while the timeline
-records; and recording changes no result.
+records; recording changes no result; and a merged trace puts every rank
+side by side, aligned on their first step check.
 One process: with DDP_EXT_TIMELINE set, the file is written when it exits.
 """
 
@@ -319,3 +320,62 @@ def test_recording_changes_no_result():
         off = shared_world(WORLD).run(_train, directory, False)
     for rank in range(WORLD):
         assert all(same_bits(a, b) for a, b in zip(on[rank], off[rank]))
+
+
+def _late_rank(rank: int, world_size: int, directory: str) -> str:
+    """The last rank sleeps before each backward: its gradients become ready
+    later than the others'."""
+    import time
+
+    ddp = _wrap(_model())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with ddp.record_timeline(directory, iterations=3):
+        for step in range(3):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+            loss = ddp(x).square().mean()
+            if rank == world_size - 1:
+                time.sleep(0.3)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return directory
+
+
+def test_merged_timeline_shows_every_rank_aligned():
+    from ddp_ext.timeline_merge import merge_timelines
+
+    with tempfile.TemporaryDirectory() as directory:
+        shared_world(WORLD).run(_late_rank, directory)
+        path = merge_timelines(directory)
+        assert os.path.basename(path) == "timeline-all.json"
+        with open(path) as f:
+            merged = json.load(f)
+        events = merged["traceEvents"]
+        assert merged["otherData"]["ranks"] == list(range(WORLD))
+        assert merged["otherData"]["aligned_on"].startswith("the end of each rank's first step check")
+        # Aligned: every rank's first step check ends at the same moment.
+        ends = {r: min(e["ts"] + e["dur"] for e in _events(merged, "X", "step check") if e["pid"] == r)
+                for r in range(WORLD)}
+        assert max(ends.values()) - min(ends.values()) < 1.0, ends  # microseconds
+        # Side by side: the late rank's gradients are ready later, in every iteration.
+        for iteration in (1, 2, 3):
+            first_ready = {
+                r: min(e["ts"] for e in events if e.get("name") == "gradient ready" and e["pid"] == r
+                       and e["args"]["iteration"] == iteration)
+                for r in range(WORLD)
+            }
+            assert first_ready[WORLD - 1] - first_ready[0] > 150_000, (iteration, first_ready)  # > 0.15 s
+        # Each rank's own metadata kept: one process name per rank.
+        names = [e for e in events if e.get("ph") == "M" and e["name"] == "process_name"]
+        assert sorted(e["pid"] for e in names) == list(range(WORLD))
+
+
+def test_merging_an_empty_folder_says_what_to_do(tmp_path):
+    from ddp_ext.timeline_merge import merge_timelines
+
+    try:
+        merge_timelines(str(tmp_path))
+    except FileNotFoundError as e:
+        assert "record a timeline first" in str(e)
+    else:
+        raise AssertionError("no error for a folder without traces")
