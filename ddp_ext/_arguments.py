@@ -299,7 +299,8 @@ def resolve_rebuild_buckets(value) -> str:
     return value
 
 
-def settings_to_agree(caps: BucketCaps, find_unused_parameters, static_graph, rebuild_buckets, skip_unused) -> dict:
+def settings_to_agree(caps: BucketCaps, find_unused_parameters, static_graph, rebuild_buckets, skip_unused,
+                      hierarchical_allreduce="auto") -> dict:
     """The arguments every rank must pass alike: they decide which collectives
     run and how buckets are cut (ddp_ext/_model_check.py compares them)."""
     return {
@@ -308,4 +309,5 @@ def settings_to_agree(caps: BucketCaps, find_unused_parameters, static_graph, re
         "static_graph": bool(static_graph),
         "rebuild_buckets": rebuild_buckets,
         "skip_all_reduce_unused_params": bool(skip_unused),
+        "hierarchical_allreduce": hierarchical_allreduce,
     }

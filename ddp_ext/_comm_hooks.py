@@ -59,8 +59,9 @@ def agree_on_hooks(ddp) -> None:
     different communication hooks (or a hook on some ranks only): their
     buckets would run different collectives, which pair wrongly or wait for
     each other. Run once, at the first forward, before any gradient is
-    averaged; two small allgathers."""
-    mine = "; ".join(f"{name} (state: {type(state).__name__})" for name, state in ddp._comm_hooks) or "none"
+    averaged; two small allgathers. Hooks are compared by name: their states
+    may differ in type (None or the group a hook defaults to)."""
+    mine = "; ".join(name for name, _ in ddp._comm_hooks) or "none"
     every_rank = [b.decode() for b in _model_check.allgather_bytes(ddp.process_group, mine.encode(), ddp.device)]
     if len(set(every_rank)) == 1:
         return
@@ -68,7 +69,7 @@ def agree_on_hooks(ddp) -> None:
     raise RuntimeError(
         f"DistributedDataParallel: the ranks registered different communication hooks ({described}). "
         "Each rank's buckets would run different collectives, which pair wrong gradients or wait for each other "
-        "until the process group's timeout: register the same hook, with the same kind of state, on every rank "
+        "until the process group's timeout: register the same hook on every rank "
         "before the first forward."
     )
 

@@ -152,7 +152,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
             verify_module(
                 process_group, module, named_params, self.parameters_to_ignore, buffer_sync.at_init,
                 _arguments.settings_to_agree(caps, find_unused_parameters, static_graph, rebuild_mode,
-                                             skip_all_reduce_unused_params),
+                                             skip_all_reduce_unused_params, hierarchical_allreduce),
             )
         if not named_params and not delayed_params:
             raise RuntimeError(
@@ -546,7 +546,9 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
     def reducer_group(self) -> dist.ProcessGroup:
         """The group gradient buckets are reduced over without a hook:
         process_group, or its hierarchical twin (ddp_ext/hierarchy.py)."""
-        return hierarchy.reducer_group(self.__dict__.get("hierarchical_allreduce", False), self.process_group)
+        device = self.__dict__.get("device", torch.device("cpu"))
+        return hierarchy.reducer_group(self.__dict__.get("hierarchical_allreduce", False), self.process_group,
+                                       device.type)
 
     def bucket_indices(self) -> List[List[int]]:
         """ddp_ext only. Parameter indices (among those that require grad and

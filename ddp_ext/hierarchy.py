@@ -77,11 +77,11 @@ def _layout_holds(process_group: dist.ProcessGroup, topology: Topology) -> bool:
     return bool(flag.item())
 
 
-def resolve(setting: Union[str, bool], process_group: dist.ProcessGroup) -> Optional[Topology]:
+def resolve(setting: Union[str, bool], process_group: dist.ProcessGroup, device_type: str = "cpu") -> Optional[Topology]:
     """The topology to reduce hierarchically over, or None for a flat
-    allreduce. "auto": on where `pays` (the default group only, torchrun's
-    numbering checked on every rank); True: on, or a ValueError saying why
-    it cannot be; False: off."""
+    allreduce. "auto": on where `pays` (a CPU module over the default group
+    on Gloo only, torchrun's numbering checked on every rank); True: on, or
+    a ValueError saying why it cannot be; False: off."""
     check_setting(setting)
     if setting is False:
         return None
@@ -89,13 +89,17 @@ def resolve(setting: Union[str, bool], process_group: dist.ProcessGroup) -> Opti
     if setting == "auto" and not pays(topology):
         return None  # nothing else looked at: one host changes nothing
     is_world = dist.is_initialized() and process_group is c10d._get_default_group()
+    on_gloo = is_world and device_type == "cpu" and dist.get_backend(process_group) == "gloo"
     if setting == "auto":
-        if not is_world:
+        if not on_gloo:
             return None
         return topology if _layout_holds(process_group, topology) else None
     why = None
     if not is_world:
         why = "it needs the default process group (its subgroups are made from the world's ranks)"
+    elif not on_gloo:
+        why = (f"it reduces CPU tensors over Gloo subgroups; this module is on {device_type} and the group's "
+               f"backend is {dist.get_backend(process_group)!r}")
     elif topology is None:
         why = (f"LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE')!r} does not give ranks per host dividing "
                f"the world size {process_group.size()} (start with torchrun, or set LOCAL_WORLD_SIZE and LOCAL_RANK)")
@@ -106,7 +110,8 @@ def resolve(setting: Union[str, bool], process_group: dist.ProcessGroup) -> Opti
     return topology
 
 
-def reducer_group(setting: Union[str, bool], process_group: dist.ProcessGroup) -> dist.ProcessGroup:
+def reducer_group(setting: Union[str, bool], process_group: dist.ProcessGroup,
+                  device_type: str = "cpu") -> dist.ProcessGroup:
     """The group the reducer reduces buckets over: `process_group`, or its
     hierarchical twin when `resolve` says so. Both the decision (for this
     setting and these torchrun variables) and the twin's groups are made
@@ -116,9 +121,9 @@ def reducer_group(setting: Union[str, bool], process_group: dist.ProcessGroup) -
     if setting is False:
         return process_group
     decisions = _resolved.setdefault(process_group, {})
-    key = (setting, os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("LOCAL_RANK"))
+    key = (setting, device_type, os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("LOCAL_RANK"))
     if key not in decisions:
-        topology = resolve(setting, process_group)
+        topology = resolve(setting, process_group, device_type)
         twins = _hierarchical.setdefault(process_group, {})
         if topology is not None and topology not in twins:
             twins[topology] = _make(process_group, topology)

@@ -17,11 +17,13 @@ void OrderedLaunches::ready(Ticket ticket, std::function<void()> launch) {
               "OrderedLaunches: ticket ", ticket, " is not waiting (next to launch ",
               next_launch_, ", next to take ", next_ticket_, ")");
   waiting_.emplace(ticket, std::move(launch));
-  // Run every launch whose predecessors have all run.
-  for (auto it = waiting_.begin(); it != waiting_.end() && it->first == next_launch_;
-       it = waiting_.erase(it)) {
+  // Run every launch whose predecessors have all run. Each leaves the map
+  // before it runs, so one that throws does not hold back those after it.
+  while (!waiting_.empty() && waiting_.begin()->first == next_launch_) {
+    std::function<void()> next = std::move(waiting_.begin()->second);
+    waiting_.erase(waiting_.begin());
     ++next_launch_;
-    it->second();
+    next();
   }
 }
 

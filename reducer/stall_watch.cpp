@@ -62,26 +62,37 @@ void StallWatch::wait(c10d::Work& work, const char* waiting_for, int64_t bucket)
   while (true) {
     try {
       work.wait(timeout_);
-      if (stalled) {
-        report(StallEvent::kResolved); // what this rank published is over
-      }
-      return;
-    } catch (const std::exception& error) {
-      StallEvent event;
-      event.waiting_for = waiting_for;
-      event.bucket = bucket;
-      event.waited_s = seconds_since(start);
+      break;
+    } catch (const std::exception&) {
       if (!work.isCompleted()) {
+        StallEvent event;
         event.kind = StallEvent::kStalled; // the deadline passed: wait on
+        event.waiting_for = waiting_for;
+        event.bucket = bucket;
+        event.waited_s = seconds_since(start);
         stalled = true;
         report_(event);
         continue;
       }
+    }
+    // Completed, though the timed wait raised (a deadline passing just as
+    // the work completes raises too): the work's own outcome decides.
+    try {
+      work.wait();
+      break;
+    } catch (const std::exception& failure) {
+      StallEvent event;
       event.kind = StallEvent::kFailed;
-      event.error = error.what();
+      event.waiting_for = waiting_for;
+      event.bucket = bucket;
+      event.waited_s = seconds_since(start);
+      event.error = failure.what();
       report_(event); // may raise its own message instead
       throw;
     }
+  }
+  if (stalled) {
+    report(StallEvent::kResolved); // what this rank published is over
   }
 }
 

@@ -51,12 +51,26 @@ class Scales(nn.Module):
         return x
 
 
+# A wrapper's first forward compares the ranks' communication hooks with two
+# small allgathers (none here: the text "none"), once (ddp_ext/_comm_hooks.py).
+HOOK_CHECK = [("allgather", [("int64", 1)]), ("allgather", [("uint8", len("none"))])]
+
+
+def _after_hook_check(calls):
+    """`calls` of a wrapper's first forward without the hook comparison,
+    which must open them."""
+    assert calls[:2] == HOOK_CHECK, f"the first forward does not start by comparing hooks: {calls}"
+    return calls[2:]
+
+
 def _iterate(ddp, pg, batches):
-    """One forward and backward per batch; returns the calls of each."""
+    """One forward and backward per batch; returns the calls of each (the
+    first without the hook comparison)."""
     logs = []
     for x in batches:
         ddp(x).pow(2).mean().backward()
-        logs.append(pg.take())
+        calls = pg.take()
+        logs.append(_after_hook_check(calls) if not logs else calls)
     return logs
 
 
@@ -109,7 +123,8 @@ def _no_sync(rank, world_size, model, find_unused):
             else:
                 with ddp.no_sync():
                     spec.loss(ddp(*args), target).backward()
-            log.append((sync, pg.take()))
+            calls = pg.take()
+            log.append((sync, _after_hook_check(calls) if not log else calls))
     n_params = sum(1 for p in module.parameters() if p.requires_grad)
     buffers = Counter()
     for b in module.buffers():
@@ -147,7 +162,8 @@ def _rebuild(rank, world_size, mode):
             layout = ddp.bucket_indices()
             with ddp.no_sync() if micro == 0 else contextlib.nullcontext():
                 spec.loss(ddp(*args), target).backward()
-            log.append((micro == 1, layout, pg.take()))
+            calls = pg.take()
+            log.append((micro == 1, layout, _after_hook_check(calls) if not log else calls))
     sizes = [p.numel() for p in module.parameters()]
     return log, sizes, ddp.bucket_indices()
 

@@ -214,6 +214,28 @@ def test_forcing_it_on_without_a_topology_says_why():
         assert "hierarchical_allreduce=True: cannot reduce hierarchically" in message and "LOCAL_WORLD_SIZE" in message
 
 
+def _not_on_gloo_cpu(rank, world_size, _):
+    """The decision for a module on a GPU, with 2 hosts of 2 ranks: "auto"
+    stays flat (NCCL's own rings and trees; the subgroups are Gloo's), True
+    says why it cannot be."""
+    with _fake_hosts(rank, 2):
+        auto = hierarchy.resolve("auto", dist.distributed_c10d._get_default_group(), "cuda")
+        try:
+            hierarchy.resolve(True, dist.distributed_c10d._get_default_group(), "cuda")
+        except ValueError as e:
+            return auto, str(e)
+    return auto, ""
+
+
+NOT_GLOO_CPU = CaseTable(_not_on_gloo_cpu, [Off(2)])
+
+
+def test_a_module_on_a_gpu_stays_flat():
+    for auto, message in NOT_GLOO_CPU.results(4, Off(2)):
+        assert auto is None
+        assert "cannot reduce hierarchically" in message and "CPU tensors over Gloo" in message, message
+
+
 def _join(rank, world_size, setting):
     from torch.distributed.algorithms.join import Join
 
