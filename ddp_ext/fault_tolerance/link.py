@@ -90,6 +90,9 @@ class Link:
                 if not self._stop:
                     self._fail(f"the connection to the coordinator at {self.address} failed: {exc}")
                 break
+            except Exception as exc:  # a message this replica cannot read: say so rather than go quiet
+                self._fail(f"a message from the coordinator at {self.address} could not be handled: {exc!r}")
+                break
 
     def _fail(self, why: str) -> None:
         with self._cond:
