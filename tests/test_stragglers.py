@@ -94,3 +94,12 @@ def test_thresholds_are_relative_and_absolute():
         assert watch.observe(80, figures((1, 100, 1), (1, 100, 1), (1, 160, 1))) is not None
     assert watch.observe(90, figures((1, 100, 1), (1, 100, 1), (1, 160, 1))) is None
     assert watch.report["stragglers"][0]["rank"] == 2
+
+
+def test_a_rank_with_nothing_to_publish_is_left_out_of_the_comparison():
+    watch = Stragglers(every=10, margin=0.3, min_excess_ms=5.0, persist=1)
+    published = [int(ms * 1000) + 1 for ms in (1, 100, 1, 1, 100, 1)]
+    # The third rank published nothing (zeros): counting it as 0 ms would
+    # put the others 100 ms above its median, a false alarm.
+    assert watch.observe(10, published + [0, 0, 0]) is None
+    assert watch.report is None or watch.report.get("step") != 10

@@ -52,6 +52,8 @@ class Stragglers:
             self.observe(step, figures)
 
     def observe(self, step: int, figures: List[int]) -> Optional[str]:
+        if not all(figures):
+            return None  # a rank had no whole step to publish (0): nothing to compare this time
         ranks = len(figures) // len(PHASES)
         per_rank = [[(figures[r * len(PHASES) + p] - 1) / 1000.0 for p in range(len(PHASES))] for r in range(ranks)]
         medians = [statistics.median(row[p] for row in per_rank) for p in range(len(PHASES))]
