@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ddp_ext import _C
+from ddp_ext._gloo_group import gloo_group
 
 INT8_EXCHANGES = ("auto", "allgather", "reduce_scatter")
 _companions = itertools.count()
@@ -42,13 +43,7 @@ def _companion_group(group: dist.ProcessGroup) -> Optional[dist.ProcessGroup]:
     if group not in c10d._world.pg_map:
         return None
     store = dist.PrefixStore(f"ddp_ext_int8_companion/{next(_companions)}/", c10d._world.pg_map[group][1])
-    rank, size = group.rank(), group.size()
-    backend = dist.ProcessGroupGloo(store, rank, size, c10d.default_pg_timeout)
-    companion = dist.ProcessGroup(store, rank, size)
-    for device in dist.Backend.backend_capability["gloo"]:
-        companion._register_backend(torch.device(device), dist.Backend.backend_type_map["gloo"], backend)
-    companion._set_default_backend(dist.Backend.backend_type_map["gloo"])
-    return companion
+    return gloo_group(store, group.rank(), group.size(), c10d.default_pg_timeout)
 
 
 def _positive_int(name: str, value, minimum: int) -> int:

@@ -5,12 +5,10 @@ of hanging (Gloo honours the group's timeout in every collective)."""
 
 import datetime
 import time
-from typing import Optional
 
-import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import ProcessGroup, ProcessGroupGloo
 
+from ddp_ext._gloo_group import gloo_group
 from ddp_ext.fault_tolerance.commit import _store_call
 from ddp_ext.fault_tolerance.link import Link
 
@@ -34,9 +32,4 @@ def meet(store, link: Link, run_id: str, epoch: int, size: int) -> bool:
 
 def make_group(store, run_id: str, epoch: int, rank: int, size: int, timeout_s: float) -> dist.ProcessGroup:
     prefix = dist.PrefixStore(f"{run_id}/group/{epoch}/", store)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    group = ProcessGroup(prefix, rank, size)
-    group._set_default_backend(ProcessGroup.BackendType.GLOO)
-    backend = ProcessGroupGloo(dist.PrefixStore("cpu/", prefix), rank, size, timeout)
-    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
-    return group
+    return gloo_group(prefix, rank, size, datetime.timedelta(seconds=timeout_s))
