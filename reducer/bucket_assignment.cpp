@@ -14,6 +14,7 @@ struct OpenBucket {
   size_t position = 0; // index of this bucket in the result
   int64_t nbytes = 0;
   size_t ordinal = 0; // how many buckets of its kind came before it
+  bool full = false; // reached its cap: the next tensor of its kind opens one
 };
 
 bool same_kind(const TensorSpec& a, const TensorSpec& b) {
@@ -59,9 +60,10 @@ Grouping group_in_visit_order(
         break;
       }
     }
-    const bool fits = target != nullptr && target->kind.unit == spec.unit &&
-        target->nbytes + spec.nbytes <= cap_of(target->ordinal);
-    if (!fits) {
+    // A full bucket (or one of another droppable layer) takes no more.
+    const bool joins = target != nullptr && !target->full &&
+        target->kind.unit == spec.unit;
+    if (!joins) {
       if (target == nullptr) {
         open.push_back(OpenBucket{spec, buckets.size(), 0, 0});
         target = &open.back();
@@ -69,6 +71,7 @@ Grouping group_in_visit_order(
         target->position = buckets.size();
         target->kind.unit = spec.unit;
         target->nbytes = 0;
+        target->full = false;
         ++target->ordinal;
       }
       buckets.emplace_back();
@@ -77,6 +80,7 @@ Grouping group_in_visit_order(
     buckets[target->position].push_back(i);
     last_visit[target->position] = visit;
     target->nbytes += spec.nbytes;
+    target->full = target->nbytes >= cap_of(target->ordinal);
   }
   return Grouping{std::move(buckets), std::move(last_visit)};
 }

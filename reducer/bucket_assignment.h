@@ -25,13 +25,14 @@ struct TensorSpec {
 // Tensors are visited in reverse order (the order their gradients are
 // expected to become ready, see Note [Overlap and bucket order]). Each
 // (device, dtype) pair has one open bucket; a tensor joins the open bucket of
-// its kind unless that would take the bucket past its cap, or the tensor
-// belongs to another droppable layer than the bucket's tensors (see
-// TensorSpec::unit), in which case the open bucket is closed and a new one
-// started. The first bucket of each kind
-// is capped at `first_cap_bytes`, the others at `cap_bytes`: a small first
-// bucket starts communicating early in the backward pass. A tensor larger
-// than the cap gets a bucket of its own, and so does every sparse tensor.
+// its kind, and a bucket is closed as soon as its bytes reach its cap, so a
+// bucket holds at least its cap's worth of bytes (all but the last of each
+// kind) and overshoots it by less than one tensor. This is torch's rule, so
+// the same caps and order give torch's buckets. A tensor of another droppable
+// layer than the open bucket's tensors (see TensorSpec::unit) also closes it.
+// The first bucket of each kind is capped at `first_cap_bytes`, the others
+// at `cap_bytes`: a small first bucket starts communicating early in the
+// backward pass. Every sparse tensor gets a bucket of its own.
 // Buckets never mix devices or dtypes.
 //
 // Returns the buckets in the order they were opened, each as the indices of

@@ -36,10 +36,11 @@ ASSIGNMENT_TABLE = [
     ("all_fit_reverse_order", _specs(4, 4, 4), 100, [[2, 1, 0]]),
     ("exactly_at_cap_fits", _specs(4, 4, 4), 8, [[2, 1], [0]]),
     ("cap_one_byte_one_each", _specs(4, 4, 4), 1, [[2], [1], [0]]),
-    ("greedy_in_reverse", _specs(10, 10, 10, 10, 10), 25, [[4, 3], [2, 1], [0]]),
-    ("oversized_in_middle_alone", _specs(4, 100, 4), 8, [[2], [1], [0]]),
+    ("closed_once_past_cap", _specs(10, 10, 10, 10, 10), 25, [[4, 3, 2], [1, 0]]),
+    ("oversized_closes_its_bucket", _specs(4, 100, 4), 8, [[2, 1], [0]]),
     ("oversized_visited_first_alone", _specs(4, 4, 100), 8, [[2], [1, 0]]),
-    ("zero_byte_tensors_join", _specs(0, 0, 4), 4, [[2, 1, 0]]),
+    ("zero_byte_tensors_follow_a_full_bucket", _specs(0, 0, 4), 4, [[2], [1, 0]]),
+    ("zero_byte_tensors_join", _specs(4, 0, 0), 4, [[2, 1, 0]]),
     ("dtypes_never_mix", _specs(4, (8, F64), 4, (8, F64)), 100, [[3, 1], [2, 0]]),
     (
         "dtypes_capped_separately",
@@ -99,12 +100,12 @@ def _check_invariants(tensors, cap, buckets):
         kind = kinds.pop()
         assert b == sorted(b, reverse=True), f"bucket {b} not in reverse registration order"
         size = sum(tensors[i][0] for i in b)
-        assert size <= cap or len(b) == 1, f"bucket {b} holds {size} > cap {cap} bytes"
+        assert size - tensors[b[-1]][0] < cap, f"bucket {b} took a tensor after reaching its cap {cap}"
         previous = last_bucket_of_kind.get(kind)
         if previous is not None:
             assert min(previous) > max(b), f"bucket {b} of kind {kind} not after {previous} in reverse order"
             fill = sum(tensors[i][0] for i in previous)
-            assert fill + tensors[b[0]][0] > cap, f"{b[0]} would have fitted in {previous}"
+            assert fill >= cap, f"bucket {previous} was closed below its cap ({fill} < {cap} bytes)"
         last_bucket_of_kind[kind] = b
 
 
@@ -115,6 +116,29 @@ def test_assign_buckets_invariants_on_random_inputs():
         tensors = [(rng.choice([0, 1, 4, 16, 64, 256]),) + rng.choice(kinds) for _ in range(rng.randint(0, 30))]
         cap = rng.choice([1, 16, 64, 100, 1000, 10**9])
         _check_invariants(tensors, cap, ddp_ext._C.assign_buckets(tensors, cap))
+
+
+def test_assign_buckets_matches_torch_on_random_inputs():
+    """The same caps and visiting order group tensors into torch's DDP's
+    buckets: its _compute_bucket_assignment_by_size, given the tensors in
+    the visiting order with their indices, as torch's rebuild passes the
+    order gradients arrived in. The construction layout visits in reverse;
+    a rebuild, in any order. With several dtypes the two list the buckets
+    in another order, so the groups are compared."""
+    rng = random.Random(1)
+    dtypes = [F32, F64, torch.float16]
+    for _ in range(200):
+        params = [torch.empty(rng.choice([0, 1, 3, 16, 64, 250]), dtype=rng.choice(dtypes))
+                  for _ in range(rng.randint(1, 30))]
+        caps = [rng.choice([1, 16, 100, 1000]), rng.choice([16, 100, 1000, 10**9])]
+        specs = [(p.numel() * p.element_size(), p.dtype, p.device) for p in params]
+        reverse = list(range(len(params)))[::-1]
+        shuffled = rng.sample(range(len(params)), len(params))
+        for order, ours in [(reverse, ddp_ext._C.assign_buckets(specs, caps[1], caps[0])),
+                            (shuffled, ddp_ext._C.assign_buckets_in_order(specs, shuffled, caps, []))]:
+            torchs, _ = torch.distributed._compute_bucket_assignment_by_size(
+                [params[i] for i in order], caps, [False] * len(params), order)
+            assert sorted(ours) == sorted(torchs), (specs, order, caps)
 
 
 # --- Knobs that change the layout: multi-process ------------------------------
