@@ -214,7 +214,7 @@ def test_error_feedback_loses_nothing_over_time(c, world_size):
 def _agreement(rank, world_size, _):
     """Ranks with data of very different size; short windows; real timing."""
     module = models.build("mlp")
-    ddp = ddp_ext.DistributedDataParallel(module, bucket_cap_mb=0.0005)
+    ddp = ddp_ext.DistributedDataParallel(module, bucket_cap_mb=200 / 2**20)  # a bucket per layer
     # The loss scale changes every other window of 2 iterations: windows
     # alternate between steady (int8) and critical (fp16) norms.
     state = AdaptivePrecision(warmup_iterations=2, check_every=2, reprobe_every=3, critical_change=0.5)

@@ -153,9 +153,10 @@ def test_auto_starts_from_the_default_and_refuses_a_list():
 # --- real runs over Gloo ---------------------------------------------------------
 
 # Stack: 8 layers of 288 bytes. Candidates: torch's default (1 bucket), then
-# caps of 1, 2 and 4 layers (8, 4 and 2 buckets).
+# caps of exactly 1, 2 and 4 layers (8, 4 and 2 buckets: a bucket closes once
+# it reaches its cap).
 LAYER_BYTES = 288
-CANDIDATES = ((1, 25), (300 / 2**20,), (600 / 2**20,), (1200 / 2**20,))
+CANDIDATES = ((1, 25),) + tuple((layers * LAYER_BYTES / 2**20,) for layers in (1, 2, 4))
 BUCKETS_OF = {0: 1, 1: 8, 2: 4, 3: 2}
 POLICY = dataclasses.replace(SMALL, candidates_mb=CANDIDATES)
 DRIFT_AT = 35

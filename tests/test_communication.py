@@ -152,7 +152,7 @@ def _rebuild(rank, world_size, mode):
     layout it ran with, calls)."""
     pg = _group()
     module = models.build("stack_reversed")
-    ddp = reference.ext_ddp(module, process_group=pg, rebuild_buckets=mode, bucket_cap_mb=600 / 2**20)
+    ddp = reference.ext_ddp(module, process_group=pg, rebuild_buckets=mode, bucket_cap_mb=576 / 2**20)  # two Stack layers exactly
     pg.take()
     spec = models.MODELS["stack_reversed"]
     log = []

@@ -180,7 +180,8 @@ class Train:
 
 TRAIN_CASES = [
     Train(reference.case("mlp", steps=12)),
-    Train(reference.case("conv", steps=12, ddp=dict(bucket_cap_mb=0.001))),
+    # Two buckets: fc and conv2 (1036 bytes), then conv1.
+    Train(reference.case("conv", steps=12, ddp=dict(bucket_cap_mb=1036 / 2**20))),
     # The hook's first call makes the companion group, inside torch's backward.
     Train(reference.case("mlp", steps=12, ddp=dict(bucket_cap_mb=0.0005)), "torch"),
 ]

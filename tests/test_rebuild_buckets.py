@@ -20,7 +20,7 @@ from tests.harness import CaseTable, assert_same_on_every_rank, assert_states_cl
 from tests.reference import case
 
 # Two Stack layers (2 x 288 bytes) per bucket.
-CAP_MB = 600 / 2**20
+CAP_MB = 576 / 2**20
 STEPS = 3 * models.SWITCH_EVERY
 
 

@@ -3,8 +3,9 @@
 
 torch's DDP rebuilds its buckets once, in the order gradients arrived; the
 same models train to bitwise the same parameters with ddp_ext in every
-`rebuild_buckets` mode, and with one parameter per bucket both report the
-same gradient order and the same rebuilt layout (rank 0's). Under Join, a
+`rebuild_buckets` mode, and both report the same gradient order and the same
+rebuilt layout (rank 0's), whether a bucket holds one parameter or a cap's
+worth that ends inside a layer. Under Join, a
 rank that ran out of data votes no, so buckets never change while one has
 joined, and nothing hangs. A Python communication hook stops continuous
 rebuilding after the first rebuild (hooks may keep state per bucket); the
@@ -26,7 +27,7 @@ from tests.harness import CaseTable, assert_states_close, same_bits
 from tests.reference import case
 
 WORLD_SIZE = 2
-CAP_MB = 600 / 2**20  # two Stack layers per bucket
+CAP_MB = 600 / 2**20  # two Stack layers and the next tensor per bucket, as in torch
 ONE_PER_BUCKET_MB = 1e-9  # every parameter alone, in both DDPs
 
 
@@ -62,7 +63,8 @@ def _against_torch(model, ddp_kwargs, rank, world_size):
     return results
 
 
-ORDER_KEYS = ("has_rebuilt_buckets", "prev_iteration_grad_ready_order_indices", "rebuilt_per_bucket_param_indices")
+ORDER_KEYS = ("has_rebuilt_buckets", "prev_iteration_grad_ready_order_indices", "rebuilt_per_bucket_param_indices",
+              "rebuilt_bucket_sizes")
 
 TORCH_RUNS = [
     Run("stack_reversed", functools.partial(_against_torch, "stack_reversed", dict(bucket_cap_mb=CAP_MB))),
@@ -94,7 +96,7 @@ def test_same_parameters_as_torch_ddp_in_every_mode(r):
             assert not differ, f"{r.id}, rank {rank}, {mode}: not bitwise torch's: {differ}"
 
 
-@pytest.mark.parametrize("r", [r for r in TORCH_RUNS if r.id.endswith("one_per_bucket")], ids=lambda r: r.id)
+@pytest.mark.parametrize("r", TORCH_RUNS, ids=lambda r: r.id)
 def test_same_order_and_rebuilt_layout_as_torch_ddp(r):
     for rank, result in enumerate(TORCH_TABLE.results(WORLD_SIZE, r)):
         theirs = result["torch"]["logging"]
