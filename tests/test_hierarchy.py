@@ -86,11 +86,11 @@ class Fixed(nn.Module):
         return sum((w * x).sum() for w, x in zip(self.w, xs))
 
 
-def _exact(rank, world_size, setting):
+def _exact(rank, world_size, setting, ranks_per_host=2):
     """Integer gradients (times the world size, so the average is an exact
     float too): every order of summing gives the same bits."""
     module = Fixed()
-    with _fake_hosts(rank, 2):
+    with _fake_hosts(rank, ranks_per_host):
         ddp = ddp_ext.DistributedDataParallel(module, bucket_cap_mb=1e-6, hierarchical_allreduce=setting)
         group = ddp.reducer_group
     optimizer = torch.optim.SGD(module.parameters(), lr=1.0)
@@ -106,17 +106,22 @@ def _exact(rank, world_size, setting):
 @dataclasses.dataclass(frozen=True)
 class Exact:
     setting: object
+    ranks_per_host: int = 2
 
     @property
     def id(self):
-        return f"exact-{self.setting}"
+        return f"exact-{self.setting}-{self.ranks_per_host}"
 
 
 def _exact_case(rank, world_size, c: Exact):
-    return _exact(rank, world_size, c.setting)
+    return _exact(rank, world_size, c.setting, c.ranks_per_host)
 
 
-EXACT = CaseTable(_exact_case, [Exact("auto"), Exact(False)])
+# (world size, ranks per host): hosts of one rank, one host, and several of
+# several, forced on where "auto" would stay off.
+FORCED_TOPOLOGIES = [(2, 1), (3, 3), (5, 1), (6, 3)]
+EXACT = CaseTable(_exact_case, [Exact("auto"), Exact(False)]
+                  + [Exact(True, per_host) for per_host in sorted({p for _, p in FORCED_TOPOLOGIES})])
 
 
 def test_exact_sums_give_the_same_bits_as_flat_allreduce():
@@ -127,6 +132,16 @@ def test_exact_sums_give_the_same_bits_as_flat_allreduce():
         assert h["calls"] >= 15 and f["calls"] == 0
         assert all(same_bits(a, b) for a, b in zip(h["weights"], f["weights"]))
         assert all(same_bits(a, b) for a, b in zip(h["weights"], hier[0]["weights"]))
+    assert any(w.abs().sum() > 0 for w in hier[0]["weights"])
+
+
+@pytest.mark.parametrize("world_size, ranks_per_host", FORCED_TOPOLOGIES)
+def test_forced_hierarchy_gives_the_same_bits_at_other_world_sizes(world_size, ranks_per_host):
+    hier = EXACT.results(world_size, Exact(True, ranks_per_host))
+    flat = EXACT.results(world_size, Exact(False))
+    for h, f in zip(hier, flat):
+        assert h["calls"] >= 15
+        assert all(same_bits(a, b) for a, b in zip(h["weights"], f["weights"]))
     assert any(w.abs().sum() > 0 for w in hier[0]["weights"])
 
 
