@@ -11,14 +11,18 @@ Needs root (`ip netns add`); skips, saying why, otherwise.
 """
 
 import itertools
+import os
+import shutil
 import signal
 import subprocess
+import sys
+import threading
 import time
 
 import pytest
 
 from ddp_ext.testing import fake_hosts
-from tests.fault_tolerance_harness import Run, check_run
+from tests.fault_tolerance_harness import ROOT, Run, check_run
 
 STEPS = 24
 HEARTBEAT_S = 2.0
@@ -129,3 +133,101 @@ def test_a_cut_link_drops_the_far_host_which_rejoins_when_it_comes_back(run, hos
     assert step not in r2_steps and 15 not in r2_steps
     done = [rec for rec in r.records("r2") if rec["kind"] == "done"][0]
     assert done["rejoins"] >= 1
+
+
+def _documented_launch_line() -> str:
+    """The multi-host replica command of docs/FAULT_TOLERANCE.md."""
+    lines = open(os.path.join(ROOT, "docs", "FAULT_TOLERANCE.md")).read().splitlines()
+    first = next(i for i, line in enumerate(lines) if line.strip().startswith("GLOO_SOCKET_IFNAME="))
+    command = lines[first].strip()
+    while command.endswith("\\"):
+        first += 1
+        command = command[:-1].strip() + " " + lines[first].strip()
+    return command
+
+
+def test_the_documented_launch_line_across_hosts(hosts, tmp_path):
+    # The coordinator on host A; one replica per host, each under its own
+    # torchrun agent started with the documented line; the worker on host B
+    # is killed once: its agent restarts it, it rejoins across the hosts and
+    # is healed. The test ends both agents once it trained with A again.
+    a, b = hosts
+    line = _documented_launch_line()
+    assert "--coordinator 10.0.0.1:29600" in line and "GLOO_SOCKET_IFNAME=eth0 " in line, line
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    coordinator = subprocess.Popen(
+        ["ip", "netns", "exec", a.netns, sys.executable, "-m", "ddp_ext.fault_tolerance.coordinator",
+         "--port", "29600", "--min-replicas", "2"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    coordinator_lines = []
+    threading.Thread(target=lambda: coordinator_lines.extend(coordinator.stdout), daemon=True).start()
+    logs, agents = {}, {}
+    try:
+        for host, rid in ((a, "r0"), (b, "r1")):
+            command = (line.replace("GLOO_SOCKET_IFNAME=eth0", f"GLOO_SOCKET_IFNAME={host.veth}")
+                       .replace("10.0.0.1", a.addr).replace("--replica-id r1", f"--replica-id {rid}")
+                       + " --steps 1000000 --step-time 0.02")
+            if shutil.which("torchrun") is None:
+                command = command.replace("torchrun ", f"{sys.executable} -m torch.distributed.run ", 1)
+            logs[rid] = open(tmp_path / f"{rid}.log", "w+")
+            agents[rid] = subprocess.Popen(["ip", "netns", "exec", host.netns, "bash", "-c", command], cwd=ROOT,
+                                           env=env, stdout=logs[rid], stderr=subprocess.STDOUT,
+                                           start_new_session=True)
+
+        def log(rid):
+            logs[rid].flush()
+            with open(logs[rid].name) as f:
+                return f.read()
+
+        def wait_for(predicate, what, timeout=120.0):
+            deadline = time.monotonic() + timeout
+            while not predicate():
+                assert time.monotonic() < deadline, f"timed out waiting for {what}\n" + "\n".join(
+                    [f"--- coordinator ---\n{''.join(coordinator_lines)}"]
+                    + [f"--- {rid} ---\n{log(rid)[-3000:]}" for rid in logs])
+                for rid, agent in agents.items():
+                    assert agent.poll() is None, f"{rid}'s agent ended\n{log(rid)[-3000:]}"
+                time.sleep(0.1)
+
+        wait_for(lambda: "with 2 replicas" in log("r1"), "the two hosts to train together")
+        worker = _worker_in(b)
+        os.kill(worker, signal.SIGKILL)
+        wait_for(lambda: _worker_in(b) not in (None, worker), "host B's agent to restart its worker")
+        restarted = len(log("r1"))
+        wait_for(lambda: "with 2 replicas" in log("r1")[restarted:], "the restarted worker to train with host A")
+        epochs = [line.strip() for line in coordinator_lines if line.startswith("epoch ")]
+        assert any("'r1'" not in e for e in epochs) and "'r1'" in epochs[-1], epochs
+        print(f"\nhost B's worker killed, restarted by its agent, trained with host A again: {epochs}")
+    finally:
+        for agent in agents.values():
+            try:
+                os.killpg(agent.pid, signal.SIGTERM)
+            except OSError:
+                pass
+        for agent in agents.values():
+            try:
+                agent.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(agent.pid, signal.SIGKILL)
+        coordinator.kill()
+        coordinator.wait()
+        for f in logs.values():
+            f.close()
+
+
+def _worker_in(host):
+    """The pid of the training worker (the agent's child) in `host`, or None."""
+    pids = subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True, text=True).stdout.split()
+    found = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+        if b"fault_tolerant_train.py" in cmdline:
+            found[int(pid)] = ppid
+    workers = [pid for pid, ppid in found.items() if ppid in found and pid not in found.values()]
+    return workers[0] if workers else None
