@@ -13,7 +13,10 @@ then one line per epoch.
 If the coordinator dies, the replicas' control connections close and every
 replica raises CoordinatorLost at its next step boundary (or within its
 heartbeat timeout while it waits on the coordinator): training stops with
-the last committed step intact in memory; it never hangs.
+the last committed step intact in memory; it never hangs. (A replica that
+gets no answer at all, a cut link, keeps trying for its connect timeout:
+Note [A silent link] in ddp_ext/fault_tolerance/link.py.) The coordinator
+never blocks on one replica: it sends without waiting.
 """
 
 import argparse
