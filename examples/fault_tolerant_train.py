@@ -14,7 +14,9 @@ replica (--max-restarts) touches no other:
     torchrun --nnodes=1 --nproc_per_node=1 --max-restarts=3 --rdzv-endpoint=localhost:0 \\
         examples/fault_tolerant_train.py --coordinator HOST:29600 --replica-id r1
 
-(or plain `python examples/fault_tolerant_train.py ...`). Kill one replica's
+(or plain `python examples/fault_tolerant_train.py ...`). On several hosts,
+the same line on each, with GLOO_SOCKET_IFNAME=<the interface that reaches
+the other hosts> in front (docs/FAULT_TOLERANCE.md). Kill one replica's
 worker: the others commit their next step within about a second, and
 torchrun restarts it; it rejoins, receives the model, the optimizer state and
 the step from a live replica, and trains on. Each step, every replica takes

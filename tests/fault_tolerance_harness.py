@@ -18,29 +18,44 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "fault_tolerance_worker.py")
 
 
-def _env():
+def _env(host=None):
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
+    if host is not None:
+        env["GLOO_SOCKET_IFNAME"] = host.veth  # Gloo on the host's link, as docs/FAULT_TOLERANCE.md says
     return env
 
 
-class Run:
-    """A coordinator and the replicas of one test, all killed at the end."""
+def _on(host, cmd: List[str]) -> List[str]:
+    """`cmd` run on a host of ddp_ext/testing/fake_hosts.py (None: this one)."""
+    return cmd if host is None else ["ip", "netns", "exec", host.netns, *cmd]
 
-    def __init__(self, tmp_path, min_replicas: int = 1, run_id: str = "default"):
+
+class Run:
+    """A coordinator and the replicas of one test, all killed at the end.
+    `host` (a fake_hosts.Host) runs the coordinator in that namespace,
+    listening on the host's address."""
+
+    def __init__(self, tmp_path, min_replicas: int = 1, run_id: str = "default", host=None):
         self.tmp = tmp_path
         self.procs: Dict[str, subprocess.Popen] = {}
         self.coordinator = subprocess.Popen(
-            [sys.executable, "-m", "ddp_ext.fault_tolerance.coordinator", "--port", "0", "--host", "127.0.0.1",
-             "--min-replicas", str(min_replicas), "--run-id", run_id],
+            _on(host, [sys.executable, "-m", "ddp_ext.fault_tolerance.coordinator", "--port", "0", "--host",
+                       "127.0.0.1" if host is None else "0.0.0.0", "--min-replicas", str(min_replicas),
+                       "--run-id", run_id]),
             cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        line = self.coordinator.stdout.readline()
-        if "ready" not in line:
+        seen = []
+        for line in self.coordinator.stdout:  # c10d may warn first (no hostname in a namespace)
+            seen.append(line)
+            if "ready" in line or len(seen) > 20:
+                break
+        if not seen or "ready" not in seen[-1]:
             self.close()
-            raise RuntimeError(f"coordinator did not start: {line!r}")
+            raise RuntimeError(f"coordinator did not start: {''.join(seen)!r}")
+        line = seen[-1]
         fields = dict(kv.split("=") for kv in line.split()[3:])
-        self.address = f"127.0.0.1:{fields['port']}"
+        self.address = f"{'127.0.0.1' if host is None else host.addr}:{fields['port']}"
         self.coordinator_lines: List[str] = []
         threading.Thread(target=self._read_coordinator, daemon=True).start()
 
@@ -53,14 +68,16 @@ class Run:
         return [json.loads(line.split(": ", 1)[1].replace("'", '"')) for line in list(self.coordinator_lines)
                 if line.startswith("epoch ")]
 
-    def start(self, replica_id: str, steps: int, **options) -> str:
+    def start(self, replica_id: str, steps: int, host=None, **options) -> str:
+        """Starts a worker (on `host`, a fake_hosts.Host, if given)."""
         out = str(self.tmp / f"{replica_id}.jsonl")
         cmd = [sys.executable, WORKER, "--coordinator", options.pop("coordinator", self.address), "--id", replica_id,
                "--steps", str(steps), "--out", out]
         for key, value in options.items():
             cmd += [f"--{key.replace('_', '-')}", str(value)]
         log = open(str(self.tmp / f"{replica_id}.log"), "w")
-        self.procs[replica_id] = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+        self.procs[replica_id] = subprocess.Popen(_on(host, cmd), cwd=ROOT, env=_env(host), stdout=log,
+                                                  stderr=subprocess.STDOUT)
         return out
 
     def records(self, replica_id: str) -> List[dict]:
@@ -75,7 +92,18 @@ class Run:
             if predicate():
                 return
             time.sleep(0.05)
+        self.dump_stacks()
         raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{self.logs()}")
+
+    def dump_stacks(self) -> None:
+        """Every live replica writes its threads' stacks to its log."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    os.kill(proc.pid, signal.SIGUSR1)
+                except OSError:
+                    pass
+        time.sleep(1.0)
 
     def wait(self, replica_ids, timeout: float = 300.0) -> Dict[str, int]:
         deadline = time.monotonic() + timeout
@@ -85,6 +113,7 @@ class Run:
             try:
                 codes[rid] = self.procs[rid].wait(timeout=left)
             except subprocess.TimeoutExpired:
+                self.dump_stacks()
                 raise AssertionError(f"replica {rid} did not finish within {timeout} s\n{self.logs()}")
         return codes
 

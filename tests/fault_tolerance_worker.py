@@ -16,6 +16,7 @@ each of those steps, once: the quorum aborts and re-forms with the same members)
 """
 
 import argparse
+import faulthandler
 import hashlib
 import json
 import os
@@ -96,6 +97,7 @@ def main(argv=None):
     parser.add_argument("--ddp", default="{}", help="JSON of DistributedDataParallel arguments")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness asks for stacks when a wait times out
 
     from ddp_ext.fault_tolerance import Replica
 

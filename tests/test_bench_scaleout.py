@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("matplotlib", reason="the benchmark suite needs matplotlib (the `bench` extra)")
 
 from ddp_ext.bench.experiments import scaleout  # noqa: E402
-from ddp_ext.bench.harness import hosts  # noqa: E402
+from ddp_ext.testing import fake_hosts as hosts  # noqa: E402
 from ddp_ext.bench.workloads import scaleout_variants as sv  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

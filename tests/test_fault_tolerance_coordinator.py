@@ -1,6 +1,8 @@
 """The coordinator on its own: the membership decisions as a table (pure,
 no processes), then the coordinator's server in this process with raw
-control connections (hello, refusals, heartbeats, drops, aborts)."""
+control connections (hello, refusals, heartbeats, drops, aborts, a
+connection that is not read), and the replica's end's bounds on a silent
+link."""
 
 import json
 import socket
@@ -8,8 +10,9 @@ import time
 
 import pytest
 
-from ddp_ext.fault_tolerance import _wire
+from ddp_ext.fault_tolerance import _wire, link
 from ddp_ext.fault_tolerance.coordinator import Coordinator
+from ddp_ext.fault_tolerance.link import CoordinatorLost
 from ddp_ext.fault_tolerance.membership import Membership
 
 
@@ -133,3 +136,51 @@ def test_the_server_announces_epochs_and_drops_the_silent():
     for _ in range(50):
         coordinator.poll(0.005)
     assert coordinator.membership.peers == {}
+
+
+def test_a_replica_that_does_not_read_is_closed_not_waited_on():
+    # The coordinator sends without blocking: a connection that cannot take
+    # a message (its reader stopped, or a silent link filled the buffers) is
+    # closed and its replica leaves; the others are served without a stall.
+    logged = []
+    coordinator = Coordinator("127.0.0.1", 0, run_id="run", log=logged.append)
+    deaf = Client(coordinator, hello("deaf", timeout=60.0))
+    deaf.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    other = Client(coordinator, hello("other", timeout=60.0))
+    assert other.receive(coordinator, "welcome")
+    conn = coordinator._by_id["deaf"]
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    started = time.monotonic()
+    for _ in range(10_000):
+        if "deaf" not in coordinator._by_id:
+            break
+        coordinator._broadcast({"type": "epoch", "epoch": 0, "members": ["x" * 1000], "history": False})
+    assert time.monotonic() - started < 5.0
+    assert "deaf" not in coordinator._by_id and "deaf" not in coordinator.membership.peers
+    assert any("closing the connection of 'deaf'" in line for line in logged), logged
+    assert other.epoch_with(coordinator, ["other"])  # a new epoch without it, announced to the rest
+
+
+def test_reconnect_gives_up_at_once_when_the_coordinator_is_gone():
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    listener.close()  # nothing listens there now: connections are refused
+    started = time.monotonic()
+    with pytest.raises(CoordinatorLost, match="refuses connections"):
+        link.reconnect("127.0.0.1", port, hello("a"), heartbeat_timeout=2.0, patience_s=30.0)
+    assert time.monotonic() - started < 5.0
+
+
+def test_the_store_client_connection_is_bounded():
+    # torch's TCPStore client blocks in recv through a cut link; the replica
+    # bounds its socket (Note [A silent link]).
+    import datetime
+
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=10))
+    client.add("k", 1)
+    assert link.bound_connections(server.port, 2.0, 4.0) >= 1
+    assert client.add("k", 1) == 2  # still works

@@ -10,7 +10,7 @@ host 0's worker raises within ERROR_BOUND_S (its process group timeout is
 20 s, so an error that quick comes from the lost connection, not a timeout).
 
 Needs root (`ip netns add`); skips, saying why, otherwise. The namespaces
-(made by ddp_ext/bench/harness/hosts.py), and any process left in them, are
+(made by ddp_ext/testing/fake_hosts.py), and any process left in them, are
 removed whatever happens.
 """
 
@@ -25,7 +25,7 @@ import time
 import pytest
 import torch
 
-from ddp_ext.bench.harness import hosts as fake
+from ddp_ext.testing import fake_hosts as fake
 from tests import reference
 from tests import two_host_train as worker
 from tests.harness import assert_states_close, same_bits

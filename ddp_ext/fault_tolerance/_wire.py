@@ -17,8 +17,12 @@ from typing import List, Optional
 MAX_LINE = 1 << 20
 
 
+def encode(message: dict) -> bytes:
+    return (json.dumps(message) + "\n").encode()
+
+
 def send(sock: socket.socket, message: dict) -> None:
-    sock.sendall((json.dumps(message) + "\n").encode())
+    sock.sendall(encode(message))
 
 
 class LineReader:

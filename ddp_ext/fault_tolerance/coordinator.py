@@ -13,7 +13,10 @@ then one line per epoch.
 If the coordinator dies, the replicas' control connections close and every
 replica raises CoordinatorLost at its next step boundary (or within its
 heartbeat timeout while it waits on the coordinator): training stops with
-the last committed step intact in memory; it never hangs.
+the last committed step intact in memory; it never hangs. (A replica that
+gets no answer at all, a cut link, keeps trying for its connect timeout:
+Note [A silent link] in ddp_ext/fault_tolerance/link.py.) The coordinator
+never blocks on one replica: it sends without waiting.
 """
 
 import argparse
@@ -27,6 +30,7 @@ from typing import Dict, Optional
 import torch.distributed as dist
 
 from ddp_ext.fault_tolerance import _wire
+from ddp_ext.fault_tolerance.link import bound
 from ddp_ext.fault_tolerance.membership import Membership
 
 TICK_S = 0.01  # how often silence is checked
@@ -122,7 +126,12 @@ class Coordinator:
             self._close(old, lose=False)
         self._clients[conn]["rid"] = rid
         self._by_id[rid] = conn
-        self._send(conn, {"type": "welcome"})
+        try:
+            bound(conn, float(message["heartbeat_timeout"]))  # the kernel gives up on a cut link too
+        except OSError:
+            pass
+        if not self._send(conn, {"type": "welcome"}):
+            return
         epoch = self.membership.epoch
         if epoch.number:
             self._send(conn, {"type": "epoch", "epoch": epoch.number, "members": list(epoch.members),
@@ -150,18 +159,28 @@ class Coordinator:
                 if lose:
                     self.membership.lost(client["rid"])
 
-    def _send(self, conn: socket.socket, message: dict) -> None:
+    def _send(self, conn: socket.socket, message: dict) -> bool:
+        """Sends without waiting: the coordinator never blocks on one replica
+        (Note [A silent link] in ddp_ext/fault_tolerance/link.py). A
+        connection that cannot take a small message at once is not being
+        read (cut off, or its process stopped with its buffer full) or is
+        broken: it is closed, and its replica leaves (it says hello again
+        when it can). False then."""
+        data = _wire.encode(message)
         try:
-            conn.setblocking(True)
-            conn.settimeout(1.0)
-            _wire.send(conn, message)
-        except OSError:
-            pass
-        finally:
-            try:
-                conn.setblocking(False)
-            except OSError:
-                pass
+            sent = conn.send(data)
+            why = None if sent == len(data) else "its send buffer is full"
+        except (BlockingIOError, InterruptedError):
+            why = "its send buffer is full"
+        except OSError as exc:
+            why = str(exc)
+        if why is None:
+            return True
+        client = self._clients.get(conn)
+        if client is not None:
+            self._log(f"closing the connection of {client['rid']!r}: a message could not be sent ({why})")
+            self._close(conn)
+        return False
 
     def _broadcast(self, message: dict) -> None:
         for rid, conn in list(self._by_id.items()):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp_ext.distributed import DistributedDataParallel
-from ddp_ext.fault_tolerance import _wire, commit, group as groups, heal
+from ddp_ext.fault_tolerance import _wire, commit, group as groups, heal, link as links
 from ddp_ext.fault_tolerance.link import CoordinatorLost, Link, ReplicaDropped
 
 _log = logging.getLogger("ddp_ext.fault_tolerance")
@@ -73,6 +73,8 @@ class Replica:
             register a communication hook (hooks do not carry over).
         max_attempts: how often one step may fail with the same members before
             run_step re-raises the error (a failure that is not a peer's).
+        connect_timeout: seconds to keep trying to reach the coordinator, at the
+            start and after losing it (a cut link: Note [A silent link]).
     """
 
     def __init__(
@@ -117,8 +119,8 @@ class Replica:
                 f"({replica_id!r}) belongs to run {run_id!r}: point it at its own run's coordinator"
             )
         control_port = int(self._store.get(f"{run_id}/control_port"))
-        # From here on, blocking store calls (Gloo's rendezvous) wait at most this long.
-        self._store.set_timeout(datetime.timedelta(seconds=self.heartbeat_timeout + 2.0))
+        self._bound_store(port)
+        self._store_address = (host, port, connect_timeout)
         hello = {"type": "hello", "run_id": run_id, "replica_id": replica_id,
                  "heartbeat_timeout": self.heartbeat_timeout,
                  "fingerprint": heal.fingerprint(module, optimizer)}
@@ -157,7 +159,7 @@ class Replica:
         """Runs `train_step(membership)` (forward and backward through
         self.ddp, zeroing gradients first as usual) until a quorum commits it,
         then applies the optimizer step. See Note [Committing a step]."""
-        attempts, same_members_failures, last_members = 0, 0, None
+        attempts, same_members_failures, last_members, rejoins = 0, 0, None, 0
         while True:
             try:
                 membership = self._quorum()
@@ -176,11 +178,15 @@ class Replica:
                     error, value = exc, None
                 decision = commit.decide(self._store, self._link, self.run_id, membership.epoch, self._step,
                                          membership.members, voted=error is None)
-            except ReplicaDropped:
+            except (ReplicaDropped, CoordinatorLost) as exc:
                 # Stopped or cut off for longer than the heartbeat timeout: the
-                # others went on without this replica. Join again; the next
-                # formation heals it if it is behind.
-                self._rejoin()
+                # others went on without this replica. Join again (raises
+                # CoordinatorLost if the coordinator is gone: Note [A silent
+                # link]); the next formation heals it if it is behind.
+                rejoins += 1
+                if rejoins > self._max_attempts + 2:
+                    raise
+                self._rejoin(exc)
                 continue
             if decision.committed:
                 if self.optimizer is not None:
@@ -329,10 +335,24 @@ class Replica:
         self._failed_epoch = max(self._failed_epoch, epoch)
         self._next_epoch = None
 
-    def _rejoin(self) -> None:
+    def _bound_store(self, port: int) -> None:
+        # Blocking store calls (Gloo's rendezvous) wait at most this long, and
+        # a silent link ends them too (Note [A silent link]).
+        self._store.set_timeout(datetime.timedelta(seconds=self.heartbeat_timeout + 2.0))
+        links.bound_connections(port, self.heartbeat_timeout, self.heartbeat_timeout + 2.0)
+
+    def _rejoin(self, cause: Exception) -> None:
         self._release()
         self._link.close()
-        self._link = Link(*self._link_args)
+        host, control_port, hello, heartbeat_timeout, connect_timeout = self._link_args
+        _log.warning("replica %s: %s; saying hello again", self.replica_id, cause)
+        self._link = links.reconnect(host, control_port, hello, heartbeat_timeout, connect_timeout)
+        # The store's connection may have failed mid-call (its answers would
+        # be out of step): a new one.
+        host, port, connect_timeout = self._store_address
+        self._store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=connect_timeout))
+        self._bound_store(port)
         self._failed_epoch = 0
         self._next_epoch = None
         self.rejoins += 1

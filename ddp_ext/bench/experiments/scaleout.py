@@ -2,7 +2,7 @@
 
 Hosts are network namespaces on this machine joined by veth pairs (through a
 bridge from 3 hosts), each host's sending shaped with tc to 1 or 10 Gbit/s
-(harness/hosts.py); ranks of one host talk over its loopback. Configurations:
+(ddp_ext/testing/fake_hosts.py); ranks of one host talk over its loopback. Configurations:
 1, 2 and 4 hosts of 1, 2 and 4 ranks, up to 8 ranks, the ranks numbered
 host by host as torchrun numbers them (LOCAL_WORLD_SIZE / LOCAL_RANK set).
 In each, the eight variants of workloads/scaleout_variants.py alternate
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_ext import hierarchy
-from ddp_ext.bench.harness import hosts, stats
+from ddp_ext.bench.harness import stats
 from ddp_ext.bench.harness.interleave import merge_ranks, run_interleaved
 from ddp_ext.bench.harness.launcher import launch
 from ddp_ext.bench.harness.machine import usable_cores
@@ -31,6 +31,7 @@ from ddp_ext.bench.harness.options import BenchOptions
 from ddp_ext.bench.reporting import figures, markdown
 from ddp_ext.bench.workloads import scaleout_variants as sv
 from ddp_ext.bench.workloads.training_step import TrainingStep
+from ddp_ext.testing import fake_hosts as hosts
 
 NAME = "scaleout"
 FIGURE = "Fig. 9/10 over links"

@@ -77,7 +77,7 @@ def launch(fn: Callable[[int, int, Any], Any], world_size: int, job: Any, thread
 
     fn must be a module-level function and job and the return values picklable.
     setup(rank), if given (picklable too), runs first in each rank's process,
-    before torch is imported (e.g. harness.hosts.enter).
+    before torch is imported (e.g. ddp_ext.testing.fake_hosts.enter).
     backend "ddp_ext_mpi" starts the ranks with mpirun instead (mpi_launcher).
     """
     if backend == mpi_launcher.BACKEND:

@@ -4,7 +4,9 @@
 own loopback and one veth (`veth0`, address 10.213.0.<i+1>/24). Two hosts
 are joined by their veth pair directly; more are joined through a bridge in
 a namespace of its own. `rate_gbit` shapes what each host sends on its veth
-(tc tbf; this kernel may lack netem, so no delay is added). Everything it
+(tc tbf; this kernel may lack netem, so no delay is added). `cut(host)`
+makes a host's link silent (every packet it sends or is sent dropped, no
+reset, no carrier change), `restore(host)` brings it back. Everything it
 made, and any process left in its namespaces, is removed on exit, and
 namespaces of earlier runs whose process died are removed on entry.
 
@@ -130,6 +132,23 @@ def fake_hosts(count: int, tag: str, rate_gbit: Optional[float] = None) -> Itera
     finally:
         for name in made:
             remove_namespace(name)
+
+
+def cut(host: Host, others=()) -> None:
+    """Silently drops every packet on `host`'s link: what it sends (a
+    blackhole qdisc on its veth) and, through `others` (the hosts at the
+    other end), what is sent to it. Nothing is reset and the carrier stays
+    up, as when a cable or a switch in the middle fails."""
+    for h in [host, *others]:
+        subprocess.run(["ip", "netns", "exec", h.netns, "tc", "qdisc", "replace", "dev", h.veth, "root",
+                        "blackhole"], check=True, capture_output=True, timeout=30)
+
+
+def restore(host: Host, others=()) -> None:
+    """Undoes `cut` (and any shaping of these links)."""
+    for h in [host, *others]:
+        subprocess.run(["ip", "netns", "exec", h.netns, "tc", "qdisc", "del", "dev", h.veth, "root"],
+                       capture_output=True, timeout=30)
 
 
 def enter(host: Host) -> None:
