@@ -296,6 +296,8 @@ void bind_reducer(py::module& m) {
         return std::string(phase_name(r.phase()));
       })
       .def("_register_comm_hook", &Reducer::register_comm_hook, py::arg("hook"), NoGil())
+      .def("_set_comm_hook_fingerprint", &Reducer::set_comm_hook_fingerprint,
+           py::arg("fingerprint"), py::arg("confirm"), NoGil())
       .def(
           "_run_comm_hook",
           [](Reducer& r, c10d::GradBucket& bucket) -> FuturePtr {

@@ -3,6 +3,7 @@ Python hook under torch's contract, ddp_ext's adaptive-precision hook, or
 one of torch's built-in hook types) into a C++ hook for the reducer. See
 Note [Communication hooks] in comm_hooks/comm_hook.h for how they run."""
 
+import hashlib
 import inspect
 
 import torch
@@ -60,8 +61,10 @@ def agree_on_hooks(ddp) -> None:
     buckets would run different collectives, which pair wrongly or wait for
     each other. Run once, at the first forward, before any gradient is
     averaged; two small allgathers. Hooks are compared by name: their states
-    may differ in type (None or the group a hook defaults to)."""
-    mine = "; ".join(name for name, _ in ddp._comm_hooks) or "none"
+    may differ in type (None or the group a hook defaults to). A hook
+    registered later is compared by every backward's step check (Note [Hooks
+    registered after the first forward] in reducer/step_check.h)."""
+    mine = _hooks_text(ddp)
     every_rank = [b.decode() for b in _model_check.allgather_bytes(ddp.process_group, mine.encode(), ddp.device)]
     if len(set(every_rank)) == 1:
         return
@@ -81,13 +84,28 @@ def _native_hook(ddp, state, hook):
             raise TypeError(
                 f"adaptive_precision_hook needs a ddp_ext.AdaptivePrecision as its state, got {type(state).__name__}"
             )
-        return _C.adaptive_precision_comm_hook(state._bind(ddp.process_group))
+        return _C.adaptive_precision_comm_hook(state._bind(ddp.process_group, meeting=ddp._store_key))
     return _C.python_comm_hook(state, hook)
 
 
 def _install(ddp, native, name: str, state) -> None:
     ddp.reducer._register_comm_hook(native)
     ddp._comm_hooks.append((name, state))
+    # See Note [Hooks registered after the first forward] in reducer/step_check.h.
+    ddp.reducer._set_comm_hook_fingerprint(hooks_fingerprint(ddp), confirm=ddp._lazy_init_ran)
+
+
+def _hooks_text(ddp) -> str:
+    return "; ".join(name for name, _ in ddp._comm_hooks) or "none"
+
+
+def hooks_fingerprint(ddp) -> int:
+    """1 without a hook; else a positive 62-bit hash of the hooks' names, the
+    same on every rank for the same names."""
+    text = _hooks_text(ddp)
+    if text == "none":
+        return 1
+    return 2 + int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") % (2**62)
 
 
 def _stops_tuning(ddp, native) -> bool:

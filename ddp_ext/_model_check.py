@@ -75,14 +75,19 @@ def verify_same_model(
     named_broadcast: Named = (),
     ignored: Sequence[str] = (),
     settings: Optional[dict] = None,
-) -> None:
+    number: Optional[int] = None,
+) -> Optional[int]:
     """Raises the same RuntimeError on every rank if the ranks ignore
     different parameters (`ignored`), if their parameters that require grad
     differ in count, name, shape or dtype, or so do the other tensors rank 0
     broadcasts at construction (`named_broadcast`: frozen parameters,
     buffers), which a broadcast would otherwise misplace silently (names the
-    first entry that differs), or if the `settings` that must agree do."""
-    ours = [_describe(named_params), _describe(named_broadcast), sorted(ignored), settings or {}]
+    first entry that differs), or if the `settings` that must agree do.
+
+    `number`: this rank's proposal for the wrapper's number in the store
+    (ddp_ext/_diagnosis/hang.py, `store_key`), gathered in the same
+    allgather; returns the largest proposal, the same on every rank."""
+    ours = [_describe(named_params), _describe(named_broadcast), sorted(ignored), settings or {}, number]
     every_rank = [json.loads(p) for p in allgather_bytes(process_group, json.dumps(ours).encode(), device)]
     _ignored_differ(every_rank)
     reference = every_rank[0]
@@ -111,12 +116,14 @@ def verify_same_model(
                 "identically on every rank, or pass broadcast_buffers=False to keep buffers rank-local."
             )
     _settings_differ(every_rank)
+    proposals = [described[4] for described in every_rank if len(described) > 4 and described[4] is not None]
+    return max(proposals) if proposals else None
 
 
 def verify_module(
     process_group: dist.ProcessGroup, module, named_params: Named, ignored, include_buffers: bool,
-    settings: Optional[dict] = None,
-) -> None:
+    settings: Optional[dict] = None, number: Optional[int] = None,
+) -> Optional[int]:
     """verify_same_model over all that the construction broadcast covers: a
     frozen parameter or buffer shaped differently would shift every tensor
     after it."""
@@ -124,4 +131,4 @@ def verify_module(
     named_broadcast = [(n, p) for n, p in module.named_parameters() if not p.requires_grad and n not in ignored]
     if include_buffers:
         named_broadcast += [(n, b) for n, b in module.named_buffers() if n not in ignored]
-    verify_same_model(process_group, named_params, device, named_broadcast, sorted(ignored), settings)
+    return verify_same_model(process_group, named_params, device, named_broadcast, sorted(ignored), settings, number)

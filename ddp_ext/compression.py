@@ -12,7 +12,6 @@ The same line works on torch's DistributedDataParallel (the hook then runs
 through Python); on ddp_ext's it runs in C++ without the GIL.
 """
 
-import itertools
 from typing import List, Optional
 
 import torch
@@ -23,7 +22,7 @@ from ddp_ext import _C
 from ddp_ext._gloo_group import gloo_group
 
 INT8_EXCHANGES = ("auto", "allgather", "reduce_scatter")
-_companions = itertools.count()
+_companions = {}  # per process group (by name): companions made without a wrapper's key
 
 
 def int8_exchange_for(world_size: int) -> str:
@@ -33,16 +32,25 @@ def int8_exchange_for(world_size: int) -> str:
     return _C.int8_exchange_for(world_size)
 
 
-def _companion_group(group: dist.ProcessGroup) -> Optional[dist.ProcessGroup]:
+def _companion_group(group: dist.ProcessGroup, meeting: Optional[str] = None) -> Optional[dist.ProcessGroup]:
     """A Gloo group of `group`'s ranks that carries nothing else, for the
     second round of the reduce-scatter exchange (Note [Eight bits at any world
     size], Ordering); None if `group` is not known to torch.distributed (no
-    store to meet in). Every rank of `group` makes its companions in the same
-    order (at the hook's first use, which is collective), so the counter in
-    the store prefix agrees."""
+    store to meet in). The ranks meet under `meeting`, the key of the
+    ddp_ext wrapper the hook is registered with, which every rank of its
+    group agreed on at construction (ddp_ext/_diagnosis/hang.py,
+    `store_key`); without one (torch's DDP), under a count of the companions
+    made over `group`, made at the hook's first use, which is collective."""
     if group not in c10d._world.pg_map:
         return None
-    store = dist.PrefixStore(f"ddp_ext_int8_companion/{next(_companions)}/", c10d._world.pg_map[group][1])
+    if meeting is None:
+        name = str(getattr(group, "group_name", ""))
+        count = _companions.get(name, 0)
+        _companions[name] = count + 1
+        meeting = f"count/{count}"
+    else:
+        meeting = f"wrapper/{meeting}"
+    store = dist.PrefixStore(f"ddp_ext_int8_companion/{meeting}/", c10d._world.pg_map[group][1])
     return gloo_group(store, group.rank(), group.size(), c10d.default_pg_timeout)
 
 
@@ -104,9 +112,10 @@ class AdaptivePrecision:
         self._native = None
         self._companion = None
 
-    def _bind(self, process_group: Optional[dist.ProcessGroup] = None):
+    def _bind(self, process_group: Optional[dist.ProcessGroup] = None, meeting: Optional[str] = None):
         """The native state, made on first use for `process_group` (or the
-        group given at construction, or the default group)."""
+        group given at construction, or the default group); `meeting`: where
+        its companion group meets (see `_companion_group`)."""
         if self.process_group is not None and process_group is not None and process_group is not self.process_group:
             raise ValueError(
                 "AdaptivePrecision: this state reduces over another process group than this DDP model's; "
@@ -126,7 +135,7 @@ class AdaptivePrecision:
             exchange = int8_exchange_for(group.size()) if self.int8_exchange == "auto" else self.int8_exchange
             companion = None
             if self.int8 and exchange == "reduce_scatter":
-                companion = _companion_group(group)
+                companion = _companion_group(group, meeting)
                 if companion is None and self.int8_exchange == "reduce_scatter":
                     raise ValueError(
                         "AdaptivePrecision: int8_exchange='reduce_scatter' needs a process group made by "

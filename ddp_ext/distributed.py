@@ -146,13 +146,15 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         self._module_parameters = [p for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
         named_params = self._named_params_for_reducer(module)
         check_initialized(named_params)
+        agreed_number = None  # see _diagnosis.store_key
         if init_sync:
             # First of all, so that a rank with a different model (even one with
             # nothing to train) makes every rank raise the same error.
-            verify_module(
+            agreed_number = verify_module(
                 process_group, module, named_params, self.parameters_to_ignore, buffer_sync.at_init,
                 _arguments.settings_to_agree(caps, find_unused_parameters, static_graph, rebuild_mode,
                                              skip_all_reduce_unused_params, hierarchical_allreduce),
+                number=_diagnosis.proposed_number(process_group),
             )
         if not named_params and not delayed_params:
             raise RuntimeError(
@@ -206,7 +208,9 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
             self._dropped_layers.agree_with_rank_0(self._broadcast_from_rank_0)
         self.reducer = None if self._delay_all_reduce_all_params else self._build_reducer()
         self._hang_settings = hang_settings
-        self._hang_diagnosis = _diagnosis.attach(self, settings=hang_settings)
+        self._hang_diagnosis = _diagnosis.attach(
+            self, settings=hang_settings, key=_diagnosis.store_key(process_group, agreed_number)
+        )
         self._stragglers = _stragglers.attach(self)
         # See Note [Auto-tuned bucket caps]; None: fixed caps.
         self._auto_buckets = AutoBuckets() if caps.auto and self.reducer is not None else None

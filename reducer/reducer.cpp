@@ -97,17 +97,8 @@ Reducer::~Reducer() {
 }
 
 void Reducer::remove_autograd_hooks() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const auto lock = lock_state(Access::kChange);
   hooks_.remove();
-}
-
-void Reducer::reset_step_check() {
-  step_check_.reset();
-  if (process_group_->getSize() > 1) {
-    step_check_.emplace(
-        process_group_->getRank(), process_group_->getSize(),
-        params_.front().device());
-  }
 }
 
 void Reducer::abandon_iteration() {
@@ -119,48 +110,8 @@ void Reducer::abandon_iteration() {
   static_graph_.abandon();
 }
 
-void Reducer::raise_if_out_of_step() {
-  // See Note [Ranks out of step].
-  if (!step_check_ || !step_check_->launched()) {
-    return;
-  }
-  std::string message;
-  {
-    TimelineRange range(timeline_, TimelineEvent::kStepCheckWait);
-    message = step_check_->wait(&stall_);
-  }
-  if (message.empty()) {
-    if (!step_check_->phases().empty()) { // See Note [Stragglers].
-      phases_.received(backward_step_, step_check_->phases());
-    }
-    return;
-  }
-  // A peer may have raised instead of reducing: drop this backward's
-  // collectives rather than wait for partners that may never come.
-  abandon_iteration();
-  usage_.drop(/*clear=*/true);
-  enter(phase_, Phase::kIdle);
-  TORCH_CHECK(false, message);
-}
-
-void Reducer::check_step_before_forward_collectives() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (step_check_) {
-    const std::string message =
-        step_check_->check_forward(*process_group_, backwards_begun_, &stall_);
-    TORCH_CHECK(message.empty(), message);
-  }
-}
-
-void Reducer::match_step_check_as_joined() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (step_check_) {
-    step_check_->match_as_joined(*process_group_);
-  }
-}
-
 void Reducer::set_timeline(bool on) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const auto lock = lock_state(Access::kChange);
   timeline_.set_on(on);
   if (on) {
     reserve_timeline(); // for a backward already prepared
@@ -175,12 +126,12 @@ void Reducer::reserve_timeline() {
 }
 
 std::vector<TimelineEvent> Reducer::take_timeline(int64_t* dropped, int64_t wait_ms) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const auto lock = lock_state(Access::kChange);
   return timeline_.take(dropped, wait_ms);
 }
 
 int64_t Reducer::training_steps() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const auto lock = lock_state(Access::kRead);
   return training_steps_;
 }
 
@@ -193,37 +144,37 @@ void Reducer::enter(Phase from, Phase to) {
 }
 
 Phase Reducer::phase() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const auto lock = lock_state(Access::kRead);
   return phase_;
 }
 
 void Reducer::set_straggler_every(int64_t every) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const auto lock = lock_state(Access::kChange);
   phases_.set_every(every);
 }
 
 std::pair<int64_t, std::vector<int64_t>> Reducer::straggler_figures() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const auto lock = lock_state(Access::kRead);
   return phases_.figures();
 }
 
 RuntimeTimes Reducer::runtime_times() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const auto lock = lock_state(Access::kRead);
   return phases_.times();
 }
 
 int64_t Reducer::iterations() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const auto lock = lock_state(Access::kRead);
   return iterations_;
 }
 
 bool Reducer::unused_parameters_stable() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const auto lock = lock_state(Access::kRead);
   return usage_.stable();
 }
 
 void Reducer::set_overlap_with_backward(bool overlap) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const auto lock = lock_state(Access::kChange);
   TORCH_CHECK(
       phase_ != Phase::kReducing,
       "overlap_with_backward cannot change while gradients are being reduced");
@@ -231,13 +182,13 @@ void Reducer::set_overlap_with_backward(bool overlap) {
 }
 
 void Reducer::set_static_graph() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const auto lock = lock_state(Access::kChange);
   static_graph_.enable(iterations_);
   layout_.order().set_first_rebuild(true);
 }
 
 void Reducer::register_comm_hook(std::shared_ptr<comm_hooks::CommHook> hook) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const auto lock = lock_state(Access::kChange);
   TORCH_CHECK(hook, "register_comm_hook needs a hook");
   TORCH_CHECK(
       comm_hook_ == nullptr,
@@ -266,7 +217,7 @@ bool Reducer::stays_local() const {
 }
 
 bool Reducer::learning_static_graph() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const auto lock = lock_state(Access::kRead);
   return static_graph_.learning();
 }
 
@@ -284,14 +235,8 @@ bool Reducer::may_be_globally_unused(size_t index) const {
   return tracks_usage() && !usage_.used_locally(index);
 }
 
-std::string Reducer::unfinished_reduction_message() const {
-  return ddp_ext::reducer::unfinished_reduction_message(
-      process_group_->getRank(), backward_step_, next_bucket_ == layout_.buckets().size(),
-      usage_.searches(), param_names_, ready_);
-}
-
 void Reducer::prepare_for_forward(bool training_step) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const auto lock = lock_state(Access::kChange);
   phases_.forward_begins(); // See Note [Runtime statistics].
   if (training_step) {
     ++training_steps_; // See Note [Ranks out of step].
@@ -301,22 +246,8 @@ void Reducer::prepare_for_forward(bool training_step) {
   }
 }
 
-void Reducer::raise_unfinished_reduction() {
-  const std::string message = unfinished_reduction_message();
-  if (!reported_unfinished_ && next_bucket_ < layout_.buckets().size()) {
-    stall_.report(StallEvent::kUnfinished); // See Note [Hang attribution].
-  }
-  reported_unfinished_ = false;
-  // Raise without waiting for the buckets already launched: when ranks
-  // skipped different parameters, some of those allreduces have no partner
-  // and waiting would hang this rank instead of telling its user. A caller
-  // that catches this and goes on waits for them in prepare_for_backward.
-  enter(Phase::kReducing, Phase::kIdle);
-  TORCH_CHECK(false, message);
-}
-
 void Reducer::check_finalized() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const auto lock = lock_state(Access::kRead);
   TORCH_CHECK(phase_ != Phase::kReducing, unfinished_reduction_message());
 }
 
@@ -324,7 +255,7 @@ void Reducer::prepare_for_backward(
     const std::vector<at::Tensor>& outputs,
     const std::vector<size_t>& dropped,
     const std::vector<size_t>& accumulated_only) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const auto lock = lock_state(Access::kChange);
   if (phase_ == Phase::kReducing) {
     raise_unfinished_reduction(); // a framework prepared a backward itself
   }
@@ -345,7 +276,8 @@ void Reducer::prepare_for_backward(
   std::fill(ready_.begin(), ready_.end(), false);
   next_bucket_ = 0;
   accumulated_only_ = accumulated_only;
-  plan_confirmed_ = !drops_layers_;
+  // See Note [Layer dropping] and Note [Hooks registered after the first forward].
+  plan_confirmed_ = !drops_layers_ && !hook_unconfirmed_;
   if (timeline_.on()) {
     reserve_timeline();
   }
@@ -370,7 +302,7 @@ void Reducer::arm_buckets() {
 }
 
 void Reducer::prepare_for_local_backward() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const auto lock = lock_state(Access::kChange);
   TORCH_INTERNAL_ASSERT(
       phase_ != Phase::kReducing,
       "prepare_for_forward must run before prepare_for_local_backward");
@@ -378,7 +310,7 @@ void Reducer::prepare_for_local_backward() {
 }
 
 void Reducer::allow_local_accumulation() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const auto lock = lock_state(Access::kChange);
   if (phase_ == Phase::kIdle) {
     enter(Phase::kIdle, Phase::kAccumulating);
   }
@@ -386,7 +318,7 @@ void Reducer::allow_local_accumulation() {
 
 void Reducer::set_forward_pass_work(
     c10::intrusive_ptr<c10d::Work> work, bool divide_by_initial_world_size) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const auto lock = lock_state(Access::kChange);
   averaging_.set_forward_pass_work(std::move(work), divide_by_initial_world_size);
 }
 
@@ -396,14 +328,7 @@ void Reducer::start_reducing() {
   backward_step_ = training_steps_;
   reported_unfinished_ = false;
   if (stall_.on() && step_check_ && !static_graph_.learning()) {
-    // See Note [Hang attribution]; queued before finalize_backward, so it
-    // runs first.
-    torch::autograd::Engine::get_default_engine().queue_callback(
-        [weak = weak_from_this()] {
-          if (const std::shared_ptr<Reducer> self = weak.lock()) {
-            self->check_backward_ended();
-          }
-        });
+    watch_backward_end(); // queued before finalize_backward, so it runs first
   }
   const int64_t order_vote = layout_.cast_vote();
   if (step_check_) {
@@ -411,7 +336,7 @@ void Reducer::start_reducing() {
     // See Note [Stragglers]: every rank is at the same step, so all publish.
     step_check_->launch_backward(
         *process_group_, training_steps_, order_vote, drop_plan_.fingerprint(),
-        phases_.to_publish(training_steps_));
+        hook_fingerprint_, phases_.to_publish(training_steps_));
     timeline_.instant(TimelineEvent::kStepCheckLaunch, -1);
   }
   averaging_.take(process_group_->getSize()); // See Note [Join and the divide factor].
@@ -432,7 +357,7 @@ void Reducer::start_reducing() {
 }
 
 void Reducer::on_gradient_ready(size_t index, bool gradient_arrived) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const auto lock = lock_state(Access::kChange);
   if (gradient_arrived && tracks_usage()) {
     usage_.mark_used(index);
   }
@@ -600,7 +525,7 @@ void Reducer::launch(size_t bucket_index) {
 c10::intrusive_ptr<c10::ivalue::Future> Reducer::run_comm_hook(
     c10d::GradBucket& bucket) {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    const auto lock = lock_state(Access::kRead);
     if (comm_hook_ != nullptr) {
       return comm_hook_->runHook(bucket);
     }
@@ -610,13 +535,13 @@ c10::intrusive_ptr<c10::ivalue::Future> Reducer::run_comm_hook(
 
 c10::intrusive_ptr<c10::ivalue::Future> Reducer::run_allreduce(
     c10d::GradBucket& bucket) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const auto lock = lock_state(Access::kRead);
   std::vector<at::Tensor> tensors{bucket.getBufferRef()};
   return process_group_->allreduce(tensors)->getFuture();
 }
 
 std::vector<c10d::GradBucket> Reducer::zeros_like_grad_buckets() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const auto lock = lock_state(Access::kRead);
   const auto& buckets = layout_.buckets();
   std::vector<c10d::GradBucket> result;
   result.reserve(buckets.size());
@@ -632,7 +557,7 @@ std::vector<c10d::GradBucket> Reducer::zeros_like_grad_buckets() const {
 }
 
 at::Tensor Reducer::local_used_map() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const auto lock = lock_state(Access::kRead);
   return usage_.bitmap_copy();
 }
 
@@ -673,7 +598,7 @@ void Reducer::wait_for_launched_buckets() {
 }
 
 void Reducer::finalize_backward() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const auto lock = lock_state(Access::kChange);
   TORCH_INTERNAL_ASSERT(phase_ == Phase::kReducing && !static_graph_.learning());
   TORCH_INTERNAL_ASSERT(next_bucket_ == layout_.buckets().size());
   TimelineRange range(timeline_, TimelineEvent::kFinalize);
@@ -719,7 +644,7 @@ void Reducer::queue_at_end_of_backward(void (Reducer::*step)()) {
 
 void Reducer::queue_finish_learning_iteration() {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    const auto lock = lock_state(Access::kRead);
     if (!static_graph_.learning()) {
       return;
     }
@@ -728,7 +653,7 @@ void Reducer::queue_finish_learning_iteration() {
 }
 
 void Reducer::finish_learning_iteration() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const auto lock = lock_state(Access::kChange);
   if (!static_graph_.learning()) {
     return; // Another output sink of the same iteration finished it.
   }
@@ -772,50 +697,8 @@ void Reducer::conclude_layout(bool launched_at_end) {
   }
 }
 
-void Reducer::set_stall_handler(
-    int64_t timeout_ms, std::function<void(const StallReport&)> handler) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!handler) {
-    stall_.configure(0, nullptr);
-    return;
-  }
-  // The watch is a member: the lambda never outlives `this`.
-  stall_.configure(timeout_ms, [this, handler = std::move(handler)](const StallEvent& event) {
-    handler(stall_report(event));
-  });
-}
-
-StallReport Reducer::stall_report(const StallEvent& event) const {
-  StallReport report;
-  report.event = event;
-  report.rank = process_group_->getRank();
-  report.step = backward_step_;
-  report.training_steps = training_steps_;
-  report.phase = phase_name(phase_);
-  report.buckets_launched = static_cast<int64_t>(next_bucket_);
-  report.buckets_total = static_cast<int64_t>(layout_.buckets().size());
-  if (phase_ == Phase::kReducing) {
-    for (size_t i = 0; i < params_.size(); ++i) {
-      if (!ready_[i]) {
-        report.unready.push_back(param_names_[i]);
-        report.unready_buckets.push_back(static_cast<int64_t>(layout_.bucket_index_of(i)));
-      }
-    }
-  }
-  return report;
-}
-
-void Reducer::check_backward_ended() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (phase_ == Phase::kReducing && !static_graph_.learning() &&
-      next_bucket_ < layout_.buckets().size() && !reported_unfinished_) {
-    reported_unfinished_ = true;
-    stall_.report(StallEvent::kUnfinished);
-  }
-}
-
 bool Reducer::set_bucket_caps(const std::vector<int64_t>& caps) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const auto lock = lock_state(Access::kChange);
   TORCH_CHECK(
       phase_ != Phase::kReducing,
       "DistributedDataParallel on rank ", process_group_->getRank(),
@@ -835,7 +718,7 @@ bool Reducer::set_bucket_caps(const std::vector<int64_t>& caps) {
 
 void Reducer::update_process_group(
     c10::intrusive_ptr<c10d::ProcessGroup> process_group) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const auto lock = lock_state(Access::kChange);
   TORCH_CHECK(process_group, "update_process_group needs a process group");
   // Work on the old group is dropped, not awaited: it may never complete.
   abandon_iteration();

@@ -6,12 +6,14 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -192,7 +194,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // order) under the reducer's lock: `read(const BucketLayout&)`.
   template <typename Read>
   auto read_layout(Read read) const {
-    std::lock_guard<std::mutex> lock(mutex_);
+    const auto lock = lock_state(Access::kRead);
     return read(layout_);
   }
 
@@ -237,6 +239,13 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void set_stall_handler(
       int64_t timeout_ms, std::function<void(const StallReport&)> handler);
 
+  // The fingerprint of the communication hooks registered (1: none), which
+  // every backward's step check compares; `confirm`: a hook registered after
+  // the first forward, so the next backward launches no bucket before the
+  // check agrees. See Note [Hooks registered after the first forward] in
+  // reducer/step_check.h.
+  void set_comm_hook_fingerprint(int64_t fingerprint, bool confirm);
+
   // Called by the autograd hook of parameter `index` once its gradient
   // accumulator has run. `gradient_arrived` is false when autograd ran the
   // accumulator with no gradient (an output the loss did not use).
@@ -274,9 +283,19 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void arm_buckets();
   void reserve_timeline();
   // See Note [Hang attribution]: this rank's side of a StallEvent, and the
-  // check, at the end of a backward, that every bucket was launched.
+  // check, at the end of a backward, that every bucket was launched
+  // (reducer/stall_report.cpp).
   StallReport stall_report(const StallEvent& event) const;
+  void watch_backward_end();
   void check_backward_ended();
+
+  // The reducer's lock, to read its state or to change it. While the stall
+  // handler runs, without the lock (Note [Hang attribution], point
+  // "Reporting without the lock"), other threads wait here until it
+  // returns; the thread that runs it may read, and raises if it would change.
+  enum class Access { kRead, kChange };
+  std::unique_lock<std::mutex> lock_state(Access access) const;
+  class ReportingWithoutLock;
 
   const std::vector<at::Tensor> params_;
   const std::vector<std::string> param_names_;
@@ -318,12 +337,18 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<size_t> accumulated_only_;
   bool drops_layers_ = false; // some parameter belongs to a droppable layer
   bool plan_confirmed_ = true; // the step check was awaited this iteration
+  // See Note [Hooks registered after the first forward].
+  int64_t hook_fingerprint_ = 1;
+  bool hook_unconfirmed_ = false;
 
   // See Note [Communication timeline]: off unless asked for.
   Timeline timeline_;
 
   // See Note [Hang attribution].
   StallWatch stall_;
+  bool reporting_stall_ = false; // the handler runs, mutex_ released
+  std::thread::id reporting_thread_;
+  mutable std::condition_variable stall_reported_;
   int64_t backward_step_ = 0; // training_steps_ when the backward began
   bool reported_unfinished_ = false;
 

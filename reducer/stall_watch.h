@@ -36,6 +36,30 @@ namespace ddp_ext::reducer {
 // lagging rank, the step and the parameters is formatted there, never in the
 // reducer, which describes only itself.
 //
+// Each wrapper meets its peers in the store under a key all ranks of its
+// group agree on (ddp_ext/_diagnosis/hang.py, store_key): wrappers are
+// numbered per group, and the construction's model check takes the largest
+// number any rank proposes, so a wrapper that some ranks build and others do
+// not cannot shift the keys under which the others read the reports.
+//
+// Reporting without the lock. Every wait of the reducer runs under its
+// mutex, and the handler is Python that runs user code (warnings.warn: a
+// filter, showwarning, a logging handler), which may call back into the
+// wrapper (straggler_report(), _get_ddp_logging_data()) on the same thread:
+// with the mutex held that deadlocks. So the reducer builds its report
+// under the mutex, then releases it while the handler runs and takes it
+// back before the wait goes on (reducer/stall_report.cpp). The state the
+// waiting code relies on must not change meanwhile: a flag set under the
+// mutex makes every other thread that takes the reducer's lock wait until
+// the handler returns (as it waited on the mutex before), and on the
+// handler's thread a call that reads goes through while one that would
+// change the reducer (forward, backward, registering a hook, updating the
+// process group) raises instead. Lock order is unchanged: a thread waits
+// for the flag with the GIL released (every binding into the reducer
+// releases it first), so the handler can always take the GIL. A filter that
+// turns the warning into an error makes the rank raise it, as
+// on_hang="raise" does.
+//
 // Cost: a wait that completes within its first slice is one
 // Work::wait(timeout) instead of Work::wait(), the same condition variable;
 // a hook's future not yet complete gets one callback. The per-gradient hook

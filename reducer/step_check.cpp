@@ -70,6 +70,34 @@ std::string plans_differ_message(
   return message.str();
 }
 
+std::string hooks_differ_message(
+    int64_t slot, const std::map<int64_t, std::vector<int64_t>>& ranks_with) {
+  std::ostringstream message;
+  message << "DistributedDataParallel: the ranks registered different "
+             "communication hooks (";
+  char label = 'A';
+  bool first = true;
+  for (const auto& [fingerprint, ranks] : ranks_with) {
+    message << (first ? "" : "; ") << describe_ranks(ranks) << ": ";
+    if (fingerprint == 1) {
+      message << "none";
+    } else {
+      message << "hook " << label;
+      label = label == 'Z' ? 'Z' : static_cast<char>(label + 1);
+    }
+    first = false;
+  }
+  message << "), found " << describe_position(slot)
+          << ", after the first forward, where they were compared. Each "
+             "rank's buckets would run different collectives, so the ranks "
+             "with a new hook sent no bucket, the others' bucket allreduces "
+             "were dropped without a partner, and this iteration's gradients "
+             "were not averaged. Register the same hook on every rank before "
+             "the first forward; the process group may still hold the "
+             "dropped allreduces, so restart from a checkpoint.";
+  return message.str();
+}
+
 std::string out_of_step_message(
     int rank, const std::map<int64_t, std::vector<int64_t>>& ranks_at) {
   std::ostringstream message;
@@ -99,13 +127,13 @@ std::string out_of_step_message(
 
 StepCheck::StepCheck(int rank, int world_size, c10::Device device)
     : rank_(rank), world_size_(world_size) {
-  host_ = at::zeros({(2 + kPhases) * world_size + 1}, at::kLong);
+  host_ = at::zeros({(3 + kPhases) * world_size + 1}, at::kLong);
   slots_ = device.is_cpu() ? host_ : host_.to(device);
 }
 
 void StepCheck::start(
-    c10d::ProcessGroup& group, int64_t slot_value, int64_t plan, int64_t rider,
-    const int64_t* phases) {
+    c10d::ProcessGroup& group, int64_t slot_value, int64_t plan, int64_t hooks,
+    int64_t rider, const int64_t* phases) {
   TORCH_INTERNAL_ASSERT(!work_, "a step check is already in flight");
   written_ = slot_value;
   summed_rider_ = 0;
@@ -113,9 +141,10 @@ void StepCheck::start(
   int64_t* values = host_.data_ptr<int64_t>();
   values[rank_] = slot_value;
   values[world_size_ + rank_] = plan;
-  values[2 * world_size_] = rider;
+  values[2 * world_size_ + rank_] = hooks;
+  values[3 * world_size_] = rider;
   if (phases != nullptr) {
-    std::copy(phases, phases + kPhases, values + 2 * world_size_ + 1 + kPhases * rank_);
+    std::copy(phases, phases + kPhases, values + 3 * world_size_ + 1 + kPhases * rank_);
   }
   if (!slots_.is_same(host_)) {
     // See Note [CUDA streams], point 5: no host wait in the backward pass.
@@ -130,17 +159,17 @@ void StepCheck::start(
 
 void StepCheck::launch_backward(
     c10d::ProcessGroup& group, int64_t step, int64_t rider, int64_t plan,
-    const int64_t* phases) {
-  TORCH_INTERNAL_ASSERT(plan > 0, "a drop plan fingerprint is positive");
-  start(group, encode(kBackwardCheck, step), plan, rider, phases);
+    int64_t hooks, const int64_t* phases) {
+  TORCH_INTERNAL_ASSERT(plan > 0 && hooks > 0, "fingerprints are positive");
+  start(group, encode(kBackwardCheck, step), plan, hooks, rider, phases);
 }
 
 void StepCheck::launch_forward(c10d::ProcessGroup& group, int64_t backwards) {
-  start(group, encode(kForwardCheck, backwards), 0, 0, nullptr);
+  start(group, encode(kForwardCheck, backwards), 0, 0, 0, nullptr);
 }
 
 void StepCheck::launch_as_joined(c10d::ProcessGroup& group) {
-  start(group, 0, 0, 0, nullptr);
+  start(group, 0, 0, 0, 0, nullptr);
 }
 
 bool StepCheck::launched() const {
@@ -161,8 +190,8 @@ std::string StepCheck::wait(StallWatch* watch) {
   }
   const at::Tensor slots = slots_.is_same(host_) ? host_ : slots_.cpu();
   const int64_t* values = slots.data_ptr<int64_t>();
-  summed_rider_ = values[2 * world_size_];
-  const int64_t* phases = values + 2 * world_size_ + 1;
+  summed_rider_ = values[3 * world_size_];
+  const int64_t* phases = values + 3 * world_size_ + 1;
   const int64_t count = static_cast<int64_t>(kPhases) * world_size_;
   phases_.clear();
   if (std::any_of(phases, phases + count, [](int64_t v) { return v != 0; })) {
@@ -170,12 +199,16 @@ std::string StepCheck::wait(StallWatch* watch) {
   }
   std::map<int64_t, std::vector<int64_t>> ranks_at;
   std::map<int64_t, std::vector<int64_t>> ranks_with_plan;
+  std::map<int64_t, std::vector<int64_t>> ranks_with_hooks;
   for (int64_t r = 0; r < world_size_; ++r) {
     if (values[r] > 0) {
       ranks_at[values[r]].push_back(r);
     }
     if (values[world_size_ + r] > 0) {
       ranks_with_plan[values[world_size_ + r]].push_back(r);
+    }
+    if (values[2 * world_size_ + r] > 0) {
+      ranks_with_hooks[values[2 * world_size_ + r]].push_back(r);
     }
   }
   if (ranks_at.size() != 1) {
@@ -184,6 +217,9 @@ std::string StepCheck::wait(StallWatch* watch) {
   // In step; backward checks also compare what each rank dropped.
   if (ranks_with_plan.size() > 1) {
     return plans_differ_message(rank_, written_, ranks_with_plan);
+  }
+  if (ranks_with_hooks.size() > 1) {
+    return hooks_differ_message(written_, ranks_with_hooks);
   }
   return std::string();
 }

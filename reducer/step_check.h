@@ -54,14 +54,36 @@ namespace ddp_ext::reducer {
 // [Layer dropping]): ranks at the same step that dropped different layers
 // raise as ranks out of step do.
 //
+// A third slot of each rank holds the fingerprint of its communication
+// hooks (Note [Hooks registered after the first forward]).
+//
 // Every rank also writes, in kPhases slots of its own, the mean length of
 // its phases over the last few steps when the reducer asks it to (zeros
 // otherwise): the straggler figures of ddp_ext/_diagnosis/stragglers.py
 // ride on the same allreduce (Note [Stragglers] in reducer/phase_recorder.h).
 //
-// The cost: one latency-bound collective of ((2 + kPhases) * world_size + 1) * 8 bytes
+// The cost: one latency-bound collective of ((3 + kPhases) * world_size + 1) * 8 bytes
 // per iteration, overlapped with the backward, and with buffer broadcasting
 // one more, awaited, before the broadcast.
+// Note [Hooks registered after the first forward]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// torch's DDP accepts register_comm_hook at any time (once), also after
+// training began. The ranks' hooks are compared by name at the first
+// forward (ddp_ext/_comm_hooks.py); one registered later is known only to
+// the ranks that registered it, and the others would not know to take part
+// in a comparison. So each rank writes the fingerprint of its hooks (1 for
+// none, a hash of their names otherwise) into a slot of its own in every
+// backward's step check, which every rank runs anyway, and ranks at the
+// same step whose fingerprints differ raise the same message, naming which
+// ranks have which hooks.
+//
+// The step in which the difference is found: a rank that registered a hook
+// after the first forward launches no bucket in its next backward before
+// the step check agrees (as with Note [Layer dropping]), so its hook's
+// collectives never meet the other ranks' allreduces; those ranks' bucket
+// allreduces are dropped without partner. Every rank raises from that
+// backward, no gradient of that step is averaged, and the process group
+// may hold the dropped allreduces: fix the code and restart.
 class StepCheck {
  public:
   static constexpr int kPhases = 3; // PhaseRecorder::kPhases (Note [Stragglers])
@@ -70,10 +92,11 @@ class StepCheck {
   // Starts the check of a backward at training step `step`; this rank adds
   // `rider` to the rider slot. `plan`: the fingerprint of the layers this
   // rank dropped (DropPlan::fingerprint, positive).
+  // `hooks`: the fingerprint of this rank's communication hooks (positive).
   // `phases`: kPhases values this rank publishes, or null.
   void launch_backward(
       c10d::ProcessGroup& group, int64_t step, int64_t rider, int64_t plan,
-      const int64_t* phases = nullptr);
+      int64_t hooks, const int64_t* phases = nullptr);
 
   // Every rank's phase values (rank-major) from the last check waited for,
   // if any rank wrote some; empty otherwise.
@@ -113,15 +136,16 @@ class StepCheck {
 
  private:
   void start(
-      c10d::ProcessGroup& group, int64_t slot_value, int64_t plan, int64_t rider,
-      const int64_t* phases);
+      c10d::ProcessGroup& group, int64_t slot_value, int64_t plan, int64_t hooks,
+      int64_t rider, const int64_t* phases);
 
   int rank_;
   int world_size_;
   int64_t summed_rider_ = 0;
   int64_t written_ = 0; // this rank's slot in the check in flight
   std::vector<int64_t> phases_;
-  // world_size position slots, world_size plan slots and the rider, on the CPU
+  // world_size position, plan and hook slots each, the rider and the
+  // phases, on the CPU
   at::Tensor host_;
   at::Tensor slots_; // the same on the parameters' device (host_ on CPU)
   c10::intrusive_ptr<c10d::Work> work_;

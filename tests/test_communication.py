@@ -221,7 +221,7 @@ def test_allreduces_follow_bucket_order_whatever_the_gradient_order(name, world_
     orders = {order for order, _, _, _ in results}
     assert len(orders) == world_size, f"test setup: ranks should use parameters in different orders: {orders}"
     for rank, (order, logs, buckets, _) in enumerate(results):
-        step_check = ("allreduce", [("int64", 5 * world_size + 1)])  # five slots per rank (step, plan, 3 phases), and the rider
+        step_check = ("allreduce", [("int64", 6 * world_size + 1)])  # six slots per rank (step, plan, hooks, 3 phases), and the rider
         expected = [step_check] + [("allreduce", [("float32", sum(SIZES[i] for i in b))]) for b in buckets]
         for i, calls in enumerate(logs):
             assert calls == expected, f"rank {rank} (use order {order}), iteration {i}: {calls} != {expected}"
@@ -240,7 +240,7 @@ def test_no_sync_communicates_nothing_and_find_unused_adds_one_bitmap(name, worl
         previous_synced = True  # construction counts as synchronising for buffers
         for i, (sync, calls) in enumerate(log):
             where = f"rank {rank}, forward {i} ({'sync' if sync else 'no_sync'}): {calls}"
-            step_check = ("allreduce", [("int64", 5 * world_size + 1)])  # five slots per rank (step, plan, 3 phases), and the rider
+            step_check = ("allreduce", [("int64", 6 * world_size + 1)])  # six slots per rank (step, plan, hooks, 3 phases), and the rider
             broadcasts = [c for c in calls if c[0] == "broadcast"]
             step_checks = [i for i, c in enumerate(calls) if c == step_check]
             others = [c for c in calls if c[0] != "broadcast" and c != step_check]
@@ -289,7 +289,7 @@ def test_rebuild_broadcasts_the_order_once(mode, world_size):
                 continue
             synced += 1
             # The vote rides on the step check: no collective of its own.
-            expected = [("allreduce", [("int64", 5 * world_size + 1)])]  # Note [Ranks out of step], [Stragglers]
+            expected = [("allreduce", [("int64", 6 * world_size + 1)])]  # Note [Ranks out of step], [Stragglers]
             expected += [("allreduce", [("float32", sum(sizes[j] for j in b))]) for b in layout]
             # Voted for after the first backward, agreed in the second.
             if mode != "never" and synced == 2:

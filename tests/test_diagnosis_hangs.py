@@ -176,6 +176,87 @@ def test_a_late_rank_raises_with_on_hang_raise():
     assert raised1 is not None and "rank 0 raised an error in training step 2 and left the collectives" in raised1
 
 
+# --- User code inside the report ------------------------------------------------------
+# The hang handler runs user code: warnings.warn calls the warning filters and
+# showwarning, which may read the wrapper (Note [Hang attribution],
+# "Reporting without the lock"). With the reducer's lock held through it, a
+# read on that thread deadlocked.
+
+
+def _late_rank_with_reading_warning_hook(rank, world_size):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    torch.manual_seed(0)
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    ddp = ddp_ext.DistributedDataParallel(_Net(), process_group=group, hang_timeout_s=1.0, on_hang="warn")
+    ddp.watch_stragglers(every=1)
+    x = torch.randn(3, 4) + rank
+    seen = []
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if "did not reach the end of the backward" not in str(message):
+            return
+        # From inside the report, on the thread that waits: reads go through...
+        seen.append(("straggler_report", type(ddp.straggler_report()).__name__))
+        seen.append(("iteration", ddp._get_ddp_logging_data()["iteration"]))
+        seen.append(("phase", ddp.reducer.phase))
+        # ...and a change raises rather than pull the state from under the wait.
+        try:
+            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+            seen.append(("registered", None))
+        except RuntimeError as e:
+            seen.append(("refused", str(e)))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = showwarning
+        for step in range(3):
+            if rank == 1 and step == 1:
+                time.sleep(3.0)
+            ddp(x).pow(2).mean().backward()
+    _barrier_through_store("reading-hook-done", world_size)
+    return seen, [p.grad.clone() for p in ddp.parameters()], len(ddp._comm_hooks)
+
+
+def test_a_warning_hook_may_read_the_wrapper_while_it_waits():
+    outcomes = run_ranks(_late_rank_with_reading_warning_hook, 2, timeout=120)
+    (seen0, grads0, hooks0), (seen1, grads1, hooks1) = outcomes
+    print(seen0)
+    kinds = [kind for kind, _ in seen0]
+    assert kinds == ["straggler_report", "iteration", "phase", "refused"], seen0
+    assert seen0[1][1] == 2 and seen0[2][1] == "reducing", seen0
+    assert "from inside its own hang report" in seen0[3][1], seen0[3][1]
+    assert hooks0 == hooks1 == 0 and seen1 == []
+    for g0, g1 in zip(grads0, grads1):
+        assert torch.equal(g0, g1)
+
+
+def _late_rank_with_warnings_as_errors(rank, world_size):
+    torch.manual_seed(0)
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    ddp = ddp_ext.DistributedDataParallel(_Net(), process_group=group, hang_timeout_s=1.0, on_hang="warn")
+    x = torch.randn(3, 4) + rank
+    raised = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        try:
+            for step in range(3):
+                if rank == 1 and step == 1:
+                    time.sleep(3.0)
+                ddp(x).pow(2).mean().backward()
+        except RuntimeError as e:
+            raised = str(e)
+    _barrier_through_store("warnings-as-errors-done", world_size)
+    return raised
+
+
+def test_a_filter_that_makes_the_warning_an_error_raises_it():
+    raised0, raised1 = run_ranks(_late_rank_with_warnings_as_errors, 2, timeout=120)
+    assert raised0 is not None and "rank 1 did not reach the end of the backward of training step 2" in raised0, raised0
+    # Rank 0 left the collectives, and rank 1 is told so, as with on_hang="raise".
+    assert raised1 is not None and "rank 0 raised an error in training step 2 and left the collectives" in raised1
+
+
 # --- A dead rank ------------------------------------------------------------------------
 
 

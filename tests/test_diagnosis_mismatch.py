@@ -133,3 +133,82 @@ def test_different_hooks_raise_the_same_message_at_the_first_forward(case, world
     assert f"rank {world_size - 1}: fp16_compress_hook" in messages[0], messages[0]
     # Raised in the forward, before any gradient was computed, let alone averaged.
     assert all(g is None for _, grads in results for g in grads)
+
+
+# --- Hooks registered after the first forward ------------------------------------------
+# torch's DDP accepts them (once, at any time). Every backward's step check
+# compares the ranks' hook fingerprints (Note [Hooks registered after the
+# first forward] in reducer/step_check.h).
+
+LATE_HOOKS = {
+    "hook_on_last_rank_only": (None, "fp16_compress_hook"),
+    "different_hooks": ("allreduce_hook", "fp16_compress_hook"),
+    "same_hook": ("fp16_compress_hook", "fp16_compress_hook"),
+}
+
+
+def _hook_after_first_forward(rank, world_size, case_id):
+    import datetime
+    import time
+
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    # A group of its own with a short timeout: a rank's dropped bucket
+    # allreduce must not hold up the end of the process for long.
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=15))
+    torch.manual_seed(0)
+    # Two buckets, so the ranks without a new hook launch one during the backward.
+    ddp = ddp_ext.DistributedDataParallel(
+        nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4)), process_group=group, bucket_cap_mb=0.01
+    )
+    x = torch.randn(8, 64) + rank
+    ddp(x).sum().backward()  # step 1: the hooks were compared at its forward
+    hook = LATE_HOOKS[case_id][int(rank == world_size - 1)]
+    if hook is not None:
+        ddp.register_comm_hook(group, getattr(default_hooks, hook))
+    outcome = (None, None, None)
+    start = time.monotonic()
+    try:
+        for _ in range(2):
+            ddp.zero_grad()
+            ddp(x).sum().backward()
+        grads = [p.grad.clone() for p in ddp.parameters()]
+        outcome = (None, time.monotonic() - start, grads)
+    except RuntimeError as e:
+        outcome = (str(e), time.monotonic() - start, None)
+    store = dist.distributed_c10d._get_default_store()
+    store.add(f"late-hook-{case_id}", 1)  # not a collective: the group may hold a dropped allreduce
+    while int(store.add(f"late-hook-{case_id}", 0)) < world_size:
+        time.sleep(0.05)
+    return outcome
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("case_id", ["hook_on_last_rank_only", "different_hooks"])
+def test_hooks_registered_after_the_first_forward_raise_the_same_message(case_id, world_size):
+    from tests.spawn import run_ranks
+
+    results = run_ranks(_hook_after_first_forward, world_size, case_id, timeout=150)
+    messages = [message for message, _, _ in results]
+    print(messages[0])
+    assert all(m is not None for m in messages), f"a rank did not raise: {messages}"
+    assert len(set(messages)) == 1, "the ranks' messages differ:\n" + "\n".join(messages)
+    last = world_size - 1
+    others = f"rank 0" if world_size == 2 else "ranks 0, 1"
+    for says in ("the ranks registered different communication hooks", "in the backward of training step 2",
+                 f"rank {last}: hook", "were not averaged", "after the first forward"):
+        assert says in messages[0], f"message lacks {says!r}:\n{messages[0]}"
+    if case_id == "hook_on_last_rank_only":
+        assert f"{others}: none" in messages[0], messages[0]
+    # In the step that found it, within seconds: no rank waited for a partner.
+    assert all(seconds < 10 for _, seconds, _ in results), [s for _, s, _ in results]
+
+
+def test_the_same_hook_registered_after_the_first_forward_trains_on():
+    from tests.spawn import run_ranks
+
+    results = run_ranks(_hook_after_first_forward, 2, "same_hook", timeout=150)
+    (message0, _, grads0), (message1, _, grads1) = results
+    assert message0 is None and message1 is None, (message0, message1)
+    for g0, g1 in zip(grads0, grads1):
+        assert torch.equal(g0, g1)

@@ -7,7 +7,6 @@ stopped also reads the others' (waiting up to a short window for them) and
 returns the message to raise, or warns once and returns None to wait on.
 """
 
-import itertools
 import os
 import socket
 import time
@@ -19,7 +18,9 @@ from ddp_ext._diagnosis.settings import HangSettings, resolve_hang_settings
 from ddp_ext._diagnosis.side_channel import SideChannel, StoreUnreachable, store_of
 
 MAX_NAMES = 64  # parameter names a report carries; the rest are counted
-_wrappers = itertools.count()  # wrappers built in this process: the same order on every rank
+# Per process group (by name): the number the next wrapper over it proposes.
+# See `store_key`.
+_next_numbers: Dict[str, int] = {}
 
 
 class HangDiagnosis:
@@ -66,7 +67,11 @@ class HangDiagnosis:
         incident = (report["step"], report["waiting_for"], report["bucket"])
         if incident not in self.warned:
             self.warned.add(incident)
-            warnings.warn(message + "\nStill waiting (on_hang=" + repr(mode) + ").", RuntimeWarning, stacklevel=1)
+            try:
+                warnings.warn(message + "\nStill waiting (on_hang=" + repr(mode) + ").", RuntimeWarning, stacklevel=1)
+            except Warning as error:  # a filter made warnings errors: raise it, as on_hang="raise" does
+                self._publish(dict(report, kind="raised", was=report["kind"]))
+                return str(error)
         return None
 
     def _publish(self, report: dict) -> Optional[str]:
@@ -92,14 +97,39 @@ def _group_name(process_group) -> str:
         return ""
 
 
-def attach(ddp, hang_timeout_s: Optional[float] = None, on_hang: Optional[str] = None, settings=None):
+def proposed_number(process_group) -> int:
+    """The number this rank would give the next wrapper over `process_group`."""
+    return _next_numbers.get(_group_name(process_group), 0)
+
+
+def store_key(process_group, agreed: Optional[int] = None) -> str:
+    """The key under which a wrapper over `process_group` meets its peers in
+    the store (its hang reports, the 8-bit exchange's companion group).
+
+    Numbers are counted per group, so a wrapper that some ranks build over
+    another group (an evaluation model on rank 0) shifts nothing here; and
+    `agreed` is the largest of every rank's `proposed_number`, which the
+    construction's model check gathers in the allgather it runs anyway, so a
+    wrapper built on some ranks only over this group (without init_sync)
+    shifts nothing either: from then on every rank counts on from there.
+    Without `agreed` (init_sync=False, a new process group, an unpickled
+    copy), this rank's own count."""
+    name = _group_name(process_group)
+    number = agreed if agreed is not None else _next_numbers.get(name, 0)
+    _next_numbers[name] = max(_next_numbers.get(name, 0), number + 1)
+    return f"{name}/{number}"
+
+
+def attach(ddp, hang_timeout_s: Optional[float] = None, on_hang: Optional[str] = None, settings=None,
+           key: Optional[str] = None):
     """Gives `ddp.reducer` a HangDiagnosis (or none, when off or alone);
-    returns it. Call again after the process group changes."""
+    returns it. `key`: the wrapper's `store_key`, agreed at construction;
+    None takes a new one (after the process group changed)."""
     settings = settings if settings is not None else resolve_hang_settings(hang_timeout_s, on_hang)
     reducer, group = ddp.reducer, ddp.process_group
+    ddp._store_key = key if key is not None else store_key(group)
     if reducer is None:
         return None
-    sequence = next(_wrappers)
     # On CUDA, waits only order streams (NCCL's host-side wait with a timeout
     # has other effects): hang attribution covers CPU modules only.
     if not settings.on or group.size() == 1 or getattr(ddp, "device_type", "cpu") != "cpu":
@@ -109,7 +139,7 @@ def attach(ddp, hang_timeout_s: Optional[float] = None, on_hang: Optional[str] =
     channel = None
     if store is not None:
         channel = SideChannel(
-            store, group.rank(), group.size(), f"ddp_ext/diagnosis/{_group_name(group)}/{sequence}"
+            store, group.rank(), group.size(), f"ddp_ext/diagnosis/{ddp._store_key}"
         )
         channel.introduce()
     diagnosis = HangDiagnosis(settings, channel, group.rank(), group.size())

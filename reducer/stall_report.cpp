@@ -1,0 +1,135 @@
+// The reducer's side of hang attribution: what it reports about itself, when,
+// and the lock it releases while the report is handled. See Note [Hang
+// attribution] in reducer/stall_watch.h.
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/engine.h>
+
+#include <utility>
+
+#include "reducer/errors.h"
+#include "reducer/reducer.h"
+
+namespace ddp_ext::reducer {
+
+// Releases mutex_, which the waiting thread holds, for as long as the
+// handler runs, and takes it back (also when the handler raises). Other
+// threads wait in lock_state until then, so the state the waiting code
+// relies on cannot change under it.
+class Reducer::ReportingWithoutLock {
+ public:
+  explicit ReportingWithoutLock(Reducer& reducer) : reducer_(reducer) {
+    reducer_.reporting_stall_ = true;
+    reducer_.reporting_thread_ = std::this_thread::get_id();
+    reducer_.mutex_.unlock();
+  }
+  ~ReportingWithoutLock() {
+    reducer_.mutex_.lock();
+    reducer_.reporting_stall_ = false;
+    reducer_.reporting_thread_ = std::thread::id();
+    reducer_.stall_reported_.notify_all();
+  }
+  ReportingWithoutLock(const ReportingWithoutLock&) = delete;
+  ReportingWithoutLock& operator=(const ReportingWithoutLock&) = delete;
+
+ private:
+  Reducer& reducer_;
+};
+
+std::unique_lock<std::mutex> Reducer::lock_state(Access access) const {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (!reporting_stall_) {
+    return lock;
+  }
+  if (reporting_thread_ != std::this_thread::get_id()) {
+    stall_reported_.wait(lock, [this] { return !reporting_stall_; });
+    return lock;
+  }
+  // The thread that handles the report: a warning hook or filter of its
+  // own. Reading is safe (that thread holds the state still); changing it
+  // would pull it from under the wait that reports.
+  lock.unlock();
+  TORCH_CHECK(
+      access == Access::kRead,
+      "DistributedDataParallel cannot be changed (forward, backward, a hook "
+      "or setting registered, the process group updated) from inside its own "
+      "hang report: a warning hook or filter runs while one of its "
+      "collectives waits. Read from there (straggler_report(), "
+      "_get_ddp_logging_data()), and change it after the warning returns.");
+  return std::unique_lock<std::mutex>();
+}
+
+void Reducer::set_stall_handler(
+    int64_t timeout_ms, std::function<void(const StallReport&)> handler) {
+  const auto lock = lock_state(Access::kChange);
+  if (!handler) {
+    stall_.configure(0, nullptr);
+    return;
+  }
+  // The watch is a member: the lambda never outlives `this`. Every caller of
+  // the watch holds mutex_ (the reducer's waits all run under it).
+  stall_.configure(timeout_ms, [this, handler = std::move(handler)](const StallEvent& event) {
+    const StallReport report = stall_report(event);
+    ReportingWithoutLock unlocked(*this);
+    handler(report);
+  });
+}
+
+StallReport Reducer::stall_report(const StallEvent& event) const {
+  StallReport report;
+  report.event = event;
+  report.rank = process_group_->getRank();
+  report.step = backward_step_;
+  report.training_steps = training_steps_;
+  report.phase = phase_name(phase_);
+  report.buckets_launched = static_cast<int64_t>(next_bucket_);
+  report.buckets_total = static_cast<int64_t>(layout_.buckets().size());
+  if (phase_ == Phase::kReducing) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!ready_[i]) {
+        report.unready.push_back(param_names_[i]);
+        report.unready_buckets.push_back(static_cast<int64_t>(layout_.bucket_index_of(i)));
+      }
+    }
+  }
+  return report;
+}
+
+void Reducer::watch_backward_end() {
+  torch::autograd::Engine::get_default_engine().queue_callback(
+      [weak = weak_from_this()] {
+        if (const std::shared_ptr<Reducer> self = weak.lock()) {
+          self->check_backward_ended();
+        }
+      });
+}
+
+void Reducer::check_backward_ended() {
+  const auto lock = lock_state(Access::kChange);
+  if (phase_ == Phase::kReducing && !static_graph_.learning() &&
+      next_bucket_ < layout_.buckets().size() && !reported_unfinished_) {
+    reported_unfinished_ = true;
+    stall_.report(StallEvent::kUnfinished);
+  }
+}
+
+std::string Reducer::unfinished_reduction_message() const {
+  return ddp_ext::reducer::unfinished_reduction_message(
+      process_group_->getRank(), backward_step_, next_bucket_ == layout_.buckets().size(),
+      usage_.searches(), param_names_, ready_);
+}
+
+void Reducer::raise_unfinished_reduction() {
+  const std::string message = unfinished_reduction_message();
+  if (!reported_unfinished_ && next_bucket_ < layout_.buckets().size()) {
+    stall_.report(StallEvent::kUnfinished);
+  }
+  reported_unfinished_ = false;
+  // Raise without waiting for the buckets already launched: when ranks
+  // skipped different parameters, some of those allreduces have no partner
+  // and waiting would hang this rank instead of telling its user. A caller
+  // that catches this and goes on waits for them in prepare_for_backward.
+  enter(Phase::kReducing, Phase::kIdle);
+  TORCH_CHECK(false, message);
+}
+
+} // namespace ddp_ext::reducer
