@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <utility>
 #include <map>
 #include <sstream>
 #include <vector>
@@ -75,10 +76,18 @@ std::string hooks_differ_message(
   std::ostringstream message;
   message << "DistributedDataParallel: the ranks registered different "
              "communication hooks (";
+  // In the order of each group's first rank; hooks lettered in that order.
+  std::vector<std::pair<int64_t, const std::vector<int64_t>*>> groups;
+  for (const auto& [fingerprint, ranks] : ranks_with) {
+    groups.emplace_back(fingerprint, &ranks);
+  }
+  std::sort(groups.begin(), groups.end(), [](const auto& a, const auto& b) {
+    return a.second->front() < b.second->front();
+  });
   char label = 'A';
   bool first = true;
-  for (const auto& [fingerprint, ranks] : ranks_with) {
-    message << (first ? "" : "; ") << describe_ranks(ranks) << ": ";
+  for (const auto& [fingerprint, ranks] : groups) {
+    message << (first ? "" : "; ") << describe_ranks(*ranks) << ": ";
     if (fingerprint == 1) {
       message << "none";
     } else {
@@ -87,9 +96,10 @@ std::string hooks_differ_message(
     }
     first = false;
   }
-  message << "), found " << describe_position(slot)
-          << ", after the first forward, where they were compared. Each "
-             "rank's buckets would run different collectives, so the ranks "
+  message << "), found by the step check " << describe_position(slot)
+          << ": a hook was registered after the first forward, where the "
+             "ranks' hooks are compared by name. Each rank's buckets would "
+             "run different collectives, so the ranks "
              "with a new hook sent no bucket, the others' bucket allreduces "
              "were dropped without a partner, and this iteration's gradients "
              "were not averaged. Register the same hook on every rank before "

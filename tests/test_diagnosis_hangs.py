@@ -3,7 +3,8 @@ makes every rank say who and what, through the store (Note [Hang
 attribution] in reducer/stall_watch.h, docs/DIAGNOSIS.md).
 
 Multi-process over Gloo: a rank that skips a parameter without
-find_unused_parameters, a rank that is late, a rank that dies; and the
+find_unused_parameters, a rank that is late (with a warning hook that reads
+the wrapper, and with warnings made errors), a rank that dies; and the
 healthy run, which must say nothing. Bounds on the time to the error leave
 room for a loaded two-core machine (SLACK_S) but are far below the process
 group's timeout, which is what these runs ended with before.

@@ -6,7 +6,9 @@ shape (tests/test_model_check.py covers more of the model), the parameters
 it ignores, its bucket caps, find_unused_parameters, static_graph, or
 rebuild_buckets; or, at the first forward, the communication hook it
 registered. Every rank must raise a RuntimeError whose text is the same on
-every rank and names what differs.
+every rank and names what differs. A hook registered after the first forward
+on some ranks only, or different ones, is found by the next backward's step
+check, with the same message on every rank and no hang.
 """
 
 import dataclasses
