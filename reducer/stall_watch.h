@@ -40,7 +40,9 @@ namespace ddp_ext::reducer {
 // group agree on (ddp_ext/_diagnosis/hang.py, store_key): wrappers are
 // numbered per group, and the construction's model check takes the largest
 // number any rank proposes, so a wrapper that some ranks build and others do
-// not cannot shift the keys under which the others read the reports.
+// not cannot shift the keys under which the others read the reports (a
+// wrapper built with init_sync=False, which runs no collective, takes its
+// own rank's count).
 //
 // Reporting without the lock. Every wait of the reducer runs under its
 // mutex, and the handler is Python that runs user code (warnings.warn: a
