@@ -124,3 +124,34 @@ def test_compression_companions_meet_their_own_peers():
     assert exchange0 == exchange1 == "reduce_scatter", (exchange0, exchange1)
     # 8 bits or float16 per element: the average within a few per cent.
     assert gap0 < 0.05 and gap1 < 0.05, (gap0, gap1)
+
+
+def _torch_ddp_compress_after_extra_state(rank, world_size):
+    """torch's DDP runs the hook through Python and binds the state at its
+    first use: companions then meet under a count per process group."""
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=30))
+    solo = dist.new_group(ranks=[0], backend="gloo")
+    if rank == 0:
+        torch.manual_seed(0)
+        extra = nn.parallel.DistributedDataParallel(nn.Linear(4, 4), process_group=solo)
+        extra.register_comm_hook(ddp_ext.AdaptivePrecision(solo, int8_exchange="reduce_scatter"),
+                                 ddp_ext.adaptive_precision_hook)
+        extra(torch.randn(2, 4)).sum().backward()  # binds its state: a companion over `solo`
+    torch.manual_seed(1)
+    model = nn.Linear(64, 8)
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
+    state = ddp_ext.AdaptivePrecision(group, warmup_iterations=0, check_every=1, int8_exchange="reduce_scatter")
+    ddp.register_comm_hook(state, ddp_ext.adaptive_precision_hook)
+    for step in range(3):
+        torch.manual_seed(100 * step + rank)
+        ddp.zero_grad()
+        ddp(torch.randn(16, 64)).pow(2).mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    return state.int8_exchange_used, grads
+
+
+def test_companions_of_torch_ddp_meet_their_own_peers():
+    (exchange0, grads0), (exchange1, grads1) = run_ranks(_torch_ddp_compress_after_extra_state, 2, timeout=150)
+    assert exchange0 == exchange1 == "reduce_scatter", (exchange0, exchange1)
+    for g0, g1 in zip(grads0, grads1):
+        assert torch.equal(g0, g1)  # the same average on every rank
