@@ -109,4 +109,4 @@ def test_the_only_holder_killed_while_it_heals_a_joiner(run):
     assert "restart the run from a checkpoint" in errors[0]["message"]
     assert not _steps(r, "r1")
     fault = [rec for rec in r.records("r0") if rec["kind"] == "fault"][0]
-    assert errors[0]["time"] - fault["time"] < 2 * HEARTBEAT_S + 10, (fault, errors)
+    assert errors[0]["time"] - fault["time"] < HEARTBEAT_S + 5, (fault, errors)  # 0.04 s measured
