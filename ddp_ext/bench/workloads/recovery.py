@@ -197,4 +197,4 @@ def run_restart(tmp: str, replicas: int, window_s: float, kill_at_s: List[float]
         _stop_job(agent, [r["pid"] for path in outs for r in _records(path) if r.get("kind") == "pid"])
         log.close()
     return {"steps": _steps(rank0), "t0": t0, "window_s": window_s, "kills": kills,
-            "resumed": [r["step"] for r in _records(rank0) if r.get("kind") == "resumed"]}
+            "resumed": [{"step": r["step"], "time": r["time"]} for r in _records(rank0) if r.get("kind") == "resumed"]}
