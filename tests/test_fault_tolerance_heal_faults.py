@@ -65,7 +65,8 @@ def test_a_joiner_killed_while_it_receives_its_state(run):
     assert [rec["fault"] for rec in r.records("r3") if rec["kind"] == "fault"] == ["kill-receive"]
     assert not _steps(r, "r3")  # it never trained with a half-received state
     per_step = check_run(r, ["r0", "r1", "r2", "r3", "r4"], STEPS, finished=["r0", "r1", "r4"])
-    assert all(sorted(per_step[s]["members"]) == ["r0", "r1"] for s in range(4, 10))  # they went on without it
+    assert all("r3" not in seen["members"] and {"r0", "r1"} <= set(seen["members"])
+               for seen in per_step.values())  # they went on without it
     r4 = _steps(r, "r4")
     assert r4[0]["step"] >= survivors_at and r4[0]["heal_bytes"] > 0
     assert sorted(per_step[STEPS - 1]["members"]) == ["r0", "r1", "r4"]
