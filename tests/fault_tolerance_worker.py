@@ -11,8 +11,15 @@ parameters. Faults it does to itself at step K: kill-forward@K,
 kill-backward@K (mid-backward, after the last layers' buckets were
 launched), kill-between@K (right after step K committed), stop@K (SIGSTOP in
 the forward of step K; the test sends SIGCONT), kill-heal (dies while sending
-its state to a joiner), raise@K1,K2,... (a RuntimeError in train_step at
-each of those steps, once: the quorum aborts and re-forms with the same members).
+its state to a joiner), kill-receive (a joiner that dies while it receives
+its state, after the payload's size came in), kill-bystander@K (from step K
+on, dies in the next formation that heals a newcomer, while the state is
+being sent to it), raise@K1,K2,... (a RuntimeError in train_step at each of
+those steps, once: the quorum aborts and re-forms with the same members).
+
+With --control DIR (the soak, tests/test_fault_tolerance_soak.py) the test
+paces and arms it: before step S it waits until the file DIR/limit holds a
+number above S, then reads DIR/arm-<id> if it exists, a fault as above.
 """
 
 import argparse
@@ -95,6 +102,9 @@ def main(argv=None):
     parser.add_argument("--model", default="mlp")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds of extra work per step")
     parser.add_argument("--ddp", default="{}", help="JSON of DistributedDataParallel arguments")
+    parser.add_argument("--control", default="", help="DIR: paced by DIR/limit, faults armed by DIR/arm-<id>")
+    parser.add_argument("--heal-delay", type=float, default=0.0,
+                        help="seconds a heal's source waits between the payload's size and the payload")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness asks for stacks when a wait times out
@@ -106,44 +116,66 @@ def main(argv=None):
     def note(**record):
         out.write(json.dumps(record) + "\n")
 
-    fault, _, at = args.fault.partition("@")
-    fault_step = int(at) if at and "," not in at else -1
     net = model(seed_of(args.id), args.model)
     opt = optimizer(net)
     ddp_kwargs = {"bucket_cap_mb": 0.001}
     ddp_kwargs.update(json.loads(args.ddp))
+    from ddp_ext.fault_tolerance import heal
+
+    if args.fault == "kill-receive":
+        def receive_then_die(group, src):
+            size = torch.zeros(1, dtype=torch.int64)
+            group.recv([size], src, 0).wait()
+            die_here(signal.SIGKILL)
+
+        heal.receive = receive_then_die
+    if args.heal_delay:
+        def slow_send(group, blob, dst):
+            group.send([torch.tensor([len(blob)], dtype=torch.int64)], dst, 0).wait()
+            time.sleep(args.heal_delay)
+            group.send([torch.frombuffer(bytearray(blob), dtype=torch.uint8)], dst, 1).wait()
+
+        heal.send = slow_send
     try:
         replica = Replica(net, opt, coordinator=args.coordinator, replica_id=args.id, run_id=args.run_id,
                           heartbeat_timeout=args.heartbeat, ddp_kwargs=ddp_kwargs)
     except Exception as exc:
         note(kind="refused", type=type(exc).__name__, message=str(exc))
         return 3
-    note(kind="connected", pid=os.getpid())
+    note(kind="connected", pid=os.getpid(), time=time.time())
 
     def die_here(sig):
-        note(kind="fault", fault=args.fault, step=replica.step, time=time.time())
+        note(kind="fault", fault=armed.get("kind") or args.fault, step=replica.step, time=time.time())
         out.flush()
         os.kill(os.getpid(), sig)
 
+    armed = {}  # "kind", "step": the fault this process does to itself
+
+    def arm(spec):
+        kind, _, at = spec.partition("@")
+        armed.update(kind=kind, step=int(at) if at and "," not in at else -1)
+
+    arm(args.fault)
+    fault = armed["kind"]
+
+    def due(kind):
+        return armed["kind"] == kind and replica.step == armed["step"]
+
     middle = net[4] if args.model != "layerdrop" else net[0]  # mlp: the third Linear, mid-backward
-    if fault == "kill-forward":
-        middle.register_forward_pre_hook(lambda *_: die_here(signal.SIGKILL) if replica.step == fault_step else None)
+    middle.register_forward_pre_hook(lambda *_: die_here(signal.SIGKILL) if due("kill-forward") else None)
+    middle.weight.register_hook(lambda g: die_here(signal.SIGKILL) if due("kill-backward") else None)
     if fault == "stop":
         state = {"done": False}
 
         def stop_once(*_):
-            if replica.step == fault_step and not state["done"]:
+            if replica.step == armed["step"] and not state["done"]:
                 state["done"] = True
                 die_here(signal.SIGSTOP)
 
         middle.register_forward_pre_hook(stop_once)
-    if fault == "kill-backward":
-        middle.weight.register_hook(lambda g: die_here(signal.SIGKILL) if replica.step == fault_step else None)
 
     if fault == "kill-heal":
         # Dies as the source of a heal, after the payload's size went out.
-        from ddp_ext.fault_tolerance import heal
-
         first_send = heal.send
 
         def send_then_die(group, blob, dst):
@@ -154,8 +186,41 @@ def main(argv=None):
 
         heal.send = send_then_die
 
+    # kill-bystander: a formation whose members include a newcomer (one not in
+    # the last quorum this replica committed with) heals it; this replica dies
+    # on its way out of that formation, while the source is still sending.
+    last_members = []
+    form = replica._form
+
+    def form_then_maybe_die(epoch, members):
+        if armed["kind"] == "kill-bystander" and 0 <= armed["step"] <= replica.step and args.id in last_members \
+                and any(m not in last_members for m in members):
+            replica._wrap = lambda group: die_here(signal.SIGKILL)
+        return form(epoch, members)
+
+    replica._form = form_then_maybe_die
+
+    def paced():
+        limit_file = os.path.join(args.control, "limit")
+        while True:
+            try:
+                with open(limit_file) as f:
+                    if int(f.read() or 0) > replica.step:
+                        break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.002)
+        arm_file = os.path.join(args.control, f"arm-{args.id}")
+        if os.path.exists(arm_file):
+            with open(arm_file) as f:
+                spec = f.read().strip()
+            if spec and spec != armed.get("spec"):
+                arm(spec)
+                armed["spec"] = spec
+
     gate_step, _, gate_file = args.gate.partition(":")
 
+    _, _, at = args.fault.partition("@")
     raise_at = {int(k) for k in at.split(",")} if fault == "raise" else set()
 
     def train_step(m):
@@ -171,6 +236,8 @@ def main(argv=None):
         return loss.item()
 
     while replica.step < args.steps:
+        if args.control:
+            paced()
         if gate_file and replica.step == int(gate_step):
             while not os.path.exists(gate_file):
                 time.sleep(0.01)
@@ -188,7 +255,8 @@ def main(argv=None):
              draws=[m.draws for m in net.modules() if hasattr(m, "draws")],
              threads=len(os.listdir("/proc/self/task")), fds=len(os.listdir("/proc/self/fd")),
              rss_kib=_rss_kib())
-        if fault == "kill-between" and m.step == fault_step:
+        last_members[:] = m.members
+        if armed["kind"] == "kill-between" and m.step == armed["step"]:
             die_here(signal.SIGKILL)
     note(kind="done", params=[p.detach().tolist() for p in net.parameters()], rejoins=replica.rejoins)
     replica.close()
