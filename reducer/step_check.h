@@ -65,6 +65,7 @@ namespace ddp_ext::reducer {
 // The cost: one latency-bound collective of ((3 + kPhases) * world_size + 1) * 8 bytes
 // per iteration, overlapped with the backward, and with buffer broadcasting
 // one more, awaited, before the broadcast.
+
 // Note [Hooks registered after the first forward]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // torch's DDP accepts register_comm_hook at any time (once), also after

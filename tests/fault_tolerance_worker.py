@@ -102,6 +102,7 @@ def main(argv=None):
     parser.add_argument("--model", default="mlp")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds of extra work per step")
     parser.add_argument("--ddp", default="{}", help="JSON of DistributedDataParallel arguments")
+    parser.add_argument("--hook", default="", help='"adaptive": AdaptivePrecision on every new wrapper')
     parser.add_argument("--control", default="", help="DIR: paced by DIR/limit, faults armed by DIR/arm-<id>")
     parser.add_argument("--heal-delay", type=float, default=0.0,
                         help="seconds a heal's source waits between the payload's size and the payload")
@@ -136,9 +137,20 @@ def main(argv=None):
             group.send([torch.frombuffer(bytearray(blob), dtype=torch.uint8)], dst, 1).wait()
 
         heal.send = slow_send
+    hooks = []  # the hook state of the current wrapper
+
+    def configure(ddp, group):
+        from ddp_ext import AdaptivePrecision, adaptive_precision_hook
+
+        # Compression kept on (off_when_slower=False): a loopback would turn it off.
+        state = AdaptivePrecision(group, warmup_iterations=1, check_every=2, off_when_slower=False)
+        ddp.register_comm_hook(state, adaptive_precision_hook)
+        hooks[:] = [state]
+
     try:
         replica = Replica(net, opt, coordinator=args.coordinator, replica_id=args.id, run_id=args.run_id,
-                          heartbeat_timeout=args.heartbeat, ddp_kwargs=ddp_kwargs)
+                          heartbeat_timeout=args.heartbeat, ddp_kwargs=ddp_kwargs,
+                          configure=configure if args.hook == "adaptive" else None)
     except Exception as exc:
         note(kind="refused", type=type(exc).__name__, message=str(exc))
         return 3
@@ -253,6 +265,7 @@ def main(argv=None):
              time=time.time(), caps=list(replica.ddp._bucket_caps_bytes),
              tuner=None if replica.ddp.bucket_tuner is None else replica.ddp.bucket_tuner.phase.value,
              draws=[m.draws for m in net.modules() if hasattr(m, "draws")],
+             formats=list(hooks[0].formats) if hooks else None,
              threads=len(os.listdir("/proc/self/task")), fds=len(os.listdir("/proc/self/fd")),
              rss_kib=_rss_kib())
         last_members[:] = m.members

@@ -133,6 +133,34 @@ def test_a_replacement_joins_and_catches_up(run, model, ddp):
         assert r3[0]["draws"] == [r3[0]["step"] + 1] and r0[STEPS - 1]["tuner"] is not None
 
 
+def test_adaptive_precision_across_a_membership_change(run):
+    # Hooks do not carry over: configure registers a new AdaptivePrecision on
+    # every wrapper, so the survivors' and the newcomer's start from zero
+    # residuals together, and every member agrees on each window's formats.
+    r = run(min_replicas=3)
+    gate = r.tmp / "gate"
+    for rid in REPLICAS:
+        r.start(rid, STEPS, heartbeat=HEARTBEAT_S, fault="kill-between@5" if rid == "r2" else "",
+                gate=f"12:{gate}" if rid != "r2" else "", hook="adaptive")
+    r.wait_for(lambda: r.procs["r2"].poll() is not None, 300, "r2 to die")
+    r.start("r3", STEPS, heartbeat=HEARTBEAT_S, hook="adaptive")
+    r.wait_for(lambda: any("r3" in members for members in r.epochs()), 300, "r3 to be let in")
+    gate.touch()
+    codes = r.wait(["r0", "r1", "r3"])
+    assert codes == {"r0": 0, "r1": 0, "r3": 0}, r.logs()
+    # 8 bits with error feedback: close to the exact average, not equal
+    # (up to 8e-4 in runs here, as the windows fall).
+    per_step = check_run(r, ["r0", "r1", "r2", "r3"], STEPS, finished=["r0", "r1", "r3"],
+                         tolerance=dict(rtol=0, atol=5e-3))
+    assert sorted(per_step[STEPS - 1]["members"]) == ["r0", "r1", "r3"]
+    records = {rid: {rec["step"]: rec for rec in r.records(rid) if rec["kind"] == "step"} for rid in ("r0", "r3")}
+    joined = min(records["r3"])
+    for step in range(joined, STEPS):
+        assert records["r3"][step]["formats"] == records["r0"][step]["formats"], step
+    assert any(f != "fp32" for f in records["r0"][STEPS - 1]["formats"]), records["r0"][STEPS - 1]
+    assert any(f != "fp32" for step in range(5) for f in records["r0"][step]["formats"])
+
+
 def test_the_source_dying_during_a_heal(run):
     # r2 dies; its replacement r3 is healed by rank 0 (r0), which dies after
     # sending the state's size: the next epoch heals r3 from r1.
