@@ -196,7 +196,7 @@ def test_hooks_registered_after_the_first_forward_raise_the_same_message(case_id
     assert all(m is not None for m in messages), f"a rank did not raise: {messages}"
     assert len(set(messages)) == 1, "the ranks' messages differ:\n" + "\n".join(messages)
     last = world_size - 1
-    others = f"rank 0" if world_size == 2 else "ranks 0, 1"
+    others = "rank 0" if world_size == 2 else "ranks 0, 1"
     for says in ("the ranks registered different communication hooks", "in the backward of training step 2",
                  f"rank {last}: hook", "were not averaged", "after the first forward"):
         assert says in messages[0], f"message lacks {says!r}:\n{messages[0]}"

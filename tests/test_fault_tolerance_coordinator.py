@@ -4,7 +4,6 @@ control connections (hello, refusals, heartbeats, drops, aborts, a
 connection that is not read), and the replica's end's bounds on a silent
 link."""
 
-import json
 import socket
 import time
 

@@ -22,6 +22,7 @@ import time
 import pytest
 
 from ddp_ext.testing import fake_hosts
+from tests import namespace_hosts
 from tests.fault_tolerance_harness import ROOT, Run, check_run
 
 STEPS = 24
@@ -33,20 +34,11 @@ _names = itertools.count()
 
 @pytest.fixture
 def hosts():
-    reason = fake_hosts.cannot_make_namespaces()
-    if reason:
-        pytest.skip(f"two-host fault tolerance: {reason}")
-    try:
-        made = fake_hosts.fake_hosts(2, f"ft{next(_names)}")
-        pair = made.__enter__()
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", None) or e
-        pytest.skip(f"two-host fault tolerance: cannot create network namespaces joined by a veth pair: {detail}")
-    try:
-        yield pair
-    finally:
-        fake_hosts.restore(pair[1], [pair[0]])
-        made.__exit__(None, None, None)
+    with namespace_hosts.two_hosts("two-host fault tolerance", f"ft{next(_names)}") as pair:
+        try:
+            yield pair
+        finally:
+            fake_hosts.restore(pair[1], [pair[0]])
 
 
 @pytest.fixture

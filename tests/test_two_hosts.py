@@ -25,8 +25,7 @@ import time
 import pytest
 import torch
 
-from ddp_ext.testing import fake_hosts as fake
-from tests import reference
+from tests import namespace_hosts, reference
 from tests import two_host_train as worker
 from tests.harness import assert_states_close, same_bits
 
@@ -41,19 +40,8 @@ _runs = itertools.count()
 
 @pytest.fixture
 def hosts():
-    reason = fake.cannot_make_namespaces()
-    if reason:
-        pytest.skip(f"two-host test: {reason}")
-    try:
-        made = fake.fake_hosts(2, f"t{next(_runs)}")
-        pair = made.__enter__()
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", None) or e
-        pytest.skip(f"two-host test: cannot create network namespaces joined by a veth pair: {detail}")
-    try:
+    with namespace_hosts.two_hosts("two-host test", f"t{next(_runs)}") as pair:
         yield pair
-    finally:
-        made.__exit__(None, None, None)
 
 
 def _launch(pair, out: str, mode: str):
