@@ -9,10 +9,11 @@ import time
 
 import pytest
 
-from ddp_ext.fault_tolerance import _wire, link
+from ddp_ext.fault_tolerance import _wire, commit, link
 from ddp_ext.fault_tolerance.coordinator import Coordinator
 from ddp_ext.fault_tolerance.link import CoordinatorLost
 from ddp_ext.fault_tolerance.membership import Membership
+from ddp_ext.fault_tolerance.store_cleanup import StoreCleanup
 
 
 def hello(rid, run_id="run", fingerprint="f", timeout=1.0):
@@ -75,6 +76,48 @@ def test_silence_longer_than_the_timeout_is_stale():
 def test_min_replicas_must_be_positive():
     with pytest.raises(ValueError, match="min_replicas"):
         Membership("run", min_replicas=0)
+
+
+def _steps(keys):
+    """{(epoch, step)} of the commit keys among `keys` (both keys of each step present)."""
+    pairs = [tuple(int(x) for x in k.split("/")[2:4]) for k in keys if "/commit/" in k]
+    assert all(pairs.count(p) == 2 for p in pairs), keys
+    return set(pairs)
+
+
+def test_commit_keys_go_once_every_member_read_them():
+    c = StoreCleanup("run")
+    c.formed(1, 0)
+    assert c.due(1, ("a", "b"), {"a": (1, 5), "b": None}) == []  # b has not reported
+    assert _steps(c.due(1, ("a", "b"), {"a": (1, 5), "b": (1, 3)})) == {(1, s) for s in range(3)}
+    assert c.due(1, ("a", "b"), {"a": (1, 5), "b": (1, 3)}) == []  # nothing twice
+    assert _steps(c.due(1, ("a", "b"), {"a": (1, 6), "b": (1, 6)})) == {(1, 3), (1, 4), (1, 5)}
+    # Step 6 aborted in epoch 1; epoch 2 (a and a healed c) formed at step 6.
+    c.formed(2, 6)
+    assert c.due(2, ("a", "c"), {"a": (2, 6), "b": (1, 6), "c": (1, 6)}) == []  # c still reports epoch 1
+    keys = c.due(2, ("a", "c"), {"a": (2, 6), "c": (2, 6)})
+    assert _steps(keys) == {(1, 6)}  # the aborted step of the finished epoch, not epoch 2's step 6
+    assert "run/form/1/arrived" in keys
+    assert _steps(c.due(2, ("a", "c"), {"a": (2, 9), "c": (2, 8)})) == {(2, 6), (2, 7)}
+    assert c.due(3, ("a", "c"), {"a": (3, 9), "c": (3, 9)}) == []  # epoch 3's first step is not known yet
+
+
+def test_the_server_deletes_commit_keys_all_members_read():
+    coordinator = Coordinator("127.0.0.1", 0, "run", log=lambda line: None)
+    a, b = Client(coordinator, hello("a")), Client(coordinator, hello("b"))
+    epoch = a.epoch_with(coordinator, ["a", "b"])["epoch"]
+    keys = {step: commit.commit_keys("run", epoch, step) for step in range(4)}
+    for pair in keys.values():
+        for key in pair:
+            coordinator.store.set(key, "x")
+    for client, done in ((a, 4), (b, 2)):
+        _wire.send(client.sock, {"type": "formed", "epoch": epoch, "step": 0})
+        _wire.send(client.sock, {"type": "hb", "epoch": epoch, "step": done})
+    deadline = time.monotonic() + 5
+    while coordinator.store.check(list(keys[1])) and time.monotonic() < deadline:
+        coordinator.poll(0.005)
+    left = [step for step, pair in keys.items() if coordinator.store.check(list(pair))]
+    assert left == [2, 3]  # b has not read step 2's decision yet
 
 
 class Client:

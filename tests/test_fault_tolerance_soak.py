@@ -16,7 +16,8 @@ quorum recorded it, bitwise equal; the finished replicas equal local
 training on the concatenation of each committed step's quorum shards; on
 the replica that lives the whole run and on the coordinator, threads and
 file descriptors end where they were after the first failure and RSS grows
-less than RSS_BOUND_MIB."""
+less than RSS_BOUND_MIB; the coordinator's store keeps Gloo's rendezvous
+keys of each epoch but no committed step's keys."""
 
 import collections
 import os
@@ -24,6 +25,7 @@ import signal
 import time
 
 import pytest
+import torch.distributed as dist
 
 from tests.fault_tolerance_harness import Run, check_run
 
@@ -53,6 +55,24 @@ def _proc_usage(pid: int) -> dict:
         rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
     return {"threads": len(os.listdir(f"/proc/{pid}/task")), "fds": len(os.listdir(f"/proc/{pid}/fd")),
             "rss_kib": rss}
+
+
+def _store_keys(run: Run) -> int:
+    host, port = run.address.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False).num_keys()
+
+
+def _paused_store_keys(run: Run):
+    """(keys, bound, epochs) once the paused replicas' heartbeats reported
+    their last commit (waits up to 10 s for that)."""
+    deadline = time.monotonic() + 10
+    while True:
+        epochs = run.epochs()
+        bound = sum(len(members) for members in epochs) + 2 + 4  # rendezvous keys, the coordinator's two, slack
+        keys = _store_keys(run)
+        if keys <= bound or time.monotonic() > deadline:
+            return keys, bound, len(epochs)
+        time.sleep(0.2)
 
 
 class _Soak:
@@ -152,6 +172,7 @@ def test_twenty_kills_and_replacements(run):
             baseline = {"coordinator": _proc_usage(coordinator_pid), "step": soak.limit - 1}
     assert soak.limit < STEPS, f"the schedule took {soak.limit} steps of {STEPS}"
     end_coordinator = _proc_usage(coordinator_pid)
+    keys_paused, paused_at = _paused_store_keys(run), soak.limit - 1
     soak.set_limit(STEPS)
     finishers = [LIFELONG] + soak.rotating
     codes = run.wait(finishers, timeout=120)
@@ -185,6 +206,15 @@ def test_twenty_kills_and_replacements(run):
         assert sorted(seen["hashes"]) == sorted(seen["members"]), (step, seen)
     assert min(len(seen["members"]) for seen in per_step.values()) == 2  # the kills did shrink quorums
     assert len(run.epochs()) >= 2 * KILLS
+
+    # The coordinator's store keeps no step's keys once every member read
+    # them: what stays is Gloo's rendezvous keys, one per member of each
+    # epoch, and the steps not yet reported (Note [Deleting commit keys]).
+    keys, bound, epochs = keys_paused
+    print(f"coordinator store keys with the replicas paused at step {paused_at}: {keys} "
+          f"(bound {bound}, {epochs} epochs; {2 * paused_at} commit keys without deleting); "
+          f"{_store_keys(run)} at the end")
+    assert keys <= bound, keys_paused
 
     # Resources: the lifelong replica and the coordinator end where they were
     # after the first failure and its replacement (same quorum size, 3).

@@ -38,7 +38,9 @@ healed instead of training on. E names the quorum of the next step, so every
 member changes its group at the same step boundary (Note [Epochs and
 quorums] in ddp_ext/fault_tolerance/membership.py). The store is the single
 point of decision: if the coordinator dies, no decision can be made, and the
-members stop (CoordinatorLost) instead of guessing.
+members stop (CoordinatorLost) instead of guessing. The coordinator deletes
+the keys of steps every member has read (Note [Deleting commit keys] in
+ddp_ext/fault_tolerance/store_cleanup.py).
 """
 
 import dataclasses
@@ -71,11 +73,16 @@ def _store_call(link: Link, call, *args):
         raise CoordinatorLost(f"the coordinator's store stopped answering: {exc}") from exc
 
 
+def commit_keys(run_id: str, epoch: int, step: int):
+    """The vote count's and the decision's keys of one step."""
+    prefix = f"{run_id}/commit/{epoch}/{step}"
+    return f"{prefix}/votes", f"{prefix}/decision"
+
+
 def decide(store, link: Link, run_id: str, epoch: int, step: int, members: tuple, voted: bool) -> Decision:
     """Votes (or vetoes, if not `voted`) step `step` of `epoch` and returns
     the decision every member of `members` reads. See Note [Committing a step]."""
-    prefix = f"{run_id}/commit/{epoch}/{step}"
-    decision_key, votes_key = f"{prefix}/decision", f"{prefix}/votes"
+    votes_key, decision_key = commit_keys(run_id, epoch, step)
     size = len(members)
     if not voted:
         return _parse(_store_call(link, store.compare_set, decision_key, "", "abort"), epoch)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from ddp_ext.fault_tolerance import _wire
 from ddp_ext.fault_tolerance.link import bound
 from ddp_ext.fault_tolerance.membership import Membership
+from ddp_ext.fault_tolerance.store_cleanup import StoreCleanup
 
 TICK_S = 0.01  # how often silence is checked
 
@@ -40,6 +41,8 @@ class Coordinator:
     def __init__(self, host: str = "0.0.0.0", port: int = 29600, run_id: str = "default", min_replicas: int = 1,
                  log=print):
         self.membership = Membership(run_id, min_replicas)
+        self.cleanup = StoreCleanup(run_id)
+        self._progressed = False
         self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=60))
         self.port = self.store.port
@@ -77,6 +80,19 @@ class Coordinator:
             self._log(f"epoch {epoch.number}: {list(epoch.members)}")
             self._broadcast({"type": "epoch", "epoch": epoch.number, "members": list(epoch.members),
                              "history": self.membership.history})
+        if self._progressed and self.cleanup is not None:
+            self._progressed = False
+            self._delete_done_keys()
+
+    def _delete_done_keys(self) -> None:
+        """Note [Deleting commit keys] in ddp_ext/fault_tolerance/store_cleanup.py."""
+        epoch = self.membership.epoch
+        try:
+            for key in self.cleanup.due(epoch.number, epoch.members, self.membership.progress()):
+                self.store.delete_key(key)
+        except Exception as exc:  # housekeeping: never worth stopping the run for
+            self._log(f"deleting finished steps' keys from the store failed ({exc}); keeping them from now on")
+            self.cleanup = None
 
     def _read(self, conn: socket.socket) -> None:
         client = self._clients.get(conn)
@@ -105,12 +121,18 @@ class Coordinator:
             elif rid is None:
                 continue
             elif kind == "hb":
-                self.membership.heard(rid, now)
+                self.membership.heard(rid, now, _progress(message))
+                self._progressed = self._progressed or "step" in message
             elif kind == "abort":
                 self.membership.heard(rid, now)
                 self.membership.aborted(int(message["epoch"]))
             elif kind == "formed":
                 self.membership.formed(int(message["epoch"]))
+                progress = _progress(message)
+                if progress is not None and self.cleanup is not None:
+                    self.cleanup.formed(*progress)
+                    self.membership.heard(rid, now, progress)
+                    self._progressed = True
 
     def _hello(self, conn, message: dict, now: float) -> None:
         reason = self.membership.hello(message, now)
@@ -185,6 +207,13 @@ class Coordinator:
     def _broadcast(self, message: dict) -> None:
         for rid, conn in list(self._by_id.items()):
             self._send(conn, message)
+
+
+def _progress(message: dict):
+    """(epoch, committed steps) from a replica's message, or None."""
+    if "step" not in message:
+        return None
+    return int(message["epoch"]), int(message["step"])
 
 
 def main(argv: Optional[list] = None) -> None:

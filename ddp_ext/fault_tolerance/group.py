@@ -13,10 +13,15 @@ from ddp_ext.fault_tolerance.commit import _store_call
 from ddp_ext.fault_tolerance.link import Link
 
 
+def arrival_key(run_id: str, epoch: int) -> str:
+    """The counter the members of an epoch meet on before making its group."""
+    return f"{run_id}/form/{epoch}/arrived"
+
+
 def meet(store, link: Link, run_id: str, epoch: int, size: int) -> bool:
     """Waits until all `size` members of `epoch` arrived; False if a newer
     epoch was announced first (go there instead)."""
-    key = f"{run_id}/form/{epoch}/arrived"
+    key = arrival_key(run_id, epoch)
     if _store_call(link, store.add, key, 1) >= size:
         return True
     pause = 0.0005

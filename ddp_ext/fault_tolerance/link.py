@@ -94,6 +94,7 @@ class Link:
         self.history = False
         self.lost: Optional[str] = None  # why the link is gone, once it is
         self.dropped = False
+        self.progress: Optional[Tuple[int, int]] = None  # (epoch, committed steps), sent with heartbeats
         self._send_lock = threading.Lock()
         _wire.send(self._sock, hello)
         self._sock.settimeout(connect_timeout)
@@ -137,7 +138,11 @@ class Link:
         while not self._stop:
             now = time.monotonic()
             if now >= next_beat:
-                if not self.send({"type": "hb"}):
+                beat = {"type": "hb"}
+                progress = self.progress
+                if progress is not None:
+                    beat["epoch"], beat["step"] = progress
+                if not self.send(beat):
                     break
                 next_beat = now + self._interval
             try:

@@ -23,7 +23,7 @@ switches epoch at the same step boundary.
 """
 
 import dataclasses
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 
 @dataclasses.dataclass
@@ -31,6 +31,7 @@ class Peer:
     replica_id: str
     heartbeat_timeout: float  # seconds of silence after which it is dropped
     last_heard: float  # the coordinator's clock, seconds
+    progress: Optional[Tuple[int, int]] = None  # its last reported (epoch, committed steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,10 +79,16 @@ class Membership:
         self._dirty = True
         return None
 
-    def heard(self, rid: str, now: float) -> None:
+    def heard(self, rid: str, now: float, progress: Optional[Tuple[int, int]] = None) -> None:
         peer = self.peers.get(rid)
         if peer is not None:
             peer.last_heard = now
+            if progress is not None:
+                peer.progress = progress
+
+    def progress(self) -> Dict[str, Optional[Tuple[int, int]]]:
+        """Each connected replica's last reported (epoch, committed steps)."""
+        return {rid: peer.progress for rid, peer in self.peers.items()}
 
     def lost(self, rid: str) -> None:
         """Its connection closed (or the coordinator dropped it)."""

@@ -193,6 +193,7 @@ class Replica:
                     self.optimizer.step()
                 self._step += 1
                 self._next_epoch = decision.next_epoch
+                self._link.progress = (membership.epoch, self._step)
                 return StepResult(membership, value, attempts)
             # Aborted: nothing applied; run the step again with the next quorum.
             heal.set_layer_drop_counters(self.module, drops)
@@ -297,7 +298,8 @@ class Replica:
         self._group = group
         self._formed = (epoch, members)
         self._last_formed = epoch
-        self._link.send({"type": "formed", "epoch": epoch})
+        self._link.progress = (epoch, self._step)
+        self._link.send({"type": "formed", "epoch": epoch, "step": self._step})
 
     def _current_caps(self):
         if self.ddp is not None and self.ddp.reducer is not None:
