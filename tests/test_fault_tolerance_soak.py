@@ -17,7 +17,7 @@ training on the concatenation of each committed step's quorum shards; on
 the replica that lives the whole run and on the coordinator, threads and
 file descriptors end where they were after the first failure and RSS grows
 less than RSS_BOUND_MIB; the coordinator's store keeps Gloo's rendezvous
-keys of each epoch but no committed step's keys."""
+keys and the last two steps' keys of each epoch, not every step's."""
 
 import collections
 import os
@@ -68,7 +68,9 @@ def _paused_store_keys(run: Run):
     deadline = time.monotonic() + 10
     while True:
         epochs = run.epochs()
-        bound = sum(len(members) for members in epochs) + 2 + 4  # rendezvous keys, the coordinator's two, slack
+        # Per epoch: its rendezvous keys and the two last steps' (Note [Deleting
+        # commit keys]); the coordinator's two keys; slack for a lagging report.
+        bound = sum(len(members) + 4 for members in epochs) + 2 + 4
         keys = _store_keys(run)
         if keys <= bound or time.monotonic() > deadline:
             return keys, bound, len(epochs)
@@ -207,9 +209,9 @@ def test_twenty_kills_and_replacements(run):
     assert min(len(seen["members"]) for seen in per_step.values()) == 2  # the kills did shrink quorums
     assert len(run.epochs()) >= 2 * KILLS
 
-    # The coordinator's store keeps no step's keys once every member read
-    # them: what stays is Gloo's rendezvous keys, one per member of each
-    # epoch, and the steps not yet reported (Note [Deleting commit keys]).
+    # The coordinator's store grows with epochs, not steps: what stays is
+    # Gloo's rendezvous keys, one per member of each epoch, and each epoch's
+    # last two steps' keys (Note [Deleting commit keys]).
     keys, bound, epochs = keys_paused
     print(f"coordinator store keys with the replicas paused at step {paused_at}: {keys} "
           f"(bound {bound}, {epochs} epochs; {2 * paused_at} commit keys without deleting); "
