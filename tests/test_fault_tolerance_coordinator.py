@@ -102,6 +102,8 @@ def test_commit_keys_go_once_every_member_read_them():
     # may still wait on (steps 5 and 6) stay.
     assert _steps(keys) == {(1, 3), (1, 4)} and "run/form/1/arrived" in keys and len(keys) == 5
     assert _steps(c.due(2, ("a", "n"), {"a": (2, 9), "n": (2, 8)})) == {(2, 6), (2, 7)}
+    # m resumes and reports from the forgotten epoch 1: ignored.
+    assert _steps(c.due(2, ("a", "n"), {"a": (2, 9), "n": (2, 9), "m": (1, 6)})) == {(2, 8)}
     assert c.due(3, ("a", "n"), {"a": (3, 9), "n": (3, 9)}) == []  # epoch 3's first step is not known yet
 
 

@@ -33,7 +33,7 @@ a step either moves every surviving member or none. A member that dies after
 voting does not hold the others back: they commit without it and drop it at
 the next boundary. A member that was stopped (SIGSTOP) and resumes reads the
 decision that was made without it (it never waits for a vote the others
-already gave up on; the decisions of its epoch's last two steps are kept for
+already gave up on; the decisions of its epoch's last steps are kept for
 it), and the coordinator has dropped it, so it rejoins and is healed instead
 of training on. E names the quorum of the next step, so every
 member changes its group at the same step boundary (Note [Epochs and

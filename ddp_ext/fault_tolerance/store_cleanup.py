@@ -22,16 +22,15 @@ has read the decisions of every step of E before c.
     highest count any replica reported in e (reports lag; the true one is
     no lower), every member of e stopped at step t - 1 or later. So e's
     steps before t - 1 go, with its formation counter, and e is forgotten;
-    its steps from t - 1 on stay (two, or a heartbeat interval's worth more
-    when the last reports lagged).
-A dropped process that still reads a deleted key (one stopped for longer than
-its epoch lasted) finds it missing and writes "abort" or votes into a fresh
-count, which stays short of the old quorum's size: a member that voted or
-decided never votes on the same (epoch, step) again. It applies nothing it
-would not have applied before, and it is healed when it rejoins while a newer
-holder lives. What stays behind per membership change: Gloo's rendezvous
-keys (one per member), each epoch's last steps as above, the counters of
-epochs announced but never formed, and keys such a late reader writes.
+    its steps from t - 1 on stay (at most two, or more when the last
+    reports lagged or were replaced before the coordinator read them).
+So no replica reads a deleted key. Were one to, it would find the key
+missing and write "abort" or vote into a fresh count, which stays short of
+the old quorum's size (a member that voted or decided never votes on the same
+(epoch, step) again): it would apply nothing, and be healed when it rejoins.
+What stays behind per membership change: Gloo's rendezvous keys (one per
+member), each epoch's last steps as above, the counters of epochs announced
+but never formed, and all of an epoch's keys if every "formed" of it was lost.
 """
 
 from typing import Dict, List, Optional, Tuple
