@@ -10,7 +10,9 @@ a hash of the parameters after the step), then a final line with the
 parameters. Faults it does to itself at step K: kill-forward@K,
 kill-backward@K (mid-backward, after the last layers' buckets were
 launched), kill-between@K (right after step K committed), stop@K (SIGSTOP in
-the forward of step K; the test sends SIGCONT), kill-heal (dies while sending
+the forward of step K; the test sends SIGCONT), stop-after-vote@K (SIGSTOP
+once its vote for step K is in the store, before it reads the decision),
+kill-alone@K (in the forward of step K once its quorum is itself), kill-heal (dies while sending
 its state to a joiner), kill-receive (a joiner that dies while it receives
 its state, after the payload's size came in), kill-bystander@K (from step K
 on, dies in the next formation that heals a newcomer, while the state is
@@ -185,6 +187,27 @@ def main(argv=None):
                 die_here(signal.SIGSTOP)
 
         middle.register_forward_pre_hook(stop_once)
+
+    if fault == "stop-after-vote":
+        # SIGSTOP right after this replica's vote for step K reached the
+        # store, before it reads the decision (the test sends SIGCONT).
+        from ddp_ext.fault_tolerance import commit
+
+        store_call = commit._store_call
+
+        def vote_then_stop(link, call, *call_args):
+            result = store_call(link, call, *call_args)
+            if due("stop-after-vote") and getattr(call, "__name__", "") == "add" \
+                    and str(call_args[0]).endswith("/votes") and call_args[1] == 1:
+                die_here(signal.SIGSTOP)
+                armed["kind"] = ""  # once
+            return result
+
+        commit._store_call = vote_then_stop
+    # kill-alone@K: dies in the forward of step K once it trains alone.
+    middle.register_forward_pre_hook(
+        lambda *_: die_here(signal.SIGKILL)
+        if due("kill-alone") and replica._formed is not None and len(replica._formed[1]) == 1 else None)
 
     if fault == "kill-heal":
         # Dies as the source of a heal, after the payload's size went out.

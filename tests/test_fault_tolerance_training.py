@@ -1,7 +1,8 @@
 """Fault-tolerant training (ddp_ext.fault_tolerance) in real processes: a
 coordinator and three replicas over Gloo, with replicas killed (SIGKILL) in
-forward, in backward and between steps, stopped (SIGSTOP) and resumed, and
-replaced. Every committed step must leave the replicas that recorded it
+forward, in backward and between steps, stopped (SIGSTOP) and resumed (also
+between its vote and the decision, to become the last holder of the state),
+and replaced. Every committed step must leave the replicas that recorded it
 bitwise equal, and the finished replicas must equal local training on the
 concatenation of each committed step's quorum shards
 (tests/fault_tolerance_harness.py)."""
@@ -90,6 +91,25 @@ def test_a_stopped_replica_is_dropped_then_rejoins_and_heals(run):
     assert 5 not in r2_steps and 13 not in r2_steps
     done = [rec for rec in r.records("r2") if rec["kind"] == "done"][0]
     assert done["rejoins"] == 1
+
+
+def test_a_replica_stopped_after_its_vote_keeps_the_step_when_it_is_the_last_holder(run):
+    """r1 votes for step 5 and is stopped before it reads the decision; r0
+    commits step 5, goes on alone in a new epoch (the coordinator may now
+    delete the old epoch's keys) and dies before committing step 6. r1,
+    resumed, must read step 5's decision, apply it and carry on from step 6
+    as the only holder of the state (Note [Deleting commit keys])."""
+    r = run(min_replicas=2)
+    r.start("r0", STEPS, heartbeat=HEARTBEAT_S, fault="kill-alone@6", sleep=0.3)  # votes after r1
+    r.start("r1", STEPS, heartbeat=HEARTBEAT_S, fault="stop-after-vote@5")
+    r.wait_for(lambda: any(rec["kind"] == "fault" for rec in r.records("r0")), 120, "r0 to die training alone")
+    assert any(rec["kind"] == "fault" for rec in r.records("r1")), r.logs()
+    r.signal("r1", signal.SIGCONT)
+    codes = r.wait(["r0", "r1"])
+    assert codes == {"r0": -signal.SIGKILL, "r1": 0}, r.logs()
+    per_step = check_run(r, ["r0", "r1"], STEPS, finished=["r1"])
+    assert sorted(per_step[5]["members"]) == ["r0", "r1"] and per_step[6]["members"] == ["r1"]
+    assert [rec["step"] for rec in r.records("r1") if rec["kind"] == "step"] == list(range(STEPS))
 
 
 def test_two_kills_one_after_the_other(run):
