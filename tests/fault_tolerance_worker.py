@@ -8,15 +8,15 @@ It trains `model()` on `global_batch(step)`, taking its shard for the step's
 quorum, and appends one JSON line per committed step to --out (its quorum and
 a hash of the parameters after the step), then a final line with the
 parameters. Faults it does to itself at step K: kill-forward@K,
-kill-backward@K (mid-backward, after the last layers' buckets were
-launched), kill-between@K (right after step K committed), stop@K (SIGSTOP in
-the forward of step K; the test sends SIGCONT), stop-after-vote@K (SIGSTOP
-once its vote for step K is in the store, before it reads the decision),
-kill-alone@K (in the forward of step K once its quorum is itself), kill-heal (dies while sending
-its state to a joiner), kill-receive (a joiner that dies while it receives
-its state, after the payload's size came in), kill-bystander@K (from step K
-on, dies in the next formation that heals a newcomer, while the state is
-being sent to it), raise@K1,K2,... (a RuntimeError in train_step at each of
+kill-backward@K (mid-backward, after the last layers' buckets were launched),
+kill-between@K (right after step K committed), stop@K (SIGSTOP in the forward
+of step K; the test sends SIGCONT), stop-after-vote@K (SIGSTOP once its vote
+for step K is in the store, before it reads the decision), kill-alone@K (in
+the forward of step K once its quorum is itself), kill-heal (dies while
+sending its state to a joiner), kill-receive (a joiner that dies while it
+receives its state, after the payload's size came in), kill-bystander@K (from
+step K on, dies in the next formation that heals a newcomer, while the state
+is being sent to it), raise@K1,K2,... (a RuntimeError in train_step at each of
 those steps, once: the quorum aborts and re-forms with the same members).
 
 With --control DIR (the soak, tests/test_fault_tolerance_soak.py) the test
