@@ -1,6 +1,7 @@
 """Starting a coordinator and replicas as processes, injecting faults and
 checking the outcome against local training (tests/test_fault_tolerance_*)."""
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -201,6 +202,23 @@ class Run:
                 proc.wait(timeout=10)
         if self.coordinator.stdout:
             self.coordinator.stdout.close()
+
+
+@contextlib.contextmanager
+def runs_closed_after(tmp_path, **defaults):
+    """A maker of Runs (keyword arguments on top of `defaults`), each closed
+    when the block ends: the body of the tests' `run` fixtures."""
+    made: List[Run] = []
+
+    def make(**kwargs) -> Run:
+        made.append(Run(tmp_path, **defaults, **kwargs))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for r in made:
+            r.close()
 
 
 def reference(first_source: str, steps: int, kind: str = "mlp") -> List[torch.Tensor]:

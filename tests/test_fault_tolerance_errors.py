@@ -8,22 +8,15 @@ import pytest
 import torch
 
 from ddp_ext.fault_tolerance import Replica
-from tests.fault_tolerance_harness import Run, check_run
+from tests.fault_tolerance_harness import check_run, runs_closed_after
 
 STEPS = 12
 
 
 @pytest.fixture
 def runs(tmp_path):
-    made = []
-
-    def make(**kwargs):
-        made.append(Run(tmp_path, **kwargs))
-        return made[-1]
-
-    yield make
-    for r in made:
-        r.close()
+    with runs_closed_after(tmp_path) as make:
+        yield make
 
 
 @pytest.mark.parametrize("timeout", [0, -1.0, 0.0])

@@ -12,7 +12,7 @@ import signal
 
 import pytest
 
-from tests.fault_tolerance_harness import Run, check_run
+from tests.fault_tolerance_harness import check_run, runs_closed_after
 
 STEPS = 20
 HEARTBEAT_S = 2.0
@@ -22,15 +22,8 @@ TIMEOUT_S = 180.0
 
 @pytest.fixture
 def run(tmp_path):
-    runs = []
-
-    def make(**kwargs):
-        runs.append(Run(tmp_path, **kwargs))
-        return runs[-1]
-
-    yield make
-    for r in runs:
-        r.close()
+    with runs_closed_after(tmp_path) as make:
+        yield make
 
 
 def _connected(r, rid):

@@ -23,7 +23,7 @@ import pytest
 
 from ddp_ext.testing import fake_hosts
 from tests import namespace_hosts
-from tests.fault_tolerance_harness import ROOT, Run, check_run
+from tests.fault_tolerance_harness import ROOT, check_run, runs_closed_after
 
 STEPS = 24
 HEARTBEAT_S = 2.0
@@ -43,15 +43,8 @@ def hosts():
 
 @pytest.fixture
 def run(tmp_path, hosts):
-    runs = []
-
-    def make(**kwargs):
-        runs.append(Run(tmp_path, host=hosts[0], **kwargs))
-        return runs[-1]
-
-    yield make
-    for r in runs:
-        r.close()
+    with runs_closed_after(tmp_path, host=hosts[0]) as make:
+        yield make
 
 
 def _first_commit(r, rid, where):

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.fault_tolerance_harness import Run, check_run
+from tests.fault_tolerance_harness import check_run, runs_closed_after
 
 STEPS = 24
 HEARTBEAT_S = 2.0
@@ -21,15 +21,8 @@ REPLICAS = ["r0", "r1", "r2"]
 
 @pytest.fixture
 def run(tmp_path):
-    runs = []
-
-    def make(**kwargs):
-        runs.append(Run(tmp_path, **kwargs))
-        return runs[-1]
-
-    yield make
-    for r in runs:
-        r.close()
+    with runs_closed_after(tmp_path) as make:
+        yield make
 
 
 def test_no_failure_matches_local_training(run):
