@@ -17,7 +17,6 @@
 #include "process_groups/round_robin/backend.h"
 
 #include "process_groups/broadcast_coalesced.h"
-#include "reducer/bucket_assignment.h"
 #include "comm_hooks/builtin_hooks.h"
 #include "reducer/gradient_order.h"
 #include "reducer/reducer.h"
@@ -54,23 +53,6 @@ std::optional<double> observed(const ddp_ext::reducer::BucketLayout& l, double f
     return std::nullopt;
   }
   return figure;
-}
-
-// (nbytes, dtype, device) per tensor, as Python hands them to assign_buckets;
-// `sparse` and `units` may be shorter (the rest: dense, no unit).
-std::vector<ddp_ext::reducer::TensorSpec> tensor_specs(
-    const std::vector<std::tuple<int64_t, at::ScalarType, at::Device>>& tensors,
-    const std::vector<bool>& sparse,
-    const std::vector<int64_t>& units) {
-  std::vector<ddp_ext::reducer::TensorSpec> specs;
-  specs.reserve(tensors.size());
-  for (const auto& [nbytes, dtype, device] : tensors) {
-    const size_t i = specs.size();
-    specs.push_back(ddp_ext::reducer::TensorSpec{
-        nbytes, dtype, device, i < sparse.size() && sparse[i],
-        i < units.size() ? units[i] : -1});
-  }
-  return specs;
 }
 
 // See Note [Hang attribution]: a StallReport as the dict the Python
@@ -124,74 +106,9 @@ void bind_reducer(py::module& m) {
   using namespace ddp_ext::reducer;
 
   m.def(
-      "assign_buckets",
-      [](const std::vector<std::tuple<int64_t, at::ScalarType, at::Device>>& tensors,
-         int64_t cap_bytes, std::optional<int64_t> first_cap_bytes,
-         std::optional<std::vector<int64_t>> caps, const std::vector<bool>& sparse,
-         const std::vector<int64_t>& units) {
-        const auto specs = tensor_specs(tensors, sparse, units);
-        if (caps) {
-          return assign_buckets(specs, *caps);
-        }
-        return assign_buckets(specs, cap_bytes, first_cap_bytes.value_or(cap_bytes));
-      },
-      py::arg("tensors"), py::arg("cap_bytes"), py::arg("first_cap_bytes") = py::none(),
-      py::arg("caps") = py::none(), py::arg("sparse") = std::vector<bool>{},
-      py::arg("units") = std::vector<int64_t>{},
-      "Bucket indices for (nbytes, dtype, device) tuples given in registration "
-      "order; `caps`, if given, caps each bucket in turn (the last repeats); "
-      "`sparse[i]` gives tensor i a bucket of its own; tensors whose `units` "
-      "differ (a droppable layer's id, -1 for none) never share a bucket. "
-      "See reducer/bucket_assignment.h.");
-
-  m.def(
-      "assign_buckets_in_order",
-      [](const std::vector<std::tuple<int64_t, at::ScalarType, at::Device>>& tensors,
-         const std::vector<size_t>& order, const std::vector<int64_t>& caps,
-         const std::vector<bool>& sparse, const std::vector<int64_t>& units) {
-        const auto specs = tensor_specs(tensors, sparse, units);
-        return assign_buckets_in_order(specs, order, caps);
-      },
-      py::arg("tensors"), py::arg("order"), py::arg("caps"),
-      py::arg("sparse") = std::vector<bool>{}, py::arg("units") = std::vector<int64_t>{},
-      "Bucket indices for (nbytes, dtype, device) tuples visited in `order` "
-      "(first-ready first), buckets in the order they fill. See "
-      "reducer/bucket_assignment.h.");
-
-  m.def(
-      "order_cost",
-      [](const std::vector<std::vector<size_t>>& buckets,
-         const std::vector<size_t>& order, const std::vector<int64_t>& bytes) {
-        const OrderCost cost =
-            order_cost(bucket_of_params(buckets, bytes.size()), buckets.size(), order, bytes);
-        return std::make_pair(cost.wait, cost.overlap_fraction);
-      },
-      py::arg("buckets"), py::arg("order"), py::arg("bytes"),
-      "(wait, overlap_fraction) of a bucket layout for an observed order; see "
-      "Note [Gradient order prediction] in reducer/gradient_order.h.");
-
-  m.def(
-      "watch_step",
-      [](int streak, double current, double candidate, double fresh, int patience,
-         double min_gain) {
-        const WatchStep step = watch_step(
-            streak, current, candidate, fresh, RebuildPolicy{patience, min_gain});
-        return std::make_tuple(step.streak, step.adopt_fresh, step.vote);
-      },
-      py::arg("streak"), py::arg("current"), py::arg("candidate"), py::arg("fresh"),
-      py::arg("patience") = RebuildPolicy{}.patience,
-      py::arg("min_gain") = RebuildPolicy{}.min_gain,
-      "One iteration of the rebuild watch: (streak, adopt_fresh, vote).");
-
-  m.def("rebuild_agreed", &rebuild_agreed, py::arg("summed_votes"), py::arg("ranks"));
-
-  m.def(
       "broadcast_coalesced", &broadcast_coalesced, py::arg("process_group"),
       py::arg("tensors"), py::arg("chunk_bytes"), py::arg("root") = 0,
       py::call_guard<py::gil_scoped_release>());
-
-  m.def("accumulator_post_hook_count", &accumulator_post_hook_count,
-        py::arg("param"));
 
   py::enum_<BucketRebuild>(m, "BucketRebuild")
       .value("never", BucketRebuild::kNever)
@@ -379,24 +296,6 @@ void bind_compression(py::module& m) {
       .def_readwrite("int8_allowed", &PolicyOptions::int8_allowed)
       .def_readwrite("off_when_slower", &PolicyOptions::off_when_slower);
 
-  // The pure decisions, for table tests.
-  py::class_<PrecisionPolicy>(m, "PrecisionPolicy")
-      .def(py::init<PolicyOptions>(), py::arg("options"))
-      .def(
-          "conclude_window",
-          [](PrecisionPolicy& policy, std::vector<double> sq_norms,
-             std::optional<double> cost_ms, int64_t iterations) {
-            policy.conclude_window(WindowReport{std::move(sq_norms), cost_ms}, iterations);
-          },
-          py::arg("bucket_sq_norms"), py::arg("cost_ms"), py::arg("iterations"))
-      .def_property_readonly(
-          "mode", [](const PrecisionPolicy& p) { return std::string(window_mode_name(p.mode())); })
-      .def("format", [](const PrecisionPolicy& p, size_t index) {
-        return std::string(precision_name(p.format(index)));
-      }, py::arg("bucket_index"))
-      .def_property_readonly("full_cost_ms", &PrecisionPolicy::full_cost_ms)
-      .def_property_readonly("compressed_cost_ms", &PrecisionPolicy::compressed_cost_ms);
-
   py::class_<PrecisionDecision>(m, "PrecisionDecision")
       .def_readonly("iteration", &PrecisionDecision::iteration)
       .def_readonly("mode", &PrecisionDecision::mode)
@@ -444,17 +343,6 @@ void bind_compression(py::module& m) {
       "int8_exchange_for",
       [](int64_t world_size) { return std::string(int8_exchange_name(int8_exchange_for(world_size))); },
       py::arg("world_size"));
-  m.def(
-      "int8_segments",
-      [](int64_t numel, int64_t chunk, int64_t world_size) {
-        const Int8Segments s = int8_segments(numel, chunk, world_size);
-        return py::dict(py::arg("begin") = s.begin, py::arg("numel") = s.numel,
-                        py::arg("bytes") = s.bytes, py::arg("offset") = s.offset,
-                        py::arg("total_bytes") = s.total_bytes,
-                        py::arg("largest_slot") = s.largest_slot);
-      },
-      py::arg("numel"), py::arg("chunk"), py::arg("world_size"));
-
   m.def(
       "int8_encode",
       [](at::Tensor values, int64_t chunk) {

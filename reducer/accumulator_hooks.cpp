@@ -31,11 +31,6 @@ class GradientReadyHook : public torch::autograd::FunctionPostHook {
 
 } // namespace
 
-size_t accumulator_post_hook_count(const at::Tensor& param) {
-  const auto accumulator = torch::autograd::impl::try_get_grad_accumulator(param);
-  return accumulator ? accumulator->post_hooks().size() : 0;
-}
-
 void AccumulatorHooks::install(
     const std::vector<at::Tensor>& params,
     const std::vector<std::string>& names,

@@ -22,10 +22,6 @@ namespace ddp_ext::reducer {
 // the autograd engine hold only a weak reference, and raise instead of
 // touching a destroyed reducer.
 
-// Number of post hooks on the gradient accumulator of leaf tensor `param`;
-// lets tests check that a reducer removes the hooks it installed.
-size_t accumulator_post_hook_count(const at::Tensor& param);
-
 // One post hook on the gradient accumulator of each parameter, calling
 // `on_ready(index, gradient_arrived)` once the accumulator has run
 // (`gradient_arrived` is false when autograd ran it with no gradient: an

@@ -42,7 +42,8 @@ def build_directory() -> str:
 @functools.lru_cache(maxsize=None)
 def recording_backend():
     """The module holding RecordingBackend, RecordingBackendOptions and
-    RecordedCall (see tests/native/recording_backend.h)."""
+    RecordedCall (see tests/native/recording_backend.h), and
+    accumulator_post_hook_count."""
     from torch.utils.cpp_extension import load
 
     sanitize = _build_info.SANITIZE_FLAGS if _sanitized() else []
@@ -56,3 +57,9 @@ def recording_backend():
             extra_ldflags=sanitize,
             build_directory=build_dir,
         )
+
+
+def accumulator_post_hook_count(param: torch.Tensor) -> int:
+    """Post hooks on the gradient accumulator of leaf tensor `param`: a
+    reducer installs one per parameter and must remove it."""
+    return recording_backend().accumulator_post_hook_count(param)

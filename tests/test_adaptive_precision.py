@@ -23,105 +23,11 @@ import torch.distributed as dist
 from torch import nn
 
 import ddp_ext
-from ddp_ext import _C
 from ddp_ext.compression import AdaptivePrecision, adaptive_precision_hook
 from tests import models, reference
 from tests.harness import CaseTable, assert_states_close, same_bits
 
-# --- the 8-bit codec ---------------------------------------------------------
-
-
-@pytest.mark.parametrize("numel, chunk", [(1, 4), (10, 4), (4096, 1024), (1000, 1024), (5000, 7)])
-def test_int8_codes_plus_what_they_miss_give_the_values_back(numel, chunk):
-    torch.manual_seed(numel)
-    original = torch.randn(numel) * torch.logspace(-3, 3, numel)
-    values = original.clone()
-    payload = _C.int8_encode(values, chunk)
-    assert payload.dtype == torch.uint8
-    chunks = -(-numel // chunk)
-    assert payload.numel() == 4 * chunks + numel
-    decoded = torch.zeros(numel)
-    _C.int8_decode_sum([payload], decoded, chunk)
-    torch.testing.assert_close(decoded + values, original, rtol=1e-6, atol=0)
-    # At most half a step: the step is the chunk's largest magnitude / 127.
-    padded = torch.nn.functional.pad(original.abs(), (0, chunks * chunk - numel))
-    step = padded.view(chunks, chunk).amax(1).repeat_interleave(chunk)[:numel] / 127
-    assert (values.abs() <= step * 0.5 * (1 + 1e-5)).all()
-
-
-def test_int8_zero_chunks_and_sums_of_payloads():
-    values = torch.zeros(8)
-    values[4:] = torch.tensor([1.0, -2.0, 0.5, 127.0])
-    a, b = values.clone(), (values * 3).clone()
-    payloads = [_C.int8_encode(a, 4), _C.int8_encode(b, 4)]
-    out = torch.full((8,), float("nan"))
-    _C.int8_decode_sum(payloads, out, 4)
-    torch.testing.assert_close(out + a + b, values * 4)
-    assert (out[:4] == 0).all()
-
-
-def test_int8_rejects_what_it_cannot_encode():
-    with pytest.raises(RuntimeError, match="1-D float32"):
-        _C.int8_encode(torch.zeros(4, dtype=torch.float64), 4)
-    with pytest.raises(RuntimeError, match="uint8 tensor of 16 bytes"):
-        _C.int8_decode_sum([torch.zeros(11, dtype=torch.uint8)], torch.zeros(8), 4)
-
-
 # --- decisions ---------------------------------------------------------------
-
-
-def _policy(**overrides):
-    options = _C.PolicyOptions()
-    options.warmup_iterations = 20
-    options.check_every = 10
-    options.critical_change = 0.3
-    options.reprobe_every = 3
-    for name, value in overrides.items():
-        setattr(options, name, value)
-    return _C.PrecisionPolicy(options)
-
-
-# (squared norms per bucket, cost of the window, iterations at its end) ->
-# (mode, formats) for the next window.
-STEADY_TABLE = [
-    ([4.0, 1.0], 10.0, 10, "warmup", ["fp32", "fp32"]),
-    ([4.0, 1.0], 10.0, 20, "compressed", ["int8", "int8"]),  # steady norms
-    ([4.0, 2.0], 6.0, 30, "compressed", ["int8", "fp16"]),  # bucket 1's norm x1.41: critical
-    ([4.0, 2.0], 6.0, 40, "compressed", ["int8", "int8"]),
-    ([0.0, 2.0], 6.0, 50, "probe_full", ["fp32", "fp32"]),  # every 3 windows: re-measure fp32
-    ([4.0, 2.0], 9.0, 60, "compressed", ["fp16", "int8"]),  # fp32 cost 9 > 6; bucket 0 unseen last window
-]
-
-
-def test_decisions_warmup_critical_regimes_and_reprobes():
-    policy = _policy()
-    assert policy.mode == "warmup" and policy.format(0) == "fp32"
-    for norms, cost, iterations, mode, formats in STEADY_TABLE:
-        policy.conclude_window(norms, cost, iterations)
-        assert (policy.mode, [policy.format(b) for b in range(2)]) == (mode, formats), (norms, iterations)
-    assert policy.full_cost_ms == 9.0 and policy.compressed_cost_ms == 6.0
-
-
-def test_decisions_turn_compression_off_when_it_is_slower_and_probe_it_again():
-    policy = _policy(warmup_iterations=10)
-    policy.conclude_window([1.0], 5.0, 10)  # warm-up measured fp32 at 5 ms
-    assert policy.mode == "compressed"
-    policy.conclude_window([1.0], 8.0, 20)  # compression: 8 ms > 5 ms
-    assert policy.mode == "full" and policy.format(0) == "fp32"
-    policy.conclude_window([1.0], 5.0, 30)
-    assert policy.mode == "full"
-    policy.conclude_window([1.0], 5.0, 40)  # 3 windows since warm-up
-    assert policy.mode == "probe_compressed" and policy.format(0) == "int8"
-    policy.conclude_window([1.0], 4.0, 50)  # now it pays
-    assert policy.mode == "compressed"
-
-
-def test_decisions_without_int8_and_without_turning_off():
-    policy = _policy(warmup_iterations=0, int8_allowed=False, off_when_slower=False)
-    assert policy.mode == "compressed" and policy.format(0) == "fp16"
-    for i in range(1, 8):
-        policy.conclude_window([1.0], 100.0 if i % 2 else 1.0, 10 * i)
-        assert policy.mode == "compressed" and policy.format(0) == "fp16"
 
 
 def test_state_arguments_are_checked():

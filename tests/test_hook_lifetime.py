@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import ddp_ext
-from ddp_ext import _C
+from tests.native_extensions import accumulator_post_hook_count
 
 
 def test_wrapper_installs_one_hook_per_parameter_and_removes_them():
@@ -16,18 +16,18 @@ def test_wrapper_installs_one_hook_per_parameter_and_removes_them():
         params = list(net.parameters())
         # Keep the accumulators alive across wrappers, as a training loop would.
         keep = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
-        assert [_C.accumulator_post_hook_count(p) for p in params] == [0] * 4
+        assert [accumulator_post_hook_count(p) for p in params] == [0] * 4
 
         ddp = ddp_ext.DistributedDataParallel(net)
-        assert [_C.accumulator_post_hook_count(p) for p in params] == [1] * 4
+        assert [accumulator_post_hook_count(p) for p in params] == [1] * 4
         del ddp
         gc.collect()
-        assert [_C.accumulator_post_hook_count(p) for p in params] == [0] * 4
+        assert [accumulator_post_hook_count(p) for p in params] == [0] * 4
 
         # A second wrapper works on the same module, with its own hooks only.
         ddp = ddp_ext.DistributedDataParallel(net)
         ddp(torch.ones(5, 4)).sum().backward()
-        assert [_C.accumulator_post_hook_count(p) for p in params] == [1] * 4
+        assert [accumulator_post_hook_count(p) for p in params] == [1] * 4
         assert all(p.grad is not None for p in params)
         del keep
     finally:

@@ -21,44 +21,11 @@ import torch.distributed as dist
 from torch import nn
 
 import ddp_ext
-from ddp_ext import _C
 from ddp_ext.compression import AdaptivePrecision, adaptive_precision_hook, int8_exchange_for
 from tests import reference
 from tests.harness import CaseTable, assert_states_close, same_bits
 
 # --- segments and the rule ----------------------------------------------------
-
-SEGMENTS = [
-    # numel, chunk, world size
-    (3000, 1024, 2),
-    (3000, 1024, 4),  # 3 chunks for 4 ranks: one owns nothing
-    (3000, 1024, 5),
-    (10, 4, 3),
-    (4097, 64, 5),
-    (1, 1024, 4),
-    (0, 16, 3),
-]
-
-
-@pytest.mark.parametrize("numel, chunk, world_size", SEGMENTS)
-def test_segments_are_whole_chunks_that_cover_the_bucket(numel, chunk, world_size):
-    s = _C.int8_segments(numel, chunk, world_size)
-    assert len(s["begin"]) == world_size
-    end = 0
-    for r in range(world_size):
-        assert s["begin"][r] == end, "segments are contiguous and in rank order"
-        assert s["begin"][r] % chunk == 0 or s["numel"][r] == 0
-        end += s["numel"][r]
-        chunks = -(-s["numel"][r] // chunk)
-        assert s["bytes"][r] == 4 * chunks + s["numel"][r]
-        assert s["offset"][r] % 4 == 0
-        slot = (s["bytes"][r] + 3) // 4 * 4
-        assert s["offset"][r] + slot <= s["total_bytes"]
-        assert slot <= s["largest_slot"]
-    assert end == numel
-    owned_chunks = [-(-n // chunk) for n in s["numel"]]
-    assert max(owned_chunks) - min(owned_chunks) <= 1, owned_chunks
-
 
 def test_the_rule_keeps_the_allgather_up_to_three_ranks():
     assert [int8_exchange_for(w) for w in range(1, 9)] == ["allgather"] * 3 + ["reduce_scatter"] * 5

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import ddp_ext
-from ddp_ext import _C
 from ddp_ext._dropped_layers import DroppedLayers
 from tests import models, reference
 from tests.harness import CaseTable, assert_same_on_every_rank, assert_states_close
@@ -113,25 +112,6 @@ def test_parameters_belong_to_their_innermost_layer_and_tied_ones_to_none():
     nested = DroppedLayers(outer, list(outer.parameters()))
     assert nested.units == [2, 2, 3, 3, 1, 1], "inner layers are units of their own"
     assert nested.layer_params[0][0] == [0, 1, 2, 3], "dropping the outer layer drops the inner ones"
-
-
-# --- buckets never mix layers ---------------------------------------------------
-
-# (id, nbytes per tensor, units, caps, expected buckets)
-UNIT_TABLE = [
-    ("units_split_buckets", [4, 4, 4, 4], [-1, 0, 0, -1], [100], [[3], [2, 1], [0]]),
-    ("no_units_one_bucket", [4, 4, 4, 4], [], [100], [[3, 2, 1, 0]]),
-    ("layer_spans_buckets_at_the_cap", [4, 4, 4], [0, 0, 0], [8], [[2, 1], [0]]),
-    ("first_cap_counts_across_units", [4, 4, 4, 4], [1, 1, 0, 0], [4, 100], [[3], [2], [1, 0]]),
-]
-
-
-@pytest.mark.parametrize("nbytes, units, caps, expected", [r[1:] for r in UNIT_TABLE], ids=[r[0] for r in UNIT_TABLE])
-def test_assign_buckets_keeps_units_apart(nbytes, units, caps, expected):
-    specs = [(n, F32, CPU) for n in nbytes]
-    assert _C.assign_buckets(specs, caps[-1], caps=caps, units=units) == expected
-    order = [i for b in expected for i in b]
-    assert _C.assign_buckets_in_order(specs, order, caps, units=units) == expected
 
 
 # --- training: parity with local training and torch's DDP -------------------------

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import ddp_ext
 from ddp_ext._unsupported import UNSUPPORTED
+from tests.native_extensions import accumulator_post_hook_count
 
 OursDDP = ddp_ext.DistributedDataParallel
 
@@ -260,11 +261,11 @@ def test_ignored_parameters_and_buffers_stay_out(single_process_group):
 
 def test_remove_autograd_hooks_leaves_no_hook_behind(single_process_group):
     module = nn.Linear(2, 2)
-    before = [ddp_ext._C.accumulator_post_hook_count(p) for p in module.parameters()]
+    before = [accumulator_post_hook_count(p) for p in module.parameters()]
     ddp = OursDDP(module)
-    assert [ddp_ext._C.accumulator_post_hook_count(p) for p in module.parameters()] == [n + 1 for n in before]
+    assert [accumulator_post_hook_count(p) for p in module.parameters()] == [n + 1 for n in before]
     ddp._remove_autograd_hooks()
-    assert [ddp_ext._C.accumulator_post_hook_count(p) for p in module.parameters()] == before
+    assert [accumulator_post_hook_count(p) for p in module.parameters()] == before
 
 
 def test_will_sync_module_buffers_follows_torch(single_process_group):

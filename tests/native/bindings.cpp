@@ -1,6 +1,8 @@
 // The test extension's Python entry point (see tests/native_extensions.py):
 // bindings only, for the test doubles beside this file.
 
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "recording_backend.h"
@@ -32,4 +34,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("clear_calls", &RecordingBackend::clear_calls)
       .def("complete_pending", &RecordingBackend::complete_pending,
            py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "accumulator_post_hook_count",
+      [](const at::Tensor& param) -> size_t {
+        const auto accumulator = torch::autograd::impl::try_get_grad_accumulator(param);
+        return accumulator ? accumulator->post_hooks().size() : 0;
+      },
+      py::arg("param"),
+      "Post hooks on the gradient accumulator of leaf tensor `param` (0 without "
+      "one): what a reducer installs, one per parameter.");
 }
