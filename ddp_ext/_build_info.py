@@ -38,6 +38,7 @@ SOURCES = [
     "reducer/static_graph.cpp",
     "reducer/step_agreement.cpp",
     "reducer/step_check.cpp",
+    "reducer/step_slots.cpp",
     "reducer/timeline.cpp",
     "reducer/usage.cpp",
 ]

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "reducer/stall_watch.h"
+#include "reducer/step_slots.h"
 
 namespace ddp_ext::reducer {
 
@@ -87,7 +88,7 @@ namespace ddp_ext::reducer {
 // may hold the dropped allreduces: fix the code and restart.
 class StepCheck {
  public:
-  static constexpr int kPhases = 3; // PhaseRecorder::kPhases (Note [Stragglers])
+  static constexpr int kPhases = StepSlots::kPhases;
   StepCheck(int rank, int world_size, c10::Device device);
 
   // Starts the check of a backward at training step `step`; this rank adds
@@ -136,17 +137,14 @@ class StepCheck {
   }
 
  private:
-  void start(
-      c10d::ProcessGroup& group, int64_t slot_value, int64_t plan, int64_t hooks,
-      int64_t rider, const int64_t* phases);
+  void start(c10d::ProcessGroup& group, const StepEntry& entry);
 
   int rank_;
-  int world_size_;
+  StepSlots layout_;
   int64_t summed_rider_ = 0;
   int64_t written_ = 0; // this rank's slot in the check in flight
   std::vector<int64_t> phases_;
-  // world_size position, plan and hook slots each, the rider and the
-  // phases, on the CPU
+  // The slots (StepSlots's layout), on the CPU.
   at::Tensor host_;
   at::Tensor slots_; // the same on the parameters' device (host_ on CPU)
   c10::intrusive_ptr<c10d::Work> work_;

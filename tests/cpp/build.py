@@ -1,6 +1,7 @@
 """Builds the C++ unit tests: one GoogleTest executable for the pure C++
 units (bucket assignment, gradient order, the precision policy, the 8-bit
-codec and its segments, ordered launches), linked against libtorch only.
+codec and its segments, ordered launches, the step check's slots), linked
+against libtorch only.
 
     python -m tests.cpp.build        # prints the executable's path
 
@@ -27,6 +28,7 @@ SOURCES_UNDER_TEST = [
     "process_groups/ordered_launches.cpp",
     "reducer/bucket_assignment.cpp",
     "reducer/gradient_order.cpp",
+    "reducer/step_slots.cpp",
 ]
 
 GTEST_HEADER = "/usr/include/gtest/gtest.h"
