@@ -231,3 +231,32 @@ def test_the_store_client_connection_is_bounded():
     client.add("k", 1)
     assert link.bound_connections(server.port, 2.0, 4.0) >= 1
     assert client.add("k", 1) == 2  # still works
+
+
+def _free_port_pair() -> int:
+    """A port p such that p and p + 1 are free now."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        try:
+            with socket.socket() as first, socket.socket() as second:
+                first.bind(("127.0.0.1", port))
+                second.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports")
+
+
+def test_the_control_port_is_the_next_port_unless_named():
+    """Both ports are known in advance, so a firewall can open them."""
+    port = _free_port_pair()
+    coordinator = Coordinator("127.0.0.1", port, "run", log=lambda line: None)
+    assert (coordinator.port, coordinator.control_port) == (port, port + 1)
+    assert coordinator.store.get("run/control_port") == str(port + 1).encode()
+    coordinator.close()
+    named = _free_port_pair()
+    coordinator = Coordinator("127.0.0.1", 0, "run", log=lambda line: None, control_port=named)
+    assert coordinator.control_port == named
+    coordinator.close()

@@ -1,11 +1,12 @@
 """The coordination service of fault-tolerant training: its own process.
 
-    python -m ddp_ext.fault_tolerance.coordinator --port 29600 [--min-replicas 3] [--run-id NAME]
+    python -m ddp_ext.fault_tolerance.coordinator --port 29600 [--control-port 29601] [--min-replicas 3] [--run-id NAME]
 
 It serves a torch TCPStore on --port (the replicas' Gloo groups meet there,
-and each step's commit decision is kept there) and a control port (the
-store's key `<run-id>/control_port` says which) where every replica keeps
-one connection: heartbeats in, membership epochs out. See Note [Epochs and
+and each step's commit decision is kept there) and a control port
+(--control-port, by default the next port, so both can be opened in a
+firewall; the store's key `<run-id>/control_port` tells replicas which)
+where every replica keeps one connection: heartbeats in, membership epochs out. See Note [Epochs and
 quorums] in ddp_ext/fault_tolerance/membership.py. It prints one line
 `ddp_ext coordinator ready port=P control_port=C run_id=R` once it listens,
 then one line per epoch.
@@ -39,14 +40,18 @@ TICK_S = 0.01  # how often silence is checked
 
 class Coordinator:
     def __init__(self, host: str = "0.0.0.0", port: int = 29600, run_id: str = "default", min_replicas: int = 1,
-                 log=print):
+                 log=print, control_port: Optional[int] = None):
+        """`control_port`: None takes `port` + 1 (any free port where `port`
+        is 0), 0 any free port."""
         self.membership = Membership(run_id, min_replicas)
         self.cleanup = StoreCleanup(run_id)
         self._progressed = False
         self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=60))
         self.port = self.store.port
-        self._listener = socket.create_server((host, 0))
+        if control_port is None:
+            control_port = port + 1 if port else 0
+        self._listener = socket.create_server((host, control_port))
         self.control_port = self._listener.getsockname()[1]
         self.store.set(f"{run_id}/control_port", str(self.control_port))
         self.store.set("ddp_ext/coordinator_run_id", run_id)
@@ -55,6 +60,17 @@ class Coordinator:
         self._clients: Dict[socket.socket, dict] = {}  # socket -> {"reader", "rid"}
         self._by_id: Dict[str, socket.socket] = {}
         self._log = log
+
+    def close(self) -> None:
+        """Stops listening and closes every replica's connection (the store
+        lives as long as this object)."""
+        for sock in list(self._clients):
+            self._selector.unregister(sock)
+            sock.close()
+        self._clients.clear()
+        self._by_id.clear()
+        self._selector.unregister(self._listener)
+        self._listener.close()
 
     def serve_forever(self) -> None:
         self._log(f"ddp_ext coordinator ready port={self.port} control_port={self.control_port} "
@@ -222,11 +238,13 @@ def main(argv: Optional[list] = None) -> None:
         description="Membership, heartbeats and per-step quorums for ddp_ext.fault_tolerance.Replica.")
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all)")
     parser.add_argument("--port", type=int, default=29600, help="TCPStore port (0: any free port)")
+    parser.add_argument("--control-port", type=int, default=None,
+                        help="port of the replicas' control connections (default: --port + 1; 0: any free port)")
     parser.add_argument("--run-id", default="default", help="name of the run; replicas must name the same")
     parser.add_argument("--min-replicas", type=int, default=1, help="replicas to wait for before the first step")
     args = parser.parse_args(argv)
     coordinator = Coordinator(args.host, args.port, args.run_id, args.min_replicas,
-                              log=lambda line: print(line, flush=True))
+                              log=lambda line: print(line, flush=True), control_port=args.control_port)
     try:
         coordinator.serve_forever()
     except KeyboardInterrupt:
