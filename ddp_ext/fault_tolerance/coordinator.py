@@ -7,7 +7,7 @@ and each step's commit decision is kept there) and a control port
 (--control-port, by default the next port, so both can be opened in a
 firewall; the store's key `<run-id>/control_port` tells replicas which)
 where every replica keeps one connection: heartbeats in, membership epochs out. See Note [Epochs and
-quorums] in ddp_ext/fault_tolerance/membership.py. It prints one line
+quorums] in ddp_ext/fault_tolerance/roster.py. It prints one line
 `ddp_ext coordinator ready port=P control_port=C run_id=R` once it listens,
 then one line per epoch.
 
@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ddp_ext.fault_tolerance import _wire
 from ddp_ext.fault_tolerance.link import bound
-from ddp_ext.fault_tolerance.membership import Membership
+from ddp_ext.fault_tolerance.roster import Roster
 from ddp_ext.fault_tolerance.store_cleanup import StoreCleanup
 
 TICK_S = 0.01  # how often silence is checked
@@ -43,7 +43,7 @@ class Coordinator:
                  log=print, control_port: Optional[int] = None):
         """`control_port`: None takes `port` + 1 (any free port where `port`
         is 0), 0 any free port."""
-        self.membership = Membership(run_id, min_replicas)
+        self.roster = Roster(run_id, min_replicas)
         self.cleanup = StoreCleanup(run_id)
         self._progressed = False
         self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
@@ -74,7 +74,7 @@ class Coordinator:
 
     def serve_forever(self) -> None:
         self._log(f"ddp_ext coordinator ready port={self.port} control_port={self.control_port} "
-                  f"run_id={self.membership.run_id}")
+                  f"run_id={self.roster.run_id}")
         while True:
             self.poll(TICK_S)
 
@@ -89,22 +89,22 @@ class Coordinator:
             else:
                 self._read(key.fileobj)
         now = time.monotonic()
-        for rid in self.membership.stale(now):
-            self._drop(rid, f"no heartbeat for more than {self.membership.peers[rid].heartbeat_timeout} s")
-        epoch = self.membership.next_epoch()
+        for rid in self.roster.stale(now):
+            self._drop(rid, f"no heartbeat for more than {self.roster.peers[rid].heartbeat_timeout} s")
+        epoch = self.roster.next_epoch()
         if epoch is not None:
             self._log(f"epoch {epoch.number}: {list(epoch.members)}")
             self._broadcast({"type": "epoch", "epoch": epoch.number, "members": list(epoch.members),
-                             "history": self.membership.history})
+                             "history": self.roster.history})
         if self._progressed and self.cleanup is not None:
             self._progressed = False
             self._delete_done_keys()
 
     def _delete_done_keys(self) -> None:
         """Note [Deleting commit keys] in ddp_ext/fault_tolerance/store_cleanup.py."""
-        epoch = self.membership.epoch
+        epoch = self.roster.epoch
         try:
-            for key in self.cleanup.due(epoch.number, epoch.members, self.membership.progress()):
+            for key in self.cleanup.due(epoch.number, epoch.members, self.roster.progress()):
                 self.store.delete_key(key)
         except Exception as exc:  # housekeeping: never worth stopping the run for
             self._log(f"deleting finished steps' keys from the store failed ({exc}); keeping them from now on")
@@ -137,21 +137,21 @@ class Coordinator:
             elif rid is None:
                 continue
             elif kind == "hb":
-                self.membership.heard(rid, now, _progress(message))
+                self.roster.heard(rid, now, _progress(message))
                 self._progressed = self._progressed or "step" in message
             elif kind == "abort":
-                self.membership.heard(rid, now)
-                self.membership.aborted(int(message["epoch"]))
+                self.roster.heard(rid, now)
+                self.roster.aborted(int(message["epoch"]))
             elif kind == "formed":
-                self.membership.formed(int(message["epoch"]))
+                self.roster.formed(int(message["epoch"]))
                 progress = _progress(message)
                 if progress is not None and self.cleanup is not None:
                     self.cleanup.formed(*progress)
-                    self.membership.heard(rid, now, progress)
+                    self.roster.heard(rid, now, progress)
                     self._progressed = True
 
     def _hello(self, conn, message: dict, now: float) -> None:
-        reason = self.membership.hello(message, now)
+        reason = self.roster.hello(message, now)
         if reason is not None:
             self._log(f"refused {message.get('replica_id')!r}: {reason}")
             self._send(conn, {"type": "refused", "reason": reason})
@@ -170,10 +170,10 @@ class Coordinator:
             pass
         if not self._send(conn, {"type": "welcome"}):
             return
-        epoch = self.membership.epoch
+        epoch = self.roster.epoch
         if epoch.number:
             self._send(conn, {"type": "epoch", "epoch": epoch.number, "members": list(epoch.members),
-                              "history": self.membership.history})
+                              "history": self.roster.history})
 
     def _drop(self, rid: str, reason: str) -> None:
         self._log(f"dropping {rid!r}: {reason}")
@@ -182,7 +182,7 @@ class Coordinator:
             self._send(conn, {"type": "dropped", "reason": reason})
             self._close(conn)
         else:
-            self.membership.lost(rid)
+            self.roster.lost(rid)
 
     def _close(self, conn: socket.socket, lose: bool = True) -> None:
         client = self._clients.pop(conn, None)
@@ -195,7 +195,7 @@ class Coordinator:
             if self._by_id.get(client["rid"]) is conn:
                 del self._by_id[client["rid"]]
                 if lose:
-                    self.membership.lost(client["rid"])
+                    self.roster.lost(client["rid"])
 
     def _send(self, conn: socket.socket, message: dict) -> bool:
         """Sends without waiting: the coordinator never blocks on one replica
