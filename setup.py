@@ -12,7 +12,7 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 BUILD_INFO = runpy.run_path(os.path.join(ROOT, "ddp_ext", "_build_info.py"))
-UNITS = runpy.run_path(os.path.join(ROOT, "ddp_ext", "_units.py"))
+TRANSLATION_UNITS = runpy.run_path(os.path.join(ROOT, "ddp_ext", "_translation_units.py"))
 MPI = runpy.run_path(os.path.join(ROOT, "ddp_ext", "_mpi_build.py"))["find_mpi"]()
 
 # DDP_EXT_SANITIZE=1 builds with AddressSanitizer and UndefinedBehaviorSanitizer
@@ -20,8 +20,8 @@ MPI = runpy.run_path(os.path.join(ROOT, "ddp_ext", "_mpi_build.py"))["find_mpi"]
 SANITIZE = BUILD_INFO["SANITIZE_FLAGS"] if os.environ.get(BUILD_INFO["SANITIZE_ENV"]) == "1" else []
 
 # Two translation units: the bindings, and every other source as one unit
-# (see ddp_ext/_units.py), written under build/.
-sources = UNITS["translation_units"](
+# (see ddp_ext/_translation_units.py), written under build/.
+sources = TRANSLATION_UNITS["translation_units"](
     ROOT, BUILD_INFO["SOURCES"], BUILD_INFO["BINDING_SOURCE"], os.path.join(ROOT, "build", "units")
 )
 
@@ -40,9 +40,9 @@ extensions = [extension("ddp_ext._C", sources)]
 # The MPI backend only where MPI is found (see ddp_ext/_mpi_build.py); without
 # it everything else builds, and `import ddp_ext.mpi` says how to install MPI.
 if MPI is not None:
-    mpi_sources = UNITS["translation_units"](
+    mpi_sources = TRANSLATION_UNITS["translation_units"](
         ROOT, BUILD_INFO["MPI_SOURCES"], BUILD_INFO["MPI_BINDING_SOURCE"], os.path.join(ROOT, "build", "units"),
-        UNITS["MPI_UNIT_NAME"],
+        TRANSLATION_UNITS["MPI_UNIT_NAME"],
     )
     extensions.append(extension("ddp_ext._mpi", mpi_sources, MPI.compile_args, MPI.link_args))
     print(f"ddp_ext: building the MPI backend against the MPI of {MPI.wrapper}")

@@ -47,6 +47,18 @@ machine (paper section 5.2), so "auto" measures instead of guessing.
    no such state, and the adaptive-precision hook's error feedback follows
    parameters to any layout (comm_hooks/compression/residuals.h). rebuild_buckets="never" promises the construction layout,
    so it is refused with "auto", and so is bucket_cap_mb_list.
+6. Where the caps live. The reducer's bucket layout (C++) owns the caps in
+   use: the constructor hands it the requested ones once, and from then on
+   the wrapper's cap attributes only read them back from it. The tuner
+   (Python) owns none: it proposes, and the layout re-cuts. The policy stays
+   in Python because what it measures is there: a step is timed from one
+   training forward to the next, the optimizer step and the user's loop
+   included, which the reducer never sees; its agreement is an allreduce
+   issued from the forward, and it restarts where the wrapper changes its
+   process group or is copied. So caps cross from Python to C++ once at
+   construction and once per decision (a handful per run), never per
+   iteration: the round trip costs nothing on the per-gradient path, and
+   there is still one layout policy, in C++ (reducer/bucket_assignment.h).
 """
 
 import dataclasses

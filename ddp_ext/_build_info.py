@@ -44,7 +44,7 @@ SOURCES = [
 ]
 
 # The pybind11 entry point, compiled on its own; every other source is
-# compiled as one generated unit (see ddp_ext/_units.py).
+# compiled as one generated unit (see ddp_ext/_translation_units.py).
 BINDING_SOURCE = "bindings/core.cpp"
 
 # The MPI backend, a module of its own (ddp_ext._mpi), built only where MPI

@@ -9,7 +9,7 @@ import torch
 
 from ddp_ext import _build_info
 from ddp_ext._build_lock import build_lock
-from ddp_ext._units import CORE_UNIT_NAME, MPI_UNIT_NAME, translation_units
+from ddp_ext._translation_units import CORE_UNIT_NAME, MPI_UNIT_NAME, translation_units
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JIT_MODULE_NAME = "ddp_ext_jit"

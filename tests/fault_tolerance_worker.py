@@ -207,7 +207,7 @@ def main(argv=None):
     # kill-alone@K: dies in the forward of step K once it trains alone.
     middle.register_forward_pre_hook(
         lambda *_: die_here(signal.SIGKILL)
-        if due("kill-alone") and replica._formed is not None and len(replica._formed[1]) == 1 else None)
+        if due("kill-alone") and replica._formation.formed is not None and len(replica._formation.formed[1]) == 1 else None)
 
     if fault == "kill-heal":
         # Dies as the source of a heal, after the payload's size went out.
@@ -230,7 +230,7 @@ def main(argv=None):
     def form_then_maybe_die(epoch, members):
         if armed["kind"] == "kill-bystander" and 0 <= armed["step"] <= replica.step and args.id in last_members \
                 and any(m not in last_members for m in members):
-            replica._wrap = lambda group: die_here(signal.SIGKILL)
+            replica._formation._wrap = lambda group: die_here(signal.SIGKILL)
         return form(epoch, members)
 
     replica._form = form_then_maybe_die

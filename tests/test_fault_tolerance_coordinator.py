@@ -12,7 +12,7 @@ import pytest
 from ddp_ext.fault_tolerance import _wire, commit, link
 from ddp_ext.fault_tolerance.coordinator import Coordinator
 from ddp_ext.fault_tolerance.link import CoordinatorLost
-from ddp_ext.fault_tolerance.membership import Membership
+from ddp_ext.fault_tolerance.roster import Roster
 from ddp_ext.fault_tolerance.store_cleanup import StoreCleanup
 
 
@@ -22,7 +22,7 @@ def hello(rid, run_id="run", fingerprint="f", timeout=1.0):
 
 
 def test_first_epoch_waits_for_min_replicas():
-    m = Membership("run", min_replicas=2)
+    m = Roster("run", min_replicas=2)
     assert m.hello(hello("a"), 0.0) is None
     assert m.next_epoch() is None
     assert m.hello(hello("b"), 0.0) is None
@@ -32,7 +32,7 @@ def test_first_epoch_waits_for_min_replicas():
 
 
 def test_leaving_joining_and_aborting_make_new_epochs():
-    m = Membership("run")
+    m = Roster("run")
     for rid in "abc":
         m.hello(hello(rid), 0.0)
     assert m.next_epoch().members == ("a", "b", "c")
@@ -55,7 +55,7 @@ def test_leaving_joining_and_aborting_make_new_epochs():
     (hello(""), "replica_id must be a non-empty string"),
 ])
 def test_refusals_name_the_problem(message, phrase):
-    m = Membership("run")
+    m = Roster("run")
     assert m.hello(hello("a"), 0.0) is None
     m.next_epoch()
     reason = m.hello(message, 0.0)
@@ -64,7 +64,7 @@ def test_refusals_name_the_problem(message, phrase):
 
 
 def test_silence_longer_than_the_timeout_is_stale():
-    m = Membership("run")
+    m = Roster("run")
     m.hello(hello("a", timeout=1.0), 0.0)
     m.hello(hello("b", timeout=3.0), 0.0)
     m.heard("a", 0.5)
@@ -75,7 +75,7 @@ def test_silence_longer_than_the_timeout_is_stale():
 
 def test_min_replicas_must_be_positive():
     with pytest.raises(ValueError, match="min_replicas"):
-        Membership("run", min_replicas=0)
+        Roster("run", min_replicas=0)
 
 
 def _steps(keys):
@@ -171,9 +171,9 @@ def test_the_server_announces_epochs_and_drops_the_silent():
     assert "no heartbeat" in dropped["reason"]
     assert b.epoch_with(coordinator, ["b"])["epoch"] == 3
     # An abort in the current epoch re-forms it with the same members.
-    _wire.send(b.sock, {"type": "abort", "epoch": coordinator.membership.epoch.number})
+    _wire.send(b.sock, {"type": "abort", "epoch": coordinator.roster.epoch.number})
     e = b.receive(coordinator, "epoch")
-    assert e["members"] == ["b"] and e["epoch"] == coordinator.membership.epoch.number
+    assert e["members"] == ["b"] and e["epoch"] == coordinator.roster.epoch.number
     # A refused hello is answered with the reason and closed.
     c = Client(coordinator, hello("c", run_id="elsewhere"))
     refused = c.receive(coordinator, "refused")
@@ -182,7 +182,7 @@ def test_the_server_announces_epochs_and_drops_the_silent():
     b.sock.close()
     for _ in range(50):
         coordinator.poll(0.005)
-    assert coordinator.membership.peers == {}
+    assert coordinator.roster.peers == {}
 
 
 def test_a_replica_that_does_not_read_is_closed_not_waited_on():
@@ -203,7 +203,7 @@ def test_a_replica_that_does_not_read_is_closed_not_waited_on():
             break
         coordinator._broadcast({"type": "epoch", "epoch": 0, "members": ["x" * 1000], "history": False})
     assert time.monotonic() - started < 5.0
-    assert "deaf" not in coordinator._by_id and "deaf" not in coordinator.membership.peers
+    assert "deaf" not in coordinator._by_id and "deaf" not in coordinator.roster.peers
     assert any("closing the connection of 'deaf'" in line for line in logged), logged
     assert other.epoch_with(coordinator, ["other"])  # a new epoch without it, announced to the rest
 
@@ -231,3 +231,32 @@ def test_the_store_client_connection_is_bounded():
     client.add("k", 1)
     assert link.bound_connections(server.port, 2.0, 4.0) >= 1
     assert client.add("k", 1) == 2  # still works
+
+
+def _free_port_pair() -> int:
+    """A port p such that p and p + 1 are free now."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        try:
+            with socket.socket() as first, socket.socket() as second:
+                first.bind(("127.0.0.1", port))
+                second.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports")
+
+
+def test_the_control_port_is_the_next_port_unless_named():
+    """Both ports are known in advance, so a firewall can open them."""
+    port = _free_port_pair()
+    coordinator = Coordinator("127.0.0.1", port, "run", log=lambda line: None)
+    assert (coordinator.port, coordinator.control_port) == (port, port + 1)
+    assert coordinator.store.get("run/control_port") == str(port + 1).encode()
+    coordinator.close()
+    named = _free_port_pair()
+    coordinator = Coordinator("127.0.0.1", 0, "run", log=lambda line: None, control_port=named)
+    assert coordinator.control_port == named
+    coordinator.close()

@@ -37,7 +37,7 @@ already gave up on; the decisions of its epoch's last steps are kept for
 it), and the coordinator has dropped it, so it rejoins and is healed instead
 of training on. E names the quorum of the next step, so every
 member changes its group at the same step boundary (Note [Epochs and
-quorums] in ddp_ext/fault_tolerance/membership.py). The store is the single
+quorums] in ddp_ext/fault_tolerance/roster.py). The store is the single
 point of decision: if the coordinator dies, no decision can be made, and the
 members stop (CoordinatorLost) instead of guessing. The coordinator deletes
 the keys no member will read again (Note [Deleting commit keys] in

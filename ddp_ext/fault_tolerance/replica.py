@@ -8,13 +8,13 @@ run_step finds the step's quorum (forming a new Gloo group and healing
 joiners when membership changed), runs `train_step`, and applies the
 optimizer step only if every member of the quorum finished it (Note
 [Committing a step] in ddp_ext/fault_tolerance/commit.py); when a member
-failed, it runs the step again with the survivors.
+failed, it runs the step again with the survivors. Forming an epoch (its
+group, healing, the wrapper) is ddp_ext/fault_tolerance/formation.py.
 """
 
 import dataclasses
 import logging
 import datetime
-import time
 from typing import Any, Callable, Optional, Tuple
 
 import torch
@@ -23,16 +23,13 @@ from torch import nn
 
 from ddp_ext.distributed import DistributedDataParallel
 from ddp_ext.fault_tolerance import _wire, commit, group as groups, heal, link as links
+from ddp_ext.fault_tolerance.formation import EpochFormation, StateLost
 from ddp_ext.fault_tolerance.link import CoordinatorLost, Link, ReplicaDropped
 
 _log = logging.getLogger("ddp_ext.fault_tolerance")
 
 # DistributedDataParallel arguments the replica sets itself.
 _OWN_ARGUMENTS = ("process_group", "init_sync", "device_mesh")
-
-
-class StateLost(RuntimeError):
-    """Every replica that held the run's committed state is gone."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +103,7 @@ class Replica:
         self.replica_id = replica_id
         self.run_id = run_id
         self.heartbeat_timeout = float(heartbeat_timeout)
-        self._ddp_kwargs = ddp_kwargs
-        self._configure = configure
+        self._formation = EpochFormation(module, optimizer, ddp_kwargs, configure, self.heartbeat_timeout)
         self._max_attempts = max_attempts
         host, port = _wire.parse_address(coordinator)
         self._store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
@@ -128,18 +124,8 @@ class Replica:
         self._link = Link(*self._link_args)
         self.rejoins = 0
         self._step = 0
-        self.ddp: Optional[DistributedDataParallel] = None
-        self._group = None
-        self._hooks_after_configure = 0
-        self._formed: Optional[Tuple[int, Tuple[str, ...]]] = None  # (epoch, members) in use
-        self._last_formed = -1  # the last epoch this replica trained in; -1: holds no state
         self._next_epoch: Optional[int] = None  # named by the last commit decision
         self._failed_epoch = 0  # after an abort: wait for an epoch newer than this
-        self._caps = None  # bucket caps to carry to the next wrapper
-        self._auto_buckets = None
-        self.last_heal_bytes = 0
-        self.last_heal_s = 0.0
-        self.last_wrap_s = 0.0
 
     # --- what the loop reads ------------------------------------------------
 
@@ -152,6 +138,27 @@ class Replica:
     def membership(self) -> Membership:
         """The current quorum (forming it first if membership changed)."""
         return self._quorum()
+
+    @property
+    def ddp(self) -> Optional[DistributedDataParallel]:
+        """The wrapper over the current epoch's group (None between epochs);
+        a new one whenever membership changes."""
+        return self._formation.ddp
+
+    @property
+    def last_heal_bytes(self) -> int:
+        """Bytes this replica sent or received healing at the last formation."""
+        return self._formation.last_heal_bytes
+
+    @property
+    def last_heal_s(self) -> float:
+        """Seconds the last formation spent healing."""
+        return self._formation.last_heal_s
+
+    @property
+    def last_wrap_s(self) -> float:
+        """Seconds the last formation spent building the wrapper."""
+        return self._formation.last_wrap_s
 
     # --- one step -----------------------------------------------------------
 
@@ -169,7 +176,7 @@ class Replica:
                 drops = heal.layer_drop_counters(self.module)
                 error = None
                 try:
-                    self._check_hooks()
+                    self._formation.check_hooks()
                     value = train_step(membership)
                 except (CoordinatorLost, ReplicaDropped):
                     raise
@@ -209,19 +216,13 @@ class Replica:
                     f"{list(membership.members)}; the last error on this replica is chained below"
                 ) from error
 
-    def _check_hooks(self) -> None:
-        if self.ddp is not None and len(self.ddp._comm_hooks) != self._hooks_after_configure:
-            raise ValueError(
-                "a communication hook was registered on replica.ddp directly: it would be lost when "
-                "the group is re-formed after a failure; register it in Replica(configure=...) instead"
-            )
-
     # --- membership ---------------------------------------------------------
 
     def _quorum(self) -> Membership:
         link = self._link
-        if self._formed is not None and self._next_epoch in (None, self._formed[0]):
-            epoch, members = self._formed
+        formed = self._formation.formed
+        if formed is not None and self._next_epoch in (None, formed[0]):
+            epoch, members = formed
             return Membership(self._step, members.index(self.replica_id), len(members), members, epoch)
         target = self._next_epoch
         while True:
@@ -262,74 +263,13 @@ class Replica:
             return self._quorum()
 
     def _form(self, epoch: int, members: Tuple[str, ...]) -> None:
-        rank, size = members.index(self.replica_id), len(members)
-        group = groups.make_group(self._store, self.run_id, epoch, rank, size, self.heartbeat_timeout)
-        mine = torch.tensor([self._last_formed, self._step], dtype=torch.int64)
-        rows = [torch.zeros(2, dtype=torch.int64) for _ in range(size)]
-        group.allgather([rows], [mine]).wait()
-        rows = [tuple(r.tolist()) for r in rows]
-        holders = [r for r in range(size) if rows[r][0] >= 0]
-        if not holders:
-            if self._link.history:
-                raise StateLost(
-                    "every replica that held the run's committed state is gone (the members of "
-                    f"epoch {epoch} are all new processes): restart the run from a checkpoint"
-                )
-            source, best = 0, rows[0]  # the run's start: rank 0's model, as DDP broadcasts it
-        else:
-            best = max(rows[r] for r in holders)
-            source = min(r for r in holders if rows[r] == best)
-        needy = [r for r in range(size) if r != source and (rows[r] != best or rows[r][0] < 0)]
-        started = time.perf_counter()
-        if rank == source and needy:
-            blob = heal.capture(self.module, self.optimizer, self._step, self._current_caps(), self._auto_buckets)
-            for r in needy:
-                heal.send(group, blob, r)
-            self.last_heal_bytes = len(blob) * len(needy)
-        elif rank in needy:
-            blob = heal.receive(group, source)
-            state = heal.restore(blob, self.module, self.optimizer)
-            self._step, self._caps, self._auto_buckets = state["step"], state["caps"], state["auto_buckets"]
-            self.last_heal_bytes = len(blob)
-        self.last_heal_s = time.perf_counter() - started
-        started = time.perf_counter()
-        self.ddp = self._wrap(group)
-        self.last_wrap_s = time.perf_counter() - started
-        self._group = group
-        self._formed = (epoch, members)
-        self._last_formed = epoch
+        self._step = self._formation.form(self._store, self.run_id, epoch, members, self.replica_id, self._step,
+                                          history=self._link.history)
         self._link.progress = (epoch, self._step)
         self._link.send({"type": "formed", "epoch": epoch, "step": self._step})
 
-    def _current_caps(self):
-        if self.ddp is not None and self.ddp.reducer is not None:
-            return list(self.ddp.reducer.bucket_caps)
-        return list(self._caps or [])
-
-    def _wrap(self, group) -> DistributedDataParallel:
-        """The one entry point by which ddp_ext learns that the group changed:
-        a fresh wrapper over the new group, carrying the caps and the tuner."""
-        ddp = DistributedDataParallel(self.module, process_group=group, init_sync=False, **self._ddp_kwargs)
-        if self._auto_buckets is not None and ddp._auto_buckets is not None:
-            ddp._auto_buckets = self._auto_buckets
-            ddp._auto_buckets.restart()  # every member restarts it here, at the same step
-        if self._caps and ddp.reducer is not None and list(ddp.reducer.bucket_caps) != list(self._caps):
-            ddp.reducer._set_bucket_caps(list(self._caps))
-        if self._configure is not None:
-            self._configure(ddp, group)
-        self._hooks_after_configure = len(ddp._comm_hooks)
-        return ddp
-
     def _release(self) -> None:
-        """Drops the wrapper and the group (keeping what the next wrapper carries)."""
-        if self.ddp is not None:
-            self._caps = self._current_caps()
-            self._auto_buckets = self.ddp._auto_buckets
-            if self.ddp.reducer is not None:
-                self.ddp.reducer._remove_autograd_hooks()
-            self.ddp = None
-        self._group = None
-        self._formed = None
+        self._formation.release()
 
     def _abandon(self, epoch: int) -> None:
         self._link.send({"type": "abort", "epoch": epoch})

@@ -4,7 +4,7 @@ rewritten only when a source changes."""
 import os
 
 from ddp_ext import _build_info
-from ddp_ext._units import translation_units
+from ddp_ext._translation_units import translation_units
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

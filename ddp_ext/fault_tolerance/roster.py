@@ -40,7 +40,9 @@ class Epoch:
     members: tuple
 
 
-class Membership:
+class Roster:
+    """The coordinator's book of peers and epochs (see the Note above)."""
+
     def __init__(self, run_id: str, min_replicas: int = 1):
         if min_replicas < 1:
             raise ValueError(f"min_replicas must be at least 1, got {min_replicas}")
