@@ -30,7 +30,7 @@ def _env(host=None):
 
 
 def _on(host, cmd: List[str]) -> List[str]:
-    """`cmd` run on a host of ddp_ext/testing/fake_hosts.py (None: this one)."""
+    """`cmd` run on a host of benchmarks/harness/fake_hosts.py (None: this one)."""
     return cmd if host is None else ["ip", "netns", "exec", host.netns, *cmd]
 
 

@@ -1,12 +1,12 @@
 """Two fake hosts for a test: network namespaces joined by a veth pair
-(ddp_ext/testing/fake_hosts.py), or the test skipped saying why."""
+(benchmarks/harness/fake_hosts.py), or the test skipped saying why."""
 
 import contextlib
 import subprocess
 
 import pytest
 
-from ddp_ext.testing import fake_hosts
+from benchmarks.harness import fake_hosts
 
 
 @contextlib.contextmanager

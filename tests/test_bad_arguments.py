@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddp_ext.bench.workloads.fault_worlds import run_world
+from benchmarks.workloads.fault_worlds import run_world
 from tests import bad_arguments as rows
 from tests import reference
 from tests.harness import CaseTable

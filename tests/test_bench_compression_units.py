@@ -3,9 +3,9 @@
 import torch
 import torch.distributed as dist
 
-from ddp_ext.bench.harness.recording_group import RecordingProcessGroup
-from ddp_ext.bench.workloads.compression_variants import in_effect
-from ddp_ext.bench.workloads.in_order_hook import InOrder, in_order_hook
+from benchmarks.harness.recording_group import RecordingProcessGroup
+from benchmarks.workloads.compression_variants import in_effect
+from benchmarks.workloads.in_order_hook import InOrder, in_order_hook
 
 
 def test_in_effect_keeps_the_decision_in_force_and_those_after_it():

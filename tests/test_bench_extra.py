@@ -1,4 +1,4 @@
-"""`python -m ddp_ext.bench` without the `bench` extra: --help works, and a run
+"""`python -m benchmarks` without the `bench` extra: --help works, and a run
 says which extra to install and exits non-zero, without a traceback."""
 
 import os
@@ -8,11 +8,11 @@ import textwrap
 
 import pytest
 
-from ddp_ext.bench.harness import extra
+from benchmarks.harness import extra
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Runs `python -m ddp_ext.bench ARGS` with the extra's packages made unimportable.
+# Runs `python -m benchmarks ARGS` with the extra's packages made unimportable.
 _WITHOUT_EXTRA = textwrap.dedent(
     """
     import runpy, sys
@@ -22,8 +22,8 @@ _WITHOUT_EXTRA = textwrap.dedent(
             if name.split(".")[0] in HIDDEN:
                 raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
     sys.meta_path.insert(0, Hide())
-    sys.argv = ["ddp_ext.bench", *{args!r}]
-    runpy.run_module("ddp_ext.bench", run_name="__main__", alter_sys=True)
+    sys.argv = ["benchmarks", *{args!r}]
+    runpy.run_module("benchmarks", run_name="__main__", alter_sys=True)
     """
 )
 
@@ -38,7 +38,7 @@ def _bench_without(hidden, *args):
 def test_help_works_without_the_extra():
     done = _bench_without(extra.REQUIREMENTS, "--help")
     assert done.returncode == 0, done.stderr
-    assert "usage: python -m ddp_ext.bench" in done.stdout and "compare" in done.stdout
+    assert "usage: python -m benchmarks" in done.stdout and "compare" in done.stdout
     assert extra.INSTALL_COMMAND in " ".join(done.stdout.split()), done.stdout
 
 
@@ -58,3 +58,13 @@ def test_extra_lists_what_pyproject_lists():
         bench = tomllib.load(f)["project"]["optional-dependencies"]["bench"]
     names = sorted(r.split(">")[0].split("=")[0].split("<")[0].strip() for r in bench)
     assert names == sorted(extra.REQUIREMENTS.values())
+
+
+def test_the_old_command_says_where_the_benchmarks_went(tmp_path):
+    # Run outside the checkout: the installed package alone answers.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-m", "ddp_ext.bench", "compare", "--quick"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "python -m benchmarks compare --quick" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr

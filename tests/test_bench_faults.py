@@ -1,4 +1,4 @@
-"""`python -m ddp_ext.bench faults` runs end to end (a functionality check;
+"""`python -m benchmarks faults` runs end to end (a functionality check;
 its numbers are not a measurement), and its error summary is stable."""
 
 import json
@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="the benchmark suite needs matplotlib (the `bench` extra)")
 
-from ddp_ext.bench.experiments.faults import error_kind  # noqa: E402
-from ddp_ext.bench.workloads.fault_injection import FAULTS, WRAPPERS  # noqa: E402
+from benchmarks.experiments.faults import error_kind  # noqa: E402
+from benchmarks.workloads.fault_injection import FAULTS, WRAPPERS  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,7 +25,7 @@ def test_error_kind_drops_paths_and_addresses():
 
 def test_faults_writes_results(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    command = [sys.executable, "-m", "ddp_ext.bench", "faults", "--quick", "--blocks", "1",
+    command = [sys.executable, "-m", "benchmarks", "faults", "--quick", "--blocks", "1",
                "--soak-iterations", "60", "--out", str(tmp_path)]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr[-5000:]}"

@@ -1,4 +1,4 @@
-"""ddp_ext.bench's import graph, read from the source: no import cycle among
+"""The benchmarks' import graph, read from the source: no import cycle among
 its modules, harness <- workloads <- reporting <- experiments (each part
 imports only the parts before it), and only harness/product.py imports
 ddp_ext's private modules."""
@@ -6,11 +6,11 @@ ddp_ext's private modules."""
 import ast
 import os
 
-import ddp_ext.bench
+import benchmarks
 
-PACKAGE_DIR = os.path.dirname(os.path.abspath(ddp_ext.bench.__file__))
+PACKAGE_DIR = os.path.dirname(os.path.abspath(benchmarks.__file__))
 LAYERS = ("harness", "workloads", "reporting", "experiments")
-SEAM = "ddp_ext.bench.harness.product"
+SEAM = "benchmarks.harness.product"
 
 
 def _modules() -> dict:
@@ -19,7 +19,7 @@ def _modules() -> dict:
         for name in files:
             if name.endswith(".py"):
                 path = os.path.join(directory, name)
-                parts = ["ddp_ext", "bench", *os.path.relpath(path, PACKAGE_DIR)[:-3].split(os.sep)]
+                parts = ["benchmarks", *os.path.relpath(path, PACKAGE_DIR)[:-3].split(os.sep)]
                 found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 
@@ -45,13 +45,13 @@ def _graph():
 
 def _layer(module: str):
     parts = module.split(".")
-    return LAYERS.index(parts[2]) if len(parts) > 2 and parts[2] in LAYERS else None
+    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else None
 
 
 def test_the_parts_exist():
     modules, _ = _graph()
     for layer in LAYERS:
-        assert f"ddp_ext.bench.{layer}" in modules
+        assert f"benchmarks.{layer}" in modules
 
 
 def test_no_import_cycle():
@@ -83,7 +83,7 @@ def test_only_the_seam_imports_private_product_modules():
     modules, _ = _graph()
     reaching = {}
     for module, path in modules.items():
-        private = sorted(n for n in _imports(path) if n.startswith("ddp_ext.") and not n.startswith("ddp_ext.bench")
+        private = sorted(n for n in _imports(path) if n.startswith("ddp_ext.")
                          and any(part.startswith("_") for part in n.split(".")[1:]))
         if private:
             reaching[module] = private

@@ -1,4 +1,4 @@
-"""`python -m ddp_ext.bench recovery --quick` runs end to end (a
+"""`python -m benchmarks recovery --quick` runs end to end (a
 functionality check; its numbers are not a measurement): the keys
 docs/FAULT_TOLERANCE.md's figures come from, a targets table, and a figure."""
 
@@ -18,7 +18,7 @@ KEYS = ("kill_to_commit_s", "hang_detect_s", "heartbeat_timeout_s", "heal_s", "h
 
 def test_recovery_quick_writes_results(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    command = [sys.executable, "-m", "ddp_ext.bench", "recovery", "--quick", "--world-size", "3",
+    command = [sys.executable, "-m", "benchmarks", "recovery", "--quick", "--world-size", "3",
                "--out", str(tmp_path)]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr[-5000:]}"

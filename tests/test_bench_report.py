@@ -1,5 +1,5 @@
 """The published results: docs/BENCHMARKS.md is generated from the summaries
-in docs/bench and the prose in docs/bench/text, and is up to date with them;
+in benchmarks/results and the prose in benchmarks/results/text, and is up to date with them;
 every summary is placed, compact, and comes with its figure and the figure's
 provenance."""
 
@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="rendering the tables needs the `bench` extra")
 
-from ddp_ext.bench import report  # noqa: E402
-from ddp_ext.bench.reporting import document, figures, results, section  # noqa: E402
+from benchmarks import report  # noqa: E402
+from benchmarks.reporting import document, figures, results, section  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, report.RESULTS_DIR)
@@ -34,7 +34,7 @@ def test_benchmarks_md_is_up_to_date_with_the_summaries():
     with open(DOC) as f:
         committed = f.read()
     generated = report.build_document(RESULTS, TEXT, DOC)
-    assert generated == committed, "docs/BENCHMARKS.md is stale: run `python -m ddp_ext.bench report`"
+    assert generated == committed, "docs/BENCHMARKS.md is stale: run `python -m benchmarks report`"
 
 
 def test_every_published_result_is_placed_once_with_its_figure():

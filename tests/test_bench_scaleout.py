@@ -1,4 +1,4 @@
-"""`python -m ddp_ext.bench scaleout`: hosts as network namespaces.
+"""`python -m benchmarks scaleout`: hosts as network namespaces.
 
 - Unit: which targets a table of rows meets, and scaling efficiency.
 - Smoke (seconds): the quick configuration (2 hosts x 1 rank over a veth
@@ -17,9 +17,9 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="the benchmark suite needs matplotlib (the `bench` extra)")
 
-from ddp_ext.bench.experiments import scaleout  # noqa: E402
-from ddp_ext.testing import fake_hosts as hosts  # noqa: E402
-from ddp_ext.bench.workloads import scaleout_variants as sv  # noqa: E402
+from benchmarks.experiments import scaleout  # noqa: E402
+from benchmarks.harness import fake_hosts as hosts  # noqa: E402
+from benchmarks.workloads import scaleout_variants as sv  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,7 +55,7 @@ def test_quick_run_counts_the_bytes_on_the_link(tmp_path):
     if reason:
         pytest.skip(f"scaleout smoke: {reason}")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    command = [sys.executable, "-m", "ddp_ext.bench", "scaleout", "--quick", "--out", str(tmp_path)]
+    command = [sys.executable, "-m", "benchmarks", "scaleout", "--quick", "--out", str(tmp_path)]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}"
     with open(tmp_path / "scaleout.json") as f:

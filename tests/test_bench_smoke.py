@@ -1,6 +1,6 @@
 """The benchmark entry point runs end to end (a functionality check; it times nothing).
 
-`python -m ddp_ext.bench compare` with the shortest run lengths on 2 ranks must
+`python -m benchmarks compare` with the shortest run lengths on 2 ranks must
 write compare.json with positive medians and ratios for both models, plus the
 figure, the samples, and the markdown table on stdout. `order` must record the rebuilds and overlap
 that its models' gradient orders imply (counts, not timings); `layerdrop` the
@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="the benchmark suite needs matplotlib (the `bench` extra)")
 
-from ddp_ext.bench.reporting import figures, results  # noqa: E402
+from benchmarks.reporting import figures, results  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHORTEST_RUN = ["--warmup", "1", "--blocks", "1", "--block-iterations", "1", "--discard-per-block", "0"]
@@ -25,7 +25,7 @@ SHORTEST_RUN = ["--warmup", "1", "--blocks", "1", "--block-iterations", "1", "--
 
 def test_compare_writes_results(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    command = [sys.executable, "-m", "ddp_ext.bench", "compare", "--world-size", "2", "--out", str(tmp_path),
+    command = [sys.executable, "-m", "benchmarks", "compare", "--world-size", "2", "--out", str(tmp_path),
                *SHORTEST_RUN]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}"
@@ -51,7 +51,7 @@ def test_compare_writes_results(tmp_path):
 
 def _run_bench(tmp_path, *args):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    command = [sys.executable, "-m", "ddp_ext.bench", *args, "--world-size", "2", "--out", str(tmp_path)]
+    command = [sys.executable, "-m", "benchmarks", *args, "--world-size", "2", "--out", str(tmp_path)]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}"
     return done

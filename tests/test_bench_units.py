@@ -1,17 +1,20 @@
 """Single-process checks of the benchmark suite's pure pieces (no ranks, no timing)."""
 
+import os
 import subprocess
 import sys
 
 import pytest
 
-from ddp_ext.bench.experiments.allreduce import splits
-from ddp_ext.bench.experiments.order import around_last_rebuild
-from ddp_ext.bench.harness import stats
-from ddp_ext.bench.harness.interleave import merge_ranks, rotated
-from ddp_ext.bench.harness.machine import git_commit
-from ddp_ext.bench.harness.options import ONE_PARAMETER_PER_BUCKET_MB, device_problem, effective_bucket_cap_mb
-from ddp_ext.bench.reporting.document import assemble, results_named
+from benchmarks.experiments.allreduce import splits
+from benchmarks.experiments.order import around_last_rebuild
+from benchmarks.harness import stats
+from benchmarks.harness.interleave import merge_ranks, rotated
+from benchmarks.harness.machine import git_commit
+from benchmarks.harness.options import ONE_PARAMETER_PER_BUCKET_MB, device_problem, effective_bucket_cap_mb
+from benchmarks.reporting.document import assemble, results_named
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _blocks(*blocks):
@@ -87,13 +90,16 @@ def _git(repo, *args):
 
 def test_commit_is_dirty_for_source_changes_only(tmp_path):
     _git(tmp_path, "init", "-q")
-    (tmp_path / "docs" / "bench").mkdir(parents=True)
-    (tmp_path / "docs" / "bench" / "compare.json").write_text("{}\n")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "GUIDE.md").write_text("text\n")
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "results" / "compare.json").write_text("{}\n")
     (tmp_path / "reducer.cpp").write_text("int x;\n")
     _git(tmp_path, "add", ".")
     _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "init")
     assert not git_commit(str(tmp_path)).endswith("+dirty")
-    (tmp_path / "docs" / "bench" / "compare.json").write_text('{"new": 1}\n')  # a result rewritten in place
+    (tmp_path / "benchmarks" / "results" / "compare.json").write_text('{"new": 1}\n')  # a result rewritten in place
+    (tmp_path / "docs" / "GUIDE.md").write_text("edited\n")
     (tmp_path / "notes.txt").write_text("untracked\n")
     assert not git_commit(str(tmp_path)).endswith("+dirty")
     (tmp_path / "reducer.cpp").write_text("int y;\n")
@@ -111,7 +117,7 @@ def test_order_measures_around_the_last_rebuild(values, rebuilds, expected):
 
 
 def test_all_runs_each_experiment_with_the_models_it_trains():
-    from ddp_ext.bench.__main__ import _options, _parser
+    from benchmarks.__main__ import _options, _parser
 
     for_resnet = _parser().parse_args(["all", "--models", "resnet50"])
     assert _options(for_resnet, "compare", part_of_all=True).models == ("resnet50",)
@@ -149,7 +155,7 @@ def test_cuda_without_a_gpu_is_refused_before_any_rank_starts():
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device")
-    command = [sys.executable, "-m", "ddp_ext.bench", "compare", "--device", "cuda", "--quick", "--out", "/nonexistent"]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    command = [sys.executable, "-m", "benchmarks", "compare", "--device", "cuda", "--quick", "--out", "/nonexistent"]
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert "--device cuda: no CUDA device" in run.stderr, run.stderr

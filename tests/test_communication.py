@@ -31,7 +31,7 @@ from torch import nn
 
 from tests import models, reference
 from tests.harness import CaseTable
-from ddp_ext.bench.harness.recording_group import RecordingProcessGroup
+from benchmarks.harness.recording_group import RecordingProcessGroup
 
 SIZES = (1, 2, 3, 4)
 

@@ -1,5 +1,5 @@
 """Fault-tolerant training across two hosts: network namespaces joined by a
-veth pair (ddp_ext/testing/fake_hosts.py), the coordinator and two replicas
+veth pair (benchmarks/harness/fake_hosts.py), the coordinator and two replicas
 on host A, one replica on host B, Gloo on each host's veth
 (GLOO_SOCKET_IFNAME). A replica on B SIGKILLed; B's link cut silently (every
 packet dropped both ways, no reset, the carrier up) and brought back. Every
@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from ddp_ext.testing import fake_hosts
+from benchmarks.harness import fake_hosts
 from tests import namespace_hosts
 from tests.fault_tolerance_harness import ROOT, check_run, runs_closed_after
 

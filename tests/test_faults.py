@@ -9,15 +9,15 @@ raise well within the timeout: less than TIME_TO_ERROR_BOUND_S after the
 fault, a bound with room for a loaded 2-core machine (measured: tens of
 milliseconds, see docs/RELIABILITY.md). Times are printed (pytest -s).
 
-The fault machinery is the benchmark's (ddp_ext/bench/fault_injection.py,
-which `python -m ddp_ext.bench faults` runs for torch's DDP as well); ranks
+The fault machinery is the benchmark's (benchmarks/workloads/fault_injection.py,
+which `python -m benchmarks faults` runs for torch's DDP as well); ranks
 are forked from a forkserver that imported torch once, so a run takes about
 a second.
 """
 
 import pytest
 
-from ddp_ext.bench.workloads.fault_injection import FAULT_ITERATION, FAULTS, LAYERS, run_fault
+from benchmarks.workloads.fault_injection import FAULT_ITERATION, FAULTS, LAYERS, run_fault
 
 PG_TIMEOUT_S = 20.0
 TIME_TO_ERROR_BOUND_S = 10.0

@@ -14,7 +14,7 @@ import torch
 
 from tests import models, reference
 from tests.harness import CaseTable
-from ddp_ext.bench.harness.recording_group import RecordingProcessGroup
+from benchmarks.harness.recording_group import RecordingProcessGroup
 
 
 @dataclasses.dataclass(frozen=True)

@@ -128,7 +128,7 @@ def test_jit_build_of_the_mpi_backend(tmp_path):
 
 
 def test_bench_backend_option_is_for_allreduce_and_compare_only():
-    from ddp_ext.bench.__main__ import _options, _parser
+    from benchmarks.__main__ import _options, _parser
 
     args = _parser().parse_args(["allreduce", "--backend", "ddp_ext_mpi"])
     assert _options(args, "allreduce").backend == "ddp_ext_mpi"
@@ -141,7 +141,7 @@ def test_bench_backend_option_is_for_allreduce_and_compare_only():
 def test_bench_allreduce_over_mpi_measures_mpi_gloo_and_round_robin(tmp_path):
     import json
 
-    command = [sys.executable, "-m", "ddp_ext.bench", "allreduce", "--quick", "--backend", "ddp_ext_mpi",
+    command = [sys.executable, "-m", "benchmarks", "allreduce", "--quick", "--backend", "ddp_ext_mpi",
                "--rr-groups", "2", "--out", str(tmp_path)]
     done = subprocess.run(command, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
                           timeout=300)

@@ -1,7 +1,7 @@
 """2,000 iterations on 2 ranks: ddp_ext's memory stays flat.
 
 Each rank trains the fault experiment's MLP (4 layers, one bucket each, see
-ddp_ext/bench/soak.py) and samples its resident set size (RSS) and the
+benchmarks/workloads/soak.py) and samples its resident set size (RSS) and the
 number of gc-tracked Python objects every 20 iterations. Over the second
 half (the first warms up allocator and caches) the least-squares slope must
 stay below:
@@ -22,9 +22,9 @@ About 15 to 50 s on a shared 2-core machine, so it stays in the default
 run (deselect with -k "not soak"). pytest -s prints the figures.
 """
 
-from ddp_ext.bench.workloads import fault_injection
-from ddp_ext.bench.workloads.fault_worlds import run_world
-from ddp_ext.bench.workloads.soak import SoakJob, slope_per_100, soak
+from benchmarks.workloads import fault_injection
+from benchmarks.workloads.fault_worlds import run_world
+from benchmarks.workloads.soak import SoakJob, slope_per_100, soak
 
 ITERATIONS = 2000
 KIB = 1024

@@ -10,7 +10,7 @@ host 0's worker raises within ERROR_BOUND_S (its process group timeout is
 20 s, so an error that quick comes from the lost connection, not a timeout).
 
 Needs root (`ip netns add`); skips, saying why, otherwise. The namespaces
-(made by ddp_ext/testing/fake_hosts.py), and any process left in them, are
+(made by benchmarks/harness/fake_hosts.py), and any process left in them, are
 removed whatever happens.
 """
 

@@ -11,8 +11,8 @@ import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOP_FOLDERS = ("bindings", "reducer", "comm_hooks", "process_groups", "ddp_ext", "tests", "tools", "examples",
-               "docs", ".ci")
+TOP_FOLDERS = ("bindings", "reducer", "comm_hooks", "process_groups", "ddp_ext", "benchmarks", "tests", "tools",
+               "examples", "docs", ".ci")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 CODE = re.compile(r"`([^`\s]+)`")
 FENCE = re.compile(r"```.*?```", re.S)

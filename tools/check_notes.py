@@ -39,7 +39,7 @@ def tracked_texts() -> dict:
     texts = {}
     for name in source_names():
         path = os.path.join(ROOT, name)
-        if name.endswith(SUFFIXES) and name not in ABOUT_NOTES and not name.startswith("docs/bench/") \
+        if name.endswith(SUFFIXES) and name not in ABOUT_NOTES and not name.startswith("benchmarks/results/") \
                 and os.path.exists(path):
             with open(path, encoding="utf-8") as f:
                 texts[name] = f.read()

@@ -1,5 +1,5 @@
 """Runs tests/mpi/main.py under mpirun: `run(world_size, checks)`, with the
-benchmark's mpirun command line (ddp_ext.bench.harness.mpi_launcher.mpirun_command:
+benchmark's mpirun command line (benchmarks.harness.mpi_launcher.mpirun_command:
 more ranks than cores, as root, not pinned)."""
 
 import os
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from typing import List, Optional
 
-from ddp_ext.bench.harness.mpi_launcher import mpirun_command
+from benchmarks.harness.mpi_launcher import mpirun_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
