@@ -12,7 +12,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUFFIXES = (".h", ".cpp", ".py", ".md", ".sh")
 # This checker and its test write about Notes rather than refer to them.
-ABOUT_NOTES = ("tools/check_notes.py", "tests/test_notes_and_links.py")
+ABOUT_NOTES = ("tools/check_notes.py", "tests/docs/test_notes_and_links.py")
 UNDERLINED = re.compile(r"^[ \t]*(?://|#)?[ \t]*Note \[([^\]\n]+)\][ \t]*\n[ \t]*(?://|#)?[ \t]*~+", re.M)
 OPENING = re.compile(r'^[ \t]*(?:"""|#[ \t]*)?Note \[([^\]\n]+)\][ \t]*$', re.M)
 REFERENCE = re.compile(r"Note\s+\[([^\]]+)\](?:[\s/#]+in[\s/#]+`?([\w/.]+\.(?:h|cpp|py)))?")

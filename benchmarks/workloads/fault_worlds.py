@@ -8,7 +8,7 @@ FileStore with the given process-group timeout.
 
 Ranks are forked from a forkserver that imported torch and ddp_ext once, so
 that the many short runs of the fault experiment (and of
-tests/test_faults.py) do not each pay for importing torch: seconds per
+tests/fault_tolerance/test_faults.py) do not each pay for importing torch: seconds per
 process on a loaded machine.
 """
 
