@@ -67,7 +67,7 @@ INCLUDE_DIRS = ["."]
 CXX_FLAGS = ["-O2", "-g0"]
 
 # With DDP_EXT_SANITIZE=1 in the environment, setup.py (and the tests' own
-# C++ doubles, tests/native_extensions.py) add these flags to compiling and
+# C++ doubles, tests/support/native_extensions.py) add these flags to compiling and
 # linking: AddressSanitizer and UndefinedBehaviorSanitizer, whose runtime must
 # then be preloaded (see tools/sanitized_tests.sh). -fno-wrapv undoes Python's
 # -fwrapv, so that signed overflow is checked too; -O0 -g1 compiles in a third

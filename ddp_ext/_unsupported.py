@@ -6,7 +6,7 @@ not exist. Every method torch's class defines is therefore either overridden
 with ddp_ext's own implementation (ddp_ext/distributed.py) or listed here,
 where calling it raises NotImplementedError naming it and what to use
 instead, rather than running torch's body against state that is not there.
-tests/test_torch_contract.py fails when a torch upgrade adds a method that
+tests/wrapper/test_torch_contract.py fails when a torch upgrade adds a method that
 is in neither place.
 """
 

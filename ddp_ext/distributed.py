@@ -270,7 +270,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
     # traced: traced, each reducer call broke the graph, and guards on the
     # sink's outputs recompiled every step. torch._disable_dynamo is the lazy
     # torch.compiler.disable torch's DDP uses: dynamo is imported at the first
-    # forward, not at `import ddp_ext`. tests/test_compile.py checks graph,
+    # forward, not at `import ddp_ext`. tests/frameworks/test_compile.py checks graph,
     # graph-break and recompile counts against torch's DDP.
     @torch._disable_dynamo(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:

@@ -52,7 +52,7 @@ def make_trainer(wrapper, seed: int):
 
 
 TOLERANCE = 1e-5  # max |difference| allowed between the two trained models
-BENCH_COMMAND = "python -m ddp_ext.bench compare"
+BENCH_COMMAND = "python -m benchmarks compare"
 
 
 def largest_difference(ours: nn.Module, theirs: nn.Module):
@@ -124,7 +124,7 @@ def main():
         print(f"median per-iteration time: ddp_ext {ours_ms:.2f} ms, torch DDP {torch_ms:.2f} ms, "
               f"ratio {ours_ms / torch_ms:.3f}")
         print(f"  (one short run: the ratio moves from run to run, the more so on a shared machine; it is not a "
-              f"benchmark. For a proper comparison run `{BENCH_COMMAND}`, which needs the bench extra)")
+              f"benchmark. For a proper comparison run `{BENCH_COMMAND}` at the repository root, which needs the bench extra)")
         print(line)
     dist.destroy_process_group()
     if not passed:

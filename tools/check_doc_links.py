@@ -1,6 +1,6 @@
 """Checks the README and docs/*.md: every relative link resolves to a file
 (and its #anchor to a heading there), and every repository path written in
-backticks (`reducer/timeline.h`, `tests/spawn.py`) exists.
+backticks (`reducer/timeline.h`, `tests/support/spawn.py`) exists.
 
     python tools/check_doc_links.py      # prints what is broken; exit status 1 if anything is
 """
@@ -11,8 +11,8 @@ import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOP_FOLDERS = ("bindings", "reducer", "comm_hooks", "process_groups", "ddp_ext", "tests", "tools", "examples",
-               "docs", ".ci")
+TOP_FOLDERS = ("bindings", "reducer", "comm_hooks", "process_groups", "ddp_ext", "benchmarks", "tests", "tools",
+               "examples", "docs", ".ci")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 CODE = re.compile(r"`([^`\s]+)`")
 FENCE = re.compile(r"```.*?```", re.S)

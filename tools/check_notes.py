@@ -12,7 +12,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUFFIXES = (".h", ".cpp", ".py", ".md", ".sh")
 # This checker and its test write about Notes rather than refer to them.
-ABOUT_NOTES = ("tools/check_notes.py", "tests/test_notes_and_links.py")
+ABOUT_NOTES = ("tools/check_notes.py", "tests/docs/test_notes_and_links.py")
 UNDERLINED = re.compile(r"^[ \t]*(?://|#)?[ \t]*Note \[([^\]\n]+)\][ \t]*\n[ \t]*(?://|#)?[ \t]*~+", re.M)
 OPENING = re.compile(r'^[ \t]*(?:"""|#[ \t]*)?Note \[([^\]\n]+)\][ \t]*$', re.M)
 REFERENCE = re.compile(r"Note\s+\[([^\]]+)\](?:[\s/#]+in[\s/#]+`?([\w/.]+\.(?:h|cpp|py)))?")
@@ -39,7 +39,7 @@ def tracked_texts() -> dict:
     texts = {}
     for name in source_names():
         path = os.path.join(ROOT, name)
-        if name.endswith(SUFFIXES) and name not in ABOUT_NOTES and not name.startswith("docs/bench/") \
+        if name.endswith(SUFFIXES) and name not in ABOUT_NOTES and not name.startswith("benchmarks/results/") \
                 and os.path.exists(path):
             with open(path, encoding="utf-8") as f:
                 texts[name] = f.read()

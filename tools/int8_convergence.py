@@ -1,15 +1,15 @@
 """Convergence of 8 bits at 4 ranks (docs/COMPRESSION.md): ddp_ext at float32 against the
 adaptive hook compressing always (8 bits by reduce-scatter from 4 ranks), on the digits task of
-`python -m ddp_ext.bench compression` (narrow ResNet-50, small preset, 8 epochs), one run per seed.
+`python -m benchmarks compression` (narrow ResNet-50, small preset, 8 epochs), one run per seed.
 
     PYTHONPATH=. python tools/int8_convergence.py [seeds, comma-separated; default 0,1,2]
 
 Prints rank 0's test accuracy per variant and seed, and the formats the hook used.
 """
 import json, sys, time
-from ddp_ext.bench.harness.launcher import launch
-from ddp_ext.bench.workloads.compression_convergence import train_and_test
-from ddp_ext.bench.workloads.compression_variants import HookSettings, OURS, ADAPTIVE_ALWAYS
+from benchmarks.harness.launcher import launch
+from benchmarks.workloads.compression_convergence import train_and_test
+from benchmarks.workloads.compression_variants import HookSettings, OURS, ADAPTIVE_ALWAYS
 
 SEEDS = [int(s) for s in sys.argv[1].split(",")] if len(sys.argv) > 1 else [0, 1, 2]
 

@@ -1,5 +1,5 @@
 """Measures fault-tolerant training's recovery (docs/FAULT_TOLERANCE.md):
-a coordinator and three replicas of tests/fault_tolerance_worker.py on this
+a coordinator and three replicas of tests/support/fault_tolerance_worker.py on this
 machine, over Gloo on loopback.
 
     python tools/measure_recovery.py [--out recovery.json] [--heartbeat 2.0]
@@ -25,7 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.fault_tolerance_harness import Run, check_run  # noqa: E402
+from tests.support.fault_tolerance_harness import Run, check_run  # noqa: E402
 
 STEPS = 40
 AT = 20

@@ -14,12 +14,13 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 COPY="${SANITIZED_DIR:-$ROOT/build/sanitized}"
 PYTHON="${PYTHON:-python}"
 
-TESTS=(test_unused_parameters.py test_static_graph.py test_no_sync.py test_reducer_lifetime.py
-       test_hook_lifetime.py test_parity_local.py test_contract_parity.py test_communication.py
-       test_buckets.py test_faults.py test_out_of_step.py test_gradient_order.py test_rebuild_buckets.py
-       test_rebuild_buckets_contract.py test_layer_drop.py test_adaptive_precision.py
-       test_auto_buckets.py)
-TESTS+=($(cd "$ROOT/tests" && ls test_round_robin_*.py))
+TESTS=(reducer/test_unused_parameters.py reducer/test_static_graph.py reducer/test_no_sync.py
+       reducer/test_reducer_lifetime.py reducer/test_hook_lifetime.py wrapper/test_parity_local.py
+       wrapper/test_contract_parity.py reducer/test_communication.py reducer/test_buckets.py
+       fault_tolerance/test_faults.py diagnosis/test_out_of_step.py reducer/test_gradient_order.py
+       reducer/test_rebuild_buckets.py reducer/test_rebuild_buckets_contract.py reducer/test_layer_drop.py
+       hooks/test_adaptive_precision.py reducer/test_auto_buckets.py)
+TESTS+=($(cd "$ROOT/tests" && ls process_groups/test_round_robin_*.py))
 
 # gcc's runtimes; -print-file-name echoes the bare name when it has none.
 runtime() { readlink -f "$(gcc -print-file-name="$1")"; }
@@ -53,7 +54,7 @@ export ASAN_OPTIONS="detect_leaks=0:log_path=$LOGS/asan"
 # name; its own reports go to $LOGS/ubsan.<pid> (tools/sanitizer_site/).
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$LOGS/asan"
 export DDP_EXT_UBSAN_LOG_PATH="$LOGS/ubsan"
-# The tests' own C++ doubles (tests/native_extensions.py), compiled by the
+# The tests' own C++ doubles (tests/support/native_extensions.py), compiled by the
 # first test that uses them, get the same sanitizer flags as the build above.
 export DDP_EXT_SANITIZE=1
 export PYTHONPATH="$ROOT/tools/sanitizer_site${PYTHONPATH:+:$PYTHONPATH}"

@@ -6,7 +6,7 @@
 #   tools/torch_builds.sh 2.11.0:parity   # chosen entries, VERSION:TESTS
 #
 # TESTS is `all` (the whole test suite) or `parity` (the parity and contract
-# tests). Every entry also runs tests/test_cuda.py: without a GPU it must be
+# tests). Every entry also runs tests/wrapper/test_cuda.py: without a GPU it must be
 # skipped, with its reason; with one, it runs.
 #
 # torch comes from PyPI with `pip --isolated`, which ignores any pip
@@ -27,7 +27,7 @@ PYTHON="${PYTHON:-python}"
 BUILDS=(2.13.0:all 2.11.0:parity 2.10.0:parity)
 [ "$#" -gt 0 ] && BUILDS=("$@")
 
-PARITY_TESTS=(tests/test_parity_local.py tests/test_parity_torch_ddp.py tests/test_contract_parity.py)
+PARITY_TESTS=(tests/wrapper/test_parity_local.py tests/wrapper/test_parity_torch_ddp.py tests/wrapper/test_contract_parity.py)
 
 # Runs a command, printing what it does and how long it took.
 step() {
@@ -80,14 +80,14 @@ assert ddp_ext._C.__name__ == "ddp_ext._C" and so.startswith(os.path.realpath(sy
 print(f"built {so}")' "$src")
 }
 
-# tests/test_cuda.py: skipped with its reason where there is no GPU (the
+# tests/wrapper/test_cuda.py: skipped with its reason where there is no GPU (the
 # whole module is skipped, so pytest collects nothing and exits with 5).
 cuda_tests() {
     local python="$1" out status=0
-    out="$("$python" -m pytest tests/test_cuda.py -q -rs -p no:cacheprovider 2>&1)" || status=$?
+    out="$("$python" -m pytest tests/wrapper/test_cuda.py -q -rs -p no:cacheprovider 2>&1)" || status=$?
     echo "$out"
     if [ "$("$python" -c 'import torch; print(torch.cuda.is_available())')" = False ]; then
-        grep -q "^SKIPPED .*test_cuda.py" <<<"$out" || { echo "tests/test_cuda.py was not skipped"; return 1; }
+        grep -q "^SKIPPED .*test_cuda.py" <<<"$out" || { echo "tests/wrapper/test_cuda.py was not skipped"; return 1; }
         [ "$status" = 5 ] && status=0
     fi
     return "$status"
@@ -111,7 +111,7 @@ for entry in "${BUILDS[@]}"; do
         cd "$src"
         export PATH="$venv/bin:$PATH" PYTHONPATH="$src"
         step "pytest ${selected[*]}" "$venv/bin/python" -m pytest "${selected[@]}" -q -p no:cacheprovider
-        step "pytest tests/test_cuda.py -rs" cuda_tests "$venv/bin/python"
+        step "pytest tests/wrapper/test_cuda.py -rs" cuda_tests "$venv/bin/python"
     )
 done
 echo "== all torch builds passed: $((SECONDS - total)) s"

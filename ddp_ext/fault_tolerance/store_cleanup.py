@@ -24,7 +24,7 @@ has read the decisions of every step of E before c.
     steps before t - 1 go, with its formation counter, and e is forgotten;
     its steps from t - 1 on stay (at most two, or more when the last
     reports lagged or were replaced before the coordinator read them).
-    tests/test_fault_tolerance_training.py runs that case: a member stopped
+    tests/fault_tolerance/test_fault_tolerance_training.py runs that case: a member stopped
     between its vote and the decision, resumed once the other died.
 So no replica reads a deleted key. Were one to, it would find the key
 missing and write "abort" or vote into a fresh count, which stays short of

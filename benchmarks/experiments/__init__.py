@@ -1,0 +1,23 @@
+"""One module per experiment of the paper's section 5, `faults` (ddp_ext's
+own, see docs/RELIABILITY.md), `order` (section 6.2.1), `layerdrop`
+(section 6.2.2), `timeline` (ddp_ext's communication timeline),
+`compression` (gradient compression hooks), `scaleout` (ranks and hosts over
+shaped links) and `recovery` (ddp_ext.fault_tolerance, see
+docs/FAULT_TOLERANCE.md). Each has
+NAME, FIGURE, TITLE, run(options, progress) -> payload, table(data) -> markdown
+and plot(data, path); optionally RUN_LENGTHS (its default run lengths, where they
+differ from BenchOptions') and run_line(data) (how its run is described)."""
+
+from benchmarks.experiment_names import NAMES
+from benchmarks.experiments import (
+    allreduce, breakdown, bucket, compare, compression, faults, layerdrop, nosync, order, recovery, roundrobin, scale,
+    scaleout, timeline,
+)
+
+# In the order of NAMES (the order docs/BENCHMARKS.md presents them).
+EXPERIMENTS = {
+    module.NAME: module
+    for module in (compare, allreduce, breakdown, bucket, scale, nosync, roundrobin, faults, order, layerdrop,
+                   timeline, compression, scaleout, recovery)
+}
+assert tuple(EXPERIMENTS) == NAMES, f"experiment_names.NAMES {NAMES} differs from the modules {tuple(EXPERIMENTS)}"
