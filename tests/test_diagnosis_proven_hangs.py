@@ -322,3 +322,83 @@ def test_healthy_training_reads_no_report():
         # A wait longer than a slice may happen on a loaded machine; it reads
         # the counter only.
         assert reads == 0 and messages == [], f"rank {rank}: {probes} probes, {reads} reads, {messages}"
+
+
+# --- The probe on its own, over an in-memory store ----------------------------------------
+
+
+class _CountingStore:
+    """A HashStore that counts the calls the probe makes."""
+
+    def __init__(self):
+        self.store = dist.HashStore()
+        self.calls = []
+
+    def __getattr__(self, name):
+        method = getattr(self.store, name)
+
+        def counted(*args):
+            self.calls.append(name)
+            return method(*args)
+
+        return counted
+
+
+def _report(kind, rank, step, waited_s=0.0, **extra):
+    return dict(
+        kind=kind, rank=rank, step=step, training_steps=step, phase="reducing", waiting_for="bucket", bucket=0,
+        waited_s=waited_s, error="", buckets_launched=0, buckets_total=1, unready=["fc2.weight"], unready_buckets=[0],
+        **extra,
+    )
+
+
+def _diagnoses(world_size, on_hang="auto"):
+    from ddp_ext._diagnosis import HangDiagnosis, resolve_hang_settings
+    from ddp_ext._diagnosis.side_channel import SideChannel
+
+    store = _CountingStore()
+    settings = resolve_hang_settings(None, on_hang)
+    return store, [
+        HangDiagnosis(settings, SideChannel(store, r, world_size, "test"), r, world_size) for r in range(world_size)
+    ]
+
+
+def test_a_probe_reads_one_counter_until_a_proof_moves_it():
+    store, (waiting, skipping, other) = _diagnoses(3)
+    store.calls.clear()
+    assert waiting(_report("waiting", 0, 2, waited_s=1.0)) is None
+    assert store.calls == ["add"], store.calls  # the counter, nothing else
+    # An unfinished backward moves no counter, and is no proof before 3 s.
+    skipping(_report("unfinished", 1, 2))
+    store.calls.clear()
+    assert waiting(_report("waiting", 0, 2, waited_s=2.0)) is None
+    assert store.calls == ["add"], store.calls
+    # At 3 s of waiting the probe reads the reports: the unfinished backward proves it.
+    message = waiting(_report("waiting", 0, 2, waited_s=3.0))
+    assert message is not None and "rank 1 left parameters without a gradient" in message, message
+    assert "fc2.weight" in message and "raised without waiting for hang_timeout_s (60 s)" in message, message
+    # Rank 0 raised: rank 2's next probe sees the counter move and raises at 1 s.
+    message = other(_report("waiting", 2, 2, waited_s=1.0))
+    assert message is not None and "rank 1 left parameters without a gradient" in message, message
+    assert "rank 0: raised an error after its wait" in message, message
+
+
+def test_a_proof_counts_at_once_for_its_own_step_only():
+    store, (waiting, skipping) = _diagnoses(2)
+    skipping(_report("abandoned", 1, 1))  # an earlier step's incident, survived
+    assert waiting(_report("waiting", 0, 2, waited_s=1.0)) is None
+    assert waiting.probe_reads == 1  # the counter moved: read once, not again
+    assert waiting(_report("waiting", 0, 2, waited_s=2.0)) is None
+    assert waiting.probe_reads == 1
+    skipping(_report("abandoned", 1, 2))
+    message = waiting(_report("waiting", 0, 2, waited_s=1.0))
+    assert message is not None and "rank 1 left parameters without a gradient in the backward of training step 2" in message
+    assert "and it raised at its next forward" in message, message
+
+
+def test_on_hang_warn_does_not_probe():
+    store, (waiting, skipping) = _diagnoses(2, on_hang="warn")
+    skipping(_report("abandoned", 1, 2))
+    store.calls.clear()
+    assert waiting(_report("waiting", 0, 2, waited_s=5.0)) is None
+    assert store.calls == [] and waiting.probes == 0

@@ -58,6 +58,14 @@ _next_numbers: Dict[str, int] = {}
 # reads the reports every UNFINISHED_PROOF_S of its wait instead, and an
 # "unfinished" report of its step counts as proof once the wait has lasted
 # that long. Its rank's next forward makes it "abandoned", a proof at once.
+#
+# A probe publishes nothing (a rank waiting short of its hang_timeout_s is
+# silent to the others, as before), is silent when the store is unreachable
+# (the report at the deadline says so), and does not run with
+# on_hang="warn", which waits on whatever the reports say. Proofs count only
+# for the training step of the wait, so one left in the store by an earlier
+# incident that the job survived proves nothing later.
+
 
 class HangDiagnosis:
     """The reducer's stall handler for one wrapper. Holds no reference to the
@@ -119,8 +127,8 @@ class HangDiagnosis:
     def _probe(self, own: dict) -> Optional[str]:
         """A wait lasted another slice, short of hang_timeout_s: the message
         to raise if a proof ended it, else None. See Note [Proven hangs]."""
-        if self.channel is None:
-            return None
+        if self.channel is None or self.settings.on_hang == "warn":
+            return None  # "warn": wait on whatever the reports say
         self.probes += 1
         incident = (own["step"], own["waiting_for"], own["bucket"])
         sweep = (incident, int(own["waited_s"] // UNFINISHED_PROOF_S))
