@@ -231,7 +231,7 @@ def _one_raises_and_leaves(rank, world_size):
     settings = dict(hang_timeout_s=1.0, on_hang="raise") if rank == 0 else {}
     ddp = ddp_ext.DistributedDataParallel(_Net(), process_group=_group(), **settings)
     x = torch.randn(3, 4) + rank
-    outcome = (None, None)
+    outcome, raised_at = (None, None), None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(3):
@@ -243,31 +243,41 @@ def _one_raises_and_leaves(rank, world_size):
                 loss.backward()
             except RuntimeError as e:
                 outcome = (str(e), time.monotonic() - start)
+                raised_at = time.time()  # the ranks share a host, and its clock
                 break
     _barrier_through_store("raised-done", world_size)
     warned = [str(w.message) for w in caught if "DistributedDataParallel" in str(w.message)]
-    return outcome, warned
+    return outcome, warned, raised_at
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_a_rank_that_raised_and_left_is_named_within_seconds(world_size):
     results = run_ranks(_one_raises_and_leaves, world_size, timeout=150)
-    outcomes = [outcome for outcome, _ in results]
+    outcomes = [outcome for outcome, _, _ in results]
     late = world_size - 1
     # Rank 0 names the late rank (and, with 3 ranks, rank 1 too: a wait
     # short of its own hang_timeout_s publishes nothing).
     assert outcomes[0][0] is not None and "did not reach the end" in outcomes[0][0], outcomes[0]
     assert f"rank {late}: reported nothing" in outcomes[0][0], outcomes[0]
+    # The late rank's backward began after rank 0 left: it raises within
+    # seconds of its start. With 3 ranks, rank 1's first collective of the
+    # step (launched by rank 0 before it left) completes when the late rank
+    # comes, and the next one never does: it raises within seconds of that.
     _check_waiting_ranks(
         outcomes,
-        skip={0},
+        skip=set(range(late)),
         within_s=PROVEN_WITHIN_S,
         says=("raised an error in training step 2 and left the collectives", "hang_timeout_s=60"),
     )
-    for rank, (message, _) in enumerate(outcomes[1:], start=1):
-        # Rank 0, and with 3 ranks perhaps rank 1 too, which raised first.
-        assert re.search(r"DistributedDataParallel: ranks? 0(, 1)? raised an error", message), message
-    for rank, (_, warned) in enumerate(results[1:], start=1):
+    for rank in range(1, world_size):
+        message = outcomes[rank][0]
+        assert message is not None, f"rank {rank} did not raise"
+        since = results[rank][2] - results[0][2]
+        assert since < 3.0 + PROVEN_WITHIN_S, f"rank {rank} raised {since:.1f} s after rank 0 left (3 s late)"
+        # Rank 0, and with 3 ranks perhaps the other one, which raised first.
+        assert re.search(r"DistributedDataParallel: ranks? 0(, \d)? raised an error in training step 2", message), message
+        assert "hang_timeout_s=60" in message and "raised without waiting for hang_timeout_s" in message, message
+    for rank, (_, warned, _) in enumerate(results[1:], start=1):
         assert warned == [], f"rank {rank} warned: {warned}"
 
 
