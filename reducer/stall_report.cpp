@@ -120,8 +120,8 @@ std::string Reducer::unfinished_reduction_message() const {
 
 void Reducer::raise_unfinished_reduction() {
   const std::string message = unfinished_reduction_message();
-  if (!reported_unfinished_ && next_bucket_ < layout_.buckets().size()) {
-    stall_.report(StallEvent::kUnfinished);
+  if (next_bucket_ < layout_.buckets().size()) {
+    stall_.report(StallEvent::kAbandoned); // proof: see Note [Hang attribution]
   }
   reported_unfinished_ = false;
   // Raise without waiting for the buckets already launched: when ranks

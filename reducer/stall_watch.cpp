@@ -1,5 +1,6 @@
 #include "reducer/stall_watch.h"
 
+#include <algorithm>
 #include <condition_variable>
 #include <exception>
 #include <memory>
@@ -35,12 +36,17 @@ const char* stall_kind_name(StallEvent::Kind kind) {
       return "unfinished";
     case StallEvent::kResolved:
       return "resolved";
+    case StallEvent::kWaiting:
+      return "waiting";
+    case StallEvent::kAbandoned:
+      return "abandoned";
   }
   return "unknown";
 }
 
 void StallWatch::configure(int64_t timeout_ms, Report report) {
   timeout_ = std::chrono::milliseconds(timeout_ms > 0 ? timeout_ms : 0);
+  slice_ = std::min(timeout_, kProbeSlice);
   report_ = std::move(report);
 }
 
@@ -52,26 +58,41 @@ void StallWatch::report(StallEvent::Kind kind) {
   }
 }
 
+void StallWatch::slice_passed(
+    const char* waiting_for, int64_t bucket, Clock::time_point start,
+    Clock::duration& deadline, bool& stalled) {
+  const Clock::duration waited = Clock::now() - start;
+  StallEvent event;
+  event.waiting_for = waiting_for;
+  event.bucket = bucket;
+  event.waited_s = std::chrono::duration<double>(waited).count();
+  if (waited >= deadline) {
+    event.kind = StallEvent::kStalled; // the deadline passed: report, wait on
+    stalled = true;
+    while (deadline <= waited) {
+      deadline += timeout_;
+    }
+  } else {
+    event.kind = StallEvent::kWaiting; // short of it: look for a peer's proof
+  }
+  report_(event); // may raise
+}
+
 void StallWatch::wait(c10d::Work& work, const char* waiting_for, int64_t bucket) {
   if (!on()) {
     work.wait();
     return;
   }
   const auto start = Clock::now();
+  Clock::duration deadline = timeout_;
   bool stalled = false;
   while (true) {
     try {
-      work.wait(timeout_);
+      work.wait(slice_);
       break;
     } catch (const std::exception&) {
       if (!work.isCompleted()) {
-        StallEvent event;
-        event.kind = StallEvent::kStalled; // the deadline passed: wait on
-        event.waiting_for = waiting_for;
-        event.bucket = bucket;
-        event.waited_s = seconds_since(start);
-        stalled = true;
-        report_(event);
+        slice_passed(waiting_for, bucket, start, deadline, stalled);
         continue;
       }
     }
@@ -106,17 +127,13 @@ void StallWatch::wait(
       completion->done_cv.notify_all();
     });
     const auto start = Clock::now();
+    Clock::duration deadline = timeout_;
     bool stalled = false;
     std::unique_lock<std::mutex> lock(completion->mutex);
     while (!completion->done_cv.wait_for(
-        lock, timeout_, [&completion] { return completion->done; })) {
-      stalled = true;
+        lock, slice_, [&completion] { return completion->done; })) {
       lock.unlock();
-      StallEvent event;
-      event.waiting_for = waiting_for;
-      event.bucket = bucket;
-      event.waited_s = seconds_since(start);
-      report_(event);
+      slice_passed(waiting_for, bucket, start, deadline, stalled);
       lock.lock();
     }
     lock.unlock();

@@ -20,14 +20,28 @@ namespace ddp_ext::reducer {
 // for its allreduce at the end of their backward.
 //
 // So every wait of the reducer (the step check, each bucket, the usage
-// allreduce) is a wait with a deadline, `hang_timeout`: the waiting thread
-// waits in slices of that length, and when one passes without completion, or
-// the wait fails (a peer's connection closed), it reports a StallEvent to a
-// handler and then waits on, or raises the handler's message. A rank whose
-// backward ends with buckets never launched reports kUnfinished at that
-// moment (from a callback queued when its backward began), and kResolved if a
-// second backward over the same forward completes them after all, or when a
-// wait that stalled completes.
+// allreduce) is a wait with a deadline, `hang_timeout`: when it passes
+// without completion, or the wait fails (a peer's connection closed), the
+// waiting thread reports a StallEvent to a handler and then waits on, or
+// raises the handler's message. A rank whose backward ends with buckets never
+// launched reports kUnfinished at that moment (from a callback queued when its
+// backward began), and kResolved if a second backward over the same forward
+// completes them after all, or when a wait that stalled completes. When its
+// next forward begins with them still unlaunched it reports kAbandoned and
+// raises: no backward can complete them any more.
+//
+// Proof before the deadline. `hang_timeout` is for ranks that are merely
+// late; a wait that a peer's report proves endless (that peer abandoned its
+// buckets, or raised and left the collectives) should not last it. So the
+// wait runs in slices of kProbeSlice (or `hang_timeout`, if shorter), and a
+// slice that passes short of the deadline reports kWaiting: the handler
+// reads one counter in the store, which every proof that a rank publishes
+// increments, and reads the reports only when it moved (or every few
+// seconds, for a backward that ended unfinished, which publishes no proof:
+// see Note [Proven hangs] in ddp_ext/_diagnosis/hang.py). It returns a
+// message to raise when they prove the wait endless, else nothing, and
+// publishes nothing. A wait that completes within its first slice costs what
+// it did before.
 //
 // The handler (the Python side, ddp_ext/_diagnosis/) publishes what this
 // rank is doing through the store the process group was made from, a side
@@ -63,14 +77,14 @@ namespace ddp_ext::reducer {
 // on_hang="raise" does.
 //
 // Cost: a wait that completes within its first slice is one
-// Work::wait(timeout) instead of Work::wait(), the same condition variable;
+// Work::wait(slice) instead of Work::wait(), the same condition variable;
 // a hook's future not yet complete gets one callback. The per-gradient hook
 // is untouched. The end-of-backward callback is queued once per backward.
 // Off (timeout 0), every wait is the plain one.
 struct StallEvent {
-  enum Kind { kStalled, kFailed, kUnfinished, kResolved };
+  enum Kind { kStalled, kFailed, kUnfinished, kResolved, kWaiting, kAbandoned };
   Kind kind = kStalled;
-  // kStalled, kFailed: what the wait was for ("bucket", "step check",
+  // kStalled, kFailed, kWaiting: what the wait was for ("bucket", "step check",
   // "usage"), and the bucket's index (-1 otherwise).
   std::string waiting_for;
   int64_t bucket = -1;
@@ -97,6 +111,9 @@ struct StallReport {
   std::vector<int64_t> unready_buckets;
 };
 
+// How often a wait asks whether a peer proved it endless; see the Note.
+constexpr std::chrono::milliseconds kProbeSlice{1000};
+
 class StallWatch {
  public:
   using Report = std::function<void(const StallEvent&)>;
@@ -119,7 +136,14 @@ class StallWatch {
   void report(StallEvent::Kind kind);
 
  private:
+  // A slice passed after `waited` (start to now), short of `deadline` or
+  // not: reports kWaiting or kStalled, and moves `deadline` past a stall.
+  void slice_passed(
+      const char* waiting_for, int64_t bucket, std::chrono::steady_clock::time_point start,
+      std::chrono::steady_clock::duration& deadline, bool& stalled);
+
   std::chrono::milliseconds timeout_{0};
+  std::chrono::milliseconds slice_{0}; // min(timeout_, kProbeSlice)
   Report report_;
 };
 

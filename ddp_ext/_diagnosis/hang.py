@@ -1,10 +1,12 @@
 """Hang attribution's Python side: the handler the reducer calls when one of
-its waits passes `hang_timeout_s`, fails, or when a backward ends with
-buckets never launched (Note [Hang attribution] in reducer/stall_watch.h).
+its waits passes `hang_timeout_s`, fails, or lasts another probe slice, or
+when a backward ends with buckets never launched (Note [Hang attribution] in
+reducer/stall_watch.h).
 
-Each call publishes this rank's report through the store; a rank that
-stopped also reads the others' (waiting up to a short window for them) and
-returns the message to raise, or warns once and returns None to wait on.
+Each call but a probe publishes this rank's report through the store; a rank
+that stopped also reads the others' (waiting up to a short window for them)
+and returns the message to raise, or warns once and returns None to wait on.
+A probe publishes nothing: see Note [Proven hangs].
 """
 
 import os
@@ -18,9 +20,51 @@ from ddp_ext._diagnosis.settings import HangSettings, resolve_hang_settings
 from ddp_ext._diagnosis.side_channel import SideChannel, StoreUnreachable, store_of
 
 MAX_NAMES = 64  # parameter names a report carries; the rest are counted
+# Reports that prove the waits of the other ranks endless at once; publishing
+# one moves the store's proof counter. See Note [Proven hangs].
+PROOF_KINDS = ("abandoned", "raised")
+# A wait this long, while a rank's backward of the same step ended without
+# launching every bucket, cannot be a second backward on its way.
+UNFINISHED_PROOF_S = 3.0
 # Per process group (by name): the number the next wrapper over it proposes.
 # See `store_key`.
 _next_numbers: Dict[str, int] = {}
+
+
+# Note [Proven hangs]
+# ~~~~~~~~~~~~~~~~~~~
+# hang_timeout_s (60 s by default) is how long a rank that is merely late may
+# keep the others waiting before they say so. A wait that the reports prove
+# endless should not last it: a rank that abandoned buckets (its next forward
+# began without them: it raised) or raised and left the collectives will
+# never send what the others wait for. A rank that died closes its
+# connections, so the others' waits fail at once (kFailed), and the survivors
+# raise after a short window; a rank that raises then publishes "raised",
+# which reaches ranks whose wait did not fail (not paired with the dead one).
+#
+# So each wait, short of its deadline, reports kWaiting every probe slice
+# (1 s), and the probe reads one counter in the store, which publishing a
+# proof (PROOF_KINDS) increments: one round trip a second, and only in waits
+# longer than a slice; a wait that completes within its first slice, the
+# healthy iteration, costs nothing more, and no report is written for it.
+# When the counter moved, the probe reads every other rank's report once and
+# raises if one of the same training step is a proof.
+#
+# A backward that ended with buckets unlaunched ("unfinished") is not a proof
+# at once: a second backward over the same forward (two losses, reentrant
+# activation checkpointing whose inner backward ended first) may still launch
+# them. It moves no counter (with reentrant checkpointing it is published on
+# every iteration, and the counter would add a store write to each); a probe
+# reads the reports every UNFINISHED_PROOF_S of its wait instead, and an
+# "unfinished" report of its step counts as proof once the wait has lasted
+# that long. Its rank's next forward makes it "abandoned", a proof at once.
+#
+# A probe publishes nothing (a rank waiting short of its hang_timeout_s is
+# silent to the others, as before), is silent when the store is unreachable
+# (the report at the deadline says so), and does not run with
+# on_hang="warn", which waits on whatever the reports say. Proofs count only
+# for the training step of the wait, so one left in the store by an earlier
+# incident that the job survived proves nothing later.
 
 
 class HangDiagnosis:
@@ -34,6 +78,10 @@ class HangDiagnosis:
         self.world_size = world_size
         self.warned = set()
         self.messages = []  # every message formatted, for tests and post-mortems
+        self.proofs_seen = 0  # the store's proof counter at the last probe
+        self.swept = None  # (incident, n): the probe read every report after n * UNFINISHED_PROOF_S
+        self.probes = 0  # probes run, and how many read the reports (for tests)
+        self.probe_reads = 0
 
     def __call__(self, report: dict) -> Optional[str]:
         report = dict(report)
@@ -41,8 +89,10 @@ class HangDiagnosis:
         report["unready_count"] = len(unready)
         report["unready"], report["unready_buckets"] = unready[:MAX_NAMES], report["unready_buckets"][:MAX_NAMES]
         report.update(host=socket.gethostname(), pid=os.getpid(), time=time.time())
+        if report["kind"] == "waiting":
+            return self._probe(report)
         store_error = self._publish(report)
-        if report["kind"] in ("unfinished", "resolved"):
+        if report["kind"] in ("unfinished", "abandoned", "resolved"):
             return None
         window = self.settings.failed_window_s if report["kind"] == "failed" else self.settings.window_s
         reports: Dict[int, Optional[dict]] = {r: None for r in range(self.world_size) if r != self.rank}
@@ -74,11 +124,43 @@ class HangDiagnosis:
                 return str(error)
         return None
 
+    def _probe(self, own: dict) -> Optional[str]:
+        """A wait lasted another slice, short of hang_timeout_s: the message
+        to raise if a proof ended it, else None. See Note [Proven hangs]."""
+        if self.channel is None or self.settings.on_hang == "warn":
+            return None  # "warn": wait on whatever the reports say
+        self.probes += 1
+        incident = (own["step"], own["waiting_for"], own["bucket"])
+        sweep = (incident, int(own["waited_s"] // UNFINISHED_PROOF_S))
+        try:
+            count = self.channel.proofs()
+            if count == self.proofs_seen and (sweep[1] == 0 or sweep == self.swept):
+                return None
+            self.proofs_seen, self.swept = count, sweep
+            self.probe_reads += 1
+            found = self.channel.gather(lambda other: self._relevant(own, other), 0.0)
+        except StoreUnreachable:
+            return None  # the report at hang_timeout_s says so
+        unfinished_proves = own["waited_s"] >= UNFINISHED_PROOF_S
+        if not any(
+            rep["step"] == own["step"] and (rep["kind"] in PROOF_KINDS or (rep["kind"] == "unfinished" and unfinished_proves))
+            for rep in found.values()
+        ):
+            return None
+        own = dict(own, kind="stalled")
+        reports: Dict[int, Optional[dict]] = {r: None for r in range(self.world_size) if r != self.rank}
+        reports.update(found)
+        alive = {r: self.channel.alive(r) for r, rep in reports.items() if rep is None}
+        message = hang_message(own, reports, self.settings.timeout_s, own["waited_s"], alive)
+        self.messages.append(message)
+        self._publish(dict(own, kind="raised", was="proven"))
+        return message
+
     def _publish(self, report: dict) -> Optional[str]:
         if self.channel is None:
             return "no store: the process group was not made by torch.distributed"
         try:
-            self.channel.publish(report)
+            self.channel.publish(report, proof=report["kind"] in PROOF_KINDS)
         except StoreUnreachable as e:
             return str(e)
         return None

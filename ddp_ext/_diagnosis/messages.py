@@ -6,6 +6,9 @@ from typing import Dict, List, Optional
 
 TORCH_PHRASE = "Expected to have finished reduction in the prior iteration before starting a new one"
 NAMED = 8  # parameters named per rank; the rest are counted
+# A backward that ended without launching every bucket: "unfinished" at its
+# end, "abandoned" once that rank's next forward began (and raised).
+UNFINISHED = ("unfinished", "abandoned")
 
 
 def ranks_text(ranks: List[int]) -> str:
@@ -53,16 +56,20 @@ def report_line(rank: int, report: Optional[dict], window_s: float, alive: Optio
     if kind == "failed":
         return f"rank {rank}: its wait for {waiting_text(report)} in training step {step} failed: {report['error']}"
     if kind == "raised":
+        why = {"failed": "failed", "proven": "was proven endless by the others' reports"}.get(
+            report.get("was"), "passed hang_timeout_s"
+        )
         return (
             f"rank {rank}: raised an error after its wait for {waiting_text(report)} in training step {step} "
-            f"{'failed' if report.get('was') == 'failed' else 'passed hang_timeout_s'}, and left the collectives"
+            f"{why}, and left the collectives"
         )
-    if kind == "unfinished":
+    if kind in UNFINISHED:
         buckets = sorted(set(report["unready_buckets"]))
         return (
             f"rank {rank}: its backward of training step {step} ended with no gradient for "
             f"{names_text(report['unready'], report.get('unready_count'))}, so it never launched "
             f"bucket{'s' if len(buckets) > 1 else ''} {', '.join(map(str, buckets))} ({_buckets(report)})"
+            + (", and it raised at its next forward" if kind == "abandoned" else "")
         )
     return f"rank {rank}: {kind} in training step {step}"
 
@@ -82,7 +89,7 @@ def hang_message(
     rank, step = own["rank"], own["step"]
     everyone = dict(reports)
     everyone[rank] = own
-    unfinished = [r for r, rep in everyone.items() if rep is not None and rep["kind"] == "unfinished"]
+    unfinished = [r for r, rep in everyone.items() if rep is not None and rep["kind"] in UNFINISHED]
     silent = [r for r, rep in everyone.items() if rep is None]
     gone = [r for r in silent if alive.get(r) is False]
     unknown = [r for r in silent if alive.get(r) is None]
@@ -112,12 +119,13 @@ def hang_message(
             "frozen part, an output left out of the loss), pass find_unused_parameters=True to "
             "DistributedDataParallel; otherwise make sure every parameter takes part in the loss on every rank."
         )
-    elif failed and (gone or unknown):
+    elif gone or (failed and unknown):
         dead = gone or unknown
         how = "died" if gone else "died or became unreachable"
+        wait = "failed" if failed else f"has lasted {own['waited_s']:.1f} s (hang_timeout_s={timeout_s:g})"
         lines.append(
             f"DistributedDataParallel: {ranks_text(dead)} {how} during training step {step}: on rank {rank} the "
-            f"wait for {where} failed, and {ranks_text(dead)} reported nothing through the store within "
+            f"wait for {where} {wait}, and {ranks_text(dead)} reported nothing through the store within "
             f"{window_s:.1f} s{' (the process is gone)' if gone else ''}. Look at "
             f"{'their' if len(dead) > 1 else 'its'} output for why (an exception, the out-of-memory killer, a lost "
             f"host); the job cannot go on without {'them' if len(dead) > 1 else 'it'}: restart it from a checkpoint."
@@ -146,6 +154,11 @@ def hang_message(
             f"{step} (this is rank {rank}, waiting for {where}; hang_timeout_s={timeout_s:g}). A rank ran a "
             "collective the others did not: compare the reports below."
         )
+    if not failed and own["waited_s"] < timeout_s:
+        lines.append(
+            f"The reports prove that this wait cannot end, so rank {rank} raised without waiting for "
+            f"hang_timeout_s ({timeout_s:g} s), which is for ranks that are merely late."
+        )
     lines.append("What each rank reported:")
     for r in sorted(everyone):
         lines.append("  " + report_line(r, everyone[r], window_s, alive.get(r)))
@@ -155,6 +168,6 @@ def hang_message(
 def proven(own: dict, reports: Dict[int, Optional[dict]]) -> bool:
     """Whether the reports prove the wait can never end: a rank left
     parameters without a gradient, or (the wait failed) a rank is silent."""
-    if any(rep is not None and rep["kind"] in ("unfinished", "raised") for rep in reports.values()):
+    if any(rep is not None and rep["kind"] in UNFINISHED + ("raised",) for rep in reports.values()):
         return True
     return own["kind"] == "failed"

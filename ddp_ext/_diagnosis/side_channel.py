@@ -75,11 +75,21 @@ class SideChannel:
             return True
         return not _zombie(pid)
 
-
-    def publish(self, report: dict) -> None:
+    def publish(self, report: dict, proof: bool = False) -> None:
+        """Writes this rank's report; `proof`: it proves the others' waits
+        endless, so it also moves the counter that their waits read."""
         try:
             self.store.set(self._key(self.rank), json.dumps(report))
+            if proof:
+                self.store.add(self._key(0, "proofs"), 1)
         except Exception as e:  # the store's host died, or the connection broke
+            raise StoreUnreachable(str(e)) from e
+
+    def proofs(self) -> int:
+        """How many proofs the ranks published so far: one round trip."""
+        try:
+            return int(self.store.add(self._key(0, "proofs"), 0))
+        except Exception as e:
             raise StoreUnreachable(str(e)) from e
 
     def read(self, rank: int) -> Optional[dict]:
@@ -93,7 +103,7 @@ class SideChannel:
 
     def gather(self, accept: Callable[[dict], bool], window_s: float) -> Dict[int, dict]:
         """Every other rank's report that `accept` takes, waiting up to
-        `window_s` seconds for those not there yet."""
+        `window_s` seconds for those not there yet (0: one pass)."""
         found: Dict[int, dict] = {}
         deadline = time.monotonic() + window_s
         while True:

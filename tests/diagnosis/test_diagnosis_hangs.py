@@ -14,6 +14,7 @@ import datetime
 import gc
 import multiprocessing
 import os
+import re
 import signal
 import tempfile
 import threading
@@ -98,9 +99,11 @@ def test_skipped_parameter_is_named_on_every_rank_within_the_timeout(world_size)
         for wrong in ("fc0.", "fc1."):
             assert wrong not in message, f"rank {rank}: names {wrong}, which got gradients:\n{message}"
         if rank != last:
-            # The ranks that waited: they waited the timeout, and say who lags.
-            assert seconds >= HANG_TIMEOUT_S * 0.9, f"rank {rank} raised before the timeout: {seconds:.2f} s"
+            # The ranks that waited say who lags. The last rank's next forward
+            # proved their waits endless, so they raised at the first probe
+            # after it, before the timeout (Note [Proven hangs]).
             assert f"rank {last} left parameters without a gradient" in message, message
+            assert "raised without waiting for hang_timeout_s" in message, message
             assert f"hang_timeout_s={HANG_TIMEOUT_S:g}" in message, message
 
 
@@ -316,9 +319,13 @@ def test_a_dead_rank_is_named_by_the_survivors():
         assert message != "no error"
         # Ranks on one host: the survivors can tell a dead process from a busy one.
         assert "DistributedDataParallel: rank 2 died during training step 2" in message, message
-        assert "rank 2: reported nothing within 0.5 s (its process is gone)" in message, message
-        assert "gloo" in message.lower(), "the transport's own error is kept"
-        assert seconds < 0.5 + SLACK_S, f"rank {rank} took {seconds:.1f} s"
+        assert re.search(r"rank 2: reported nothing within \d\.\d s \(its process is gone\)", message), message
+        # The transport's own error is kept: this rank's, or, when this rank's
+        # wait was not paired with the dead one (it waits on, and its next
+        # probe finds the survivor that raised: Note [Proven hangs]), the
+        # other survivor's.
+        assert "gloo" in message.lower() or "failed, and left the collectives" in message, message
+        assert seconds < 1.0 + SLACK_S, f"rank {rank} took {seconds:.1f} s"
 
 
 # --- No false alarms, nothing left behind -------------------------------------------------
