@@ -43,7 +43,6 @@ COMMON_READERS = {
     "_distributed_rank": lambda d: d._distributed_rank,
     "_lazy_init_ran": lambda d: d._lazy_init_ran,
     "_use_python_reducer": lambda d: d._use_python_reducer,
-    "_static_graph_delay_allreduce_enqueued": lambda d: d._static_graph_delay_allreduce_enqueued,
     "will_sync_module_buffers()": lambda d: d.will_sync_module_buffers(),
     "_get_active_ddp_module()": lambda d: d._get_active_ddp_module(),
     "named_parameters()": lambda d: list(d.named_parameters()),
@@ -57,6 +56,7 @@ TORCH_BLOCKS_ON = {"_get_ddp_logging_data()"}
 # ddp_ext's own readers, and those of its reducer (what the wrapper delegates to).
 EXT_READERS = {
     "bucket_indices()": lambda d: d.bucket_indices(),
+    "_static_graph_delay_allreduce_enqueued": lambda d: d._static_graph_delay_allreduce_enqueued,
     "straggler_report()": lambda d: d.straggler_report(),
     "bucket_tuner": lambda d: d.bucket_tuner,
     "bucket_bytes_cap_list": lambda d: d.bucket_bytes_cap_list,
