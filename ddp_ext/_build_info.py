@@ -35,6 +35,7 @@ SOURCES = [
     "reducer/reducer.cpp",
     "reducer/stall_report.cpp",
     "reducer/stall_watch.cpp",
+    "reducer/state_lock.cpp",
     "reducer/static_graph.cpp",
     "reducer/step_agreement.cpp",
     "reducer/step_check.cpp",

@@ -87,6 +87,14 @@ Reducer::Reducer(
     set_static_graph();
   }
   ready_.assign(n, false);
+  // See Note [Windows without the lock]: every wait lets the lock go.
+  stall_.set_window([this](bool open) {
+    if (open) {
+      open_window("a wait for one of its collectives or a hook's future");
+    } else {
+      close_window();
+    }
+  });
   hooks_.install(params_, param_names_, [this](size_t index, bool arrived) {
     on_gradient_ready(index, arrived);
   });
@@ -503,10 +511,15 @@ void Reducer::launch(size_t bucket_index) {
   }
   if (comm_hook_ != nullptr) {
     c10d::GradBucket handed = grad_bucket(bucket_index, bucket.flat);
+    c10::intrusive_ptr<c10::ivalue::Future> future;
     {
       TimelineRange hook_range(timeline_, TimelineEvent::kCommHook, bucket_index);
-      bucket.future = comm_hook_->runHook(handed);
+      // See Note [Windows without the lock]: the hook may read the wrapper,
+      // and a later bucket waits until this one has been launched.
+      WithoutLock window(*this, "its communication hook");
+      future = comm_hook_->runHook(handed);
     }
+    bucket.future = std::move(future);
     if (timeline_.on() && bucket.future) {
       range.set_value(bucket.flat.numel() * bucket.flat.element_size());
       timeline_.on_completion(bucket.future, bucket_index);
@@ -524,11 +537,13 @@ void Reducer::launch(size_t bucket_index) {
 
 c10::intrusive_ptr<c10::ivalue::Future> Reducer::run_comm_hook(
     c10d::GradBucket& bucket) {
+  std::shared_ptr<comm_hooks::CommHook> hook;
   {
     const auto lock = lock_state(Access::kRead);
-    if (comm_hook_ != nullptr) {
-      return comm_hook_->runHook(bucket);
-    }
+    hook = comm_hook_;
+  }
+  if (hook != nullptr) {
+    return hook->runHook(bucket); // without the lock: Note [Windows without the lock]
   }
   return run_allreduce(bucket);
 }
@@ -579,11 +594,18 @@ void Reducer::wait_for_launched_buckets() {
       bucket.work.reset();
     }
     if (bucket.future) {
-      // See Note [Communication hooks] in comm_hooks/comm_hook.h.
+      // See Note [Communication hooks] in comm_hooks/comm_hook.h. The
+      // future's value may be a Python object: read and released without
+      // the lock (Note [Windows without the lock]).
       auto future = std::move(bucket.future);
       bucket.future.reset();
-      stall_.wait(*future, "bucket", static_cast<int64_t>(b));
-      const at::Tensor reduced = comm_hook_->parseHookResult(future->value());
+      at::Tensor reduced;
+      {
+        WithoutLock window(*this, "a wait for its communication hook's future");
+        stall_.wait(*future, "bucket", static_cast<int64_t>(b));
+        reduced = comm_hook_->parseHookResult(future->value());
+        future.reset();
+      }
       if (!reduced.is_same(bucket.flat)) {
         TORCH_CHECK(
             reduced.numel() == bucket.flat.numel(),

@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -289,13 +290,18 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void watch_backward_end();
   void check_backward_ended();
 
-  // The reducer's lock, to read its state or to change it. While the stall
-  // handler runs, without the lock (Note [Hang attribution], point
-  // "Reporting without the lock"), other threads wait here until it
-  // returns; the thread that runs it may read, and raises if it would change.
+  // The reducer's lock, to read its state or to change it; a reader never
+  // waits for more than another thread's short critical section. See Note
+  // [Windows without the lock] in reducer/state_lock.cpp.
   enum class Access { kRead, kChange };
   std::unique_lock<std::mutex> lock_state(Access access) const;
-  class ReportingWithoutLock;
+  // Opens and closes a window in which the thread that changes the reducer
+  // lets its lock go: around a communication hook, every wait for a
+  // collective or a hook's future, and the hang handler. `what` (a string
+  // literal) names it in the error a change from inside it raises.
+  class WithoutLock;
+  void open_window(const char* what);
+  void close_window();
 
   const std::vector<at::Tensor> params_;
   const std::vector<std::string> param_names_;
@@ -319,6 +325,12 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   // Guards everything below; hooks may run on several autograd threads.
   mutable std::mutex mutex_;
+  // See Note [Windows without the lock]: what each open window is for,
+  // innermost last (empty: none is open), and the one thread that opened
+  // them; changers from other threads wait on windows_closed_.
+  std::vector<const char*> windows_;
+  std::atomic<std::thread::id> window_thread_{};
+  mutable std::condition_variable windows_closed_;
   Phase phase_ = Phase::kIdle;
   int64_t iterations_ = 0;
   // See Note [Ranks out of step]; step_check_ is unset in a world of one.
@@ -346,14 +358,28 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   // See Note [Hang attribution].
   StallWatch stall_;
-  bool reporting_stall_ = false; // the handler runs, mutex_ released
-  std::thread::id reporting_thread_;
-  mutable std::condition_variable stall_reported_;
   int64_t backward_step_ = 0; // training_steps_ when the backward began
   bool reported_unfinished_ = false;
 
   // See Note [Runtime statistics] and Note [Stragglers].
   PhaseRecorder phases_;
+};
+
+// A window without the reducer's lock for as long as it lives (also when
+// what runs in it raises). See Note [Windows without the lock].
+class Reducer::WithoutLock {
+ public:
+  WithoutLock(Reducer& reducer, const char* what) : reducer_(reducer) {
+    reducer_.open_window(what);
+  }
+  ~WithoutLock() {
+    reducer_.close_window();
+  }
+  WithoutLock(const WithoutLock&) = delete;
+  WithoutLock& operator=(const WithoutLock&) = delete;
+
+ private:
+  Reducer& reducer_;
 };
 
 } // namespace ddp_ext::reducer

@@ -1,5 +1,6 @@
-// The reducer's side of hang attribution: what it reports about itself, when,
-// and the lock it releases while the report is handled. See Note [Hang
+// The reducer's side of hang attribution: what it reports about itself and
+// when; the handler runs in a window without the reducer's lock (Note
+// [Windows without the lock] in reducer/state_lock.cpp). See Note [Hang
 // attribution] in reducer/stall_watch.h.
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
@@ -11,53 +12,6 @@
 
 namespace ddp_ext::reducer {
 
-// Releases mutex_, which the waiting thread holds, for as long as the
-// handler runs, and takes it back (also when the handler raises). Other
-// threads wait in lock_state until then, so the state the waiting code
-// relies on cannot change under it.
-class Reducer::ReportingWithoutLock {
- public:
-  explicit ReportingWithoutLock(Reducer& reducer) : reducer_(reducer) {
-    reducer_.reporting_stall_ = true;
-    reducer_.reporting_thread_ = std::this_thread::get_id();
-    reducer_.mutex_.unlock();
-  }
-  ~ReportingWithoutLock() {
-    reducer_.mutex_.lock();
-    reducer_.reporting_stall_ = false;
-    reducer_.reporting_thread_ = std::thread::id();
-    reducer_.stall_reported_.notify_all();
-  }
-  ReportingWithoutLock(const ReportingWithoutLock&) = delete;
-  ReportingWithoutLock& operator=(const ReportingWithoutLock&) = delete;
-
- private:
-  Reducer& reducer_;
-};
-
-std::unique_lock<std::mutex> Reducer::lock_state(Access access) const {
-  std::unique_lock<std::mutex> lock(mutex_);
-  if (!reporting_stall_) {
-    return lock;
-  }
-  if (reporting_thread_ != std::this_thread::get_id()) {
-    stall_reported_.wait(lock, [this] { return !reporting_stall_; });
-    return lock;
-  }
-  // The thread that handles the report: a warning hook or filter of its
-  // own. Reading is safe (that thread holds the state still); changing it
-  // would pull it from under the wait that reports.
-  lock.unlock();
-  TORCH_CHECK(
-      access == Access::kRead,
-      "DistributedDataParallel cannot be changed (forward, backward, a hook "
-      "or setting registered, the process group updated) from inside its own "
-      "hang report: a warning hook or filter runs while one of its "
-      "collectives waits. Read from there (straggler_report(), "
-      "_get_ddp_logging_data()), and change it after the warning returns.");
-  return std::unique_lock<std::mutex>();
-}
-
 void Reducer::set_stall_handler(
     int64_t timeout_ms, std::function<void(const StallReport&)> handler) {
   const auto lock = lock_state(Access::kChange);
@@ -66,10 +20,12 @@ void Reducer::set_stall_handler(
     return;
   }
   // The watch is a member: the lambda never outlives `this`. Every caller of
-  // the watch holds mutex_ (the reducer's waits all run under it).
+  // the watch changes the reducer: it holds mutex_, or waits in a window of
+  // its own where no other thread changes anything (Note [Windows without
+  // the lock]), so the report reads a state that holds still.
   stall_.configure(timeout_ms, [this, handler = std::move(handler)](const StallEvent& event) {
     const StallReport report = stall_report(event);
-    ReportingWithoutLock unlocked(*this);
+    WithoutLock window(*this, "its own hang report (a warning hook or filter)");
     handler(report);
   });
 }

@@ -24,6 +24,26 @@ struct Completion {
   bool done = false;
 };
 
+// Keeps the owner's window open for one wait (StallWatch::set_window).
+class OpenWindow {
+ public:
+  explicit OpenWindow(const StallWatch::Window& window) : window_(window) {
+    if (window_) {
+      window_(true);
+    }
+  }
+  ~OpenWindow() {
+    if (window_) {
+      window_(false);
+    }
+  }
+  OpenWindow(const OpenWindow&) = delete;
+  OpenWindow& operator=(const OpenWindow&) = delete;
+
+ private:
+  const StallWatch::Window& window_;
+};
+
 } // namespace
 
 const char* stall_kind_name(StallEvent::Kind kind) {
@@ -79,6 +99,7 @@ void StallWatch::slice_passed(
 }
 
 void StallWatch::wait(c10d::Work& work, const char* waiting_for, int64_t bucket) {
+  const OpenWindow window(window_);
   if (!on()) {
     work.wait();
     return;
@@ -119,6 +140,7 @@ void StallWatch::wait(c10d::Work& work, const char* waiting_for, int64_t bucket)
 
 void StallWatch::wait(
     c10::ivalue::Future& future, const char* waiting_for, int64_t bucket) {
+  const OpenWindow window(window_);
   if (on() && !future.completed()) {
     auto completion = std::make_shared<Completion>();
     future.addCallback([completion](c10::ivalue::Future&) {

@@ -58,23 +58,15 @@ namespace ddp_ext::reducer {
 // wrapper built with init_sync=False, which runs no collective, takes its
 // own rank's count).
 //
-// Reporting without the lock. Every wait of the reducer runs under its
-// mutex, and the handler is Python that runs user code (warnings.warn: a
-// filter, showwarning, a logging handler), which may call back into the
-// wrapper (straggler_report(), _get_ddp_logging_data()) on the same thread:
-// with the mutex held that deadlocks. So the reducer builds its report
-// under the mutex, then releases it while the handler runs and takes it
-// back before the wait goes on (reducer/stall_report.cpp). The state the
-// waiting code relies on must not change meanwhile: a flag set under the
-// mutex makes every other thread that takes the reducer's lock wait until
-// the handler returns (as it waited on the mutex before), and on the
-// handler's thread a call that reads goes through while one that would
-// change the reducer (forward, backward, registering a hook, updating the
-// process group) raises instead. Lock order is unchanged: a thread waits
-// for the flag with the GIL released (every binding into the reducer
-// releases it first), so the handler can always take the GIL. A filter that
-// turns the warning into an error makes the rank raise it, as
-// on_hang="raise" does.
+// Reporting without the lock. The handler is Python that runs user code
+// (warnings.warn: a filter, showwarning, a logging handler), which may call
+// back into the wrapper (straggler_report(), _get_ddp_logging_data()) on the
+// same thread. So each wait, and the handler, runs in a window without the
+// reducer's lock (Note [Windows without the lock] in
+// reducer/state_lock.cpp): readers go through, from any thread; a change
+// from the handler's thread raises; changes from other threads wait until
+// the window closes. A filter that turns the warning into an error makes
+// the rank raise it, as on_hang="raise" does.
 //
 // Cost: a wait that completes within its first slice is one
 // Work::wait(slice) instead of Work::wait(), the same condition variable;
@@ -135,6 +127,14 @@ class StallWatch {
   // Reports an event that is not about a wait.
   void report(StallEvent::Kind kind);
 
+  // Called with true before each wait and with false after it (also when it
+  // raises): the reducer lets its lock go there. See Note [Windows without
+  // the lock] in reducer/state_lock.cpp.
+  using Window = std::function<void(bool open)>;
+  void set_window(Window window) {
+    window_ = std::move(window);
+  }
+
  private:
   // A slice passed after `waited` (start to now), short of `deadline` or
   // not: reports kWaiting or kStalled, and moves `deadline` past a stall.
@@ -145,6 +145,7 @@ class StallWatch {
   std::chrono::milliseconds timeout_{0};
   std::chrono::milliseconds slice_{0}; // min(timeout_, kProbeSlice)
   Report report_;
+  Window window_;
 };
 
 } // namespace ddp_ext::reducer
