@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.spawn import run_ranks
+from tests.support.spawn import run_ranks
 
 STEPS = 4
 TIMEOUT_S = 120.0  # a hook or callback that blocks on the reducer's lock hangs: fail instead

@@ -22,7 +22,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import ddp_zero_hook
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from tests.spawn import run_ranks
+from tests.support.spawn import run_ranks
 
 STEPS = 6  # the first two update nothing: ZeRO learns DDP's buckets from them
 TIMEOUT_S = 120.0  # a hook that blocks on the reducer hangs: fail instead
