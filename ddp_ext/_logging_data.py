@@ -33,6 +33,9 @@ def logging_data(ddp) -> Dict[str, Any]:
         "has_rebuilt_buckets": 0,
         "master_addr": os.environ.get("MASTER_ADDR", "N/A"),
         "master_port": os.environ.get("MASTER_PORT", "N/A"),
+        # torch's: the iteration of the last sample or error, see
+        # sample_runtime_stats; 0 before.
+        "iteration": 0,
     }
     if reducer is not None:
         iterations = reducer.iterations
@@ -40,7 +43,6 @@ def logging_data(ddp) -> Dict[str, Any]:
             {
                 "bucket_sizes": ", ".join(map(str, reducer.bucket_sizes())),
                 "num_buckets_reduced": len(reducer.bucket_sizes()),
-                "iteration": iterations,
                 # Static graph needs the same parameters used in every
                 # iteration; ddp_ext tracks whether that held so far.
                 "can_set_static_graph": int(iterations > 0 and reducer.unused_parameters_stable),
@@ -73,48 +75,74 @@ def logging_data(ddp) -> Dict[str, Any]:
 
 RUNTIME_TIMES = ("forward_compute_time", "backward_compute_time", "backward_comm_time",
                  "backward_compute_comm_overlap_time")
+RUNTIME_INSTANTS = ("forward_compute_time_start", "backward_compute_time_start", "backward_compute_time_end",
+                    "backward_comm_time_start", "backward_comm_time_end")
+
+
+def _stats(ddp) -> Dict[str, Any]:
+    # `forwards`: torch's reducer num_iterations_, the synchronising forwards
+    # with gradients so far; `samples`: its logger's
+    # num_iterations_stats_recorded_; `logged`: what the logger last set.
+    return ddp.__dict__.setdefault("_runtime_stats", {"forwards": 0, "samples": 0, "logged": {}})
+
+
+def is_sampled(iteration: int, sample_rate: int) -> bool:
+    """torch's Reducer::should_collect_runtime_stats: the first ten
+    iterations, then every `sample_rate`-th (iteration 0, the first forward,
+    has nothing to report yet)."""
+    return iteration > 0 and (iteration <= 10 or iteration % sample_rate == 0)
 
 
 def sample_runtime_stats(ddp) -> None:
     """Called at every synchronising forward with gradients, before the
-    reducer's prepare_for_forward, as torch's logger is: on sampled
-    iterations (the first ten, then every `_runtime_logging_sample_rate`-th)
-    logs the last iteration's times, in nanoseconds, with torch's meaning
-    (Note [Runtime statistics] in reducer/runtime_times.h) and their running
-    averages (avg_*)."""
-    stats = ddp.__dict__.setdefault("_runtime_stats", {"forwards": 0, "samples": 0, "logged": {}})
-    forwards = stats["forwards"]
-    stats["forwards"] = forwards + 1
-    if forwards == 0 or not (forwards <= 10 or forwards % ddp._runtime_logging_sample_rate == 0):
+    reducer's prepare_for_forward, as torch's Logger::set_runtime_stats_and_log
+    is. On a sampled iteration (`is_sampled`, counting this forward's
+    predecessors) it sets `iteration` to that count and logs the last
+    iteration's times, in nanoseconds, with torch's meaning (Note [Runtime
+    statistics] in reducer/runtime_times.h), and their running averages
+    (avg_*). As torch does, every figure is first reset to 0 and a time whose
+    end precedes its start (the iteration had no such phase, e.g. a forward
+    without backward came in between) stays 0 and leaves its average alone;
+    between samples every key keeps its value."""
+    stats = _stats(ddp)
+    iteration = stats["forwards"]
+    stats["forwards"] = iteration + 1
+    if not is_sampled(iteration, ddp._runtime_logging_sample_rate):
         return
-    forward, compute_start, comm_start, compute_end, comm_end = ddp.reducer._runtime_times()
-    if not (0 < forward <= compute_start <= comm_start <= comm_end and compute_start <= compute_end <= comm_end):
-        return  # the last forward had no finished synchronising backward
-    times = {
-        "forward_compute_time": compute_start - forward,
-        "backward_compute_time": compute_end - compute_start,
-        "backward_comm_time": comm_end - comm_start,
-        # Negative when every bucket left after the backward (no overlap).
-        "backward_compute_comm_overlap_time": max(0, compute_end - comm_start),
-    }
     samples = stats["samples"] + 1
     stats["samples"] = samples
     logged = stats["logged"]
-    for key, value in times.items():
-        logged[key] = value
-        logged[f"avg_{key}"] = (logged.get(f"avg_{key}", 0) * (samples - 1) + value) // samples
-    logged.update(
-        forward_compute_time_start=forward,
-        backward_compute_time_start=compute_start,
-        backward_compute_time_end=compute_end,
-        backward_comm_time_start=comm_start,
-        backward_comm_time_end=comm_end,
-    )
+    logged["iteration"] = iteration
+    logged.update(dict.fromkeys(RUNTIME_TIMES + RUNTIME_INSTANTS, 0))
+    forward, compute_start, comm_start, compute_end, comm_end = ddp.reducer._runtime_times()
+    spans = {
+        "forward_compute_time": (forward, compute_start),
+        "backward_compute_time": (compute_start, compute_end),
+        "backward_comm_time": (comm_start, comm_end),
+        # Not measured when every bucket left after the backward (no overlap).
+        "backward_compute_comm_overlap_time": (comm_start, compute_end),
+    }
+    for key, (start, end) in spans.items():
+        average = logged.get(f"avg_{key}", 0)
+        if 0 < start <= end:  # 0: not recorded yet
+            logged[key] = end - start
+            average = (end - start + average * (samples - 1)) // samples
+        logged[f"avg_{key}"] = average
+    instants = (forward, compute_start, compute_end, comm_start, comm_end)
+    for key, instant in zip(RUNTIME_INSTANTS, instants):
+        logged[key] = instant
+
+
+def record_error(ddp, message: str) -> None:
+    """torch's Logger::set_error_and_log: `has_error` and `error` in the
+    logging data, and `iteration` at the error."""
+    stats = _stats(ddp)
+    stats["logged"].update(has_error=1, error=message, iteration=stats["forwards"])
 
 
 def set_runtime_logging_sample_rate(ddp, sample_rate: int) -> None:
     """Every how many iterations, after the first ten, sample_runtime_stats
     logs the times (torch's default: 100)."""
     if sample_rate < 1:
-        raise ValueError("DDP runtime logging sample rate should be equal or greater than 1")
+        ddp._log_and_throw(ValueError, "DDP runtime logging sample rate should be equal or greater than 1")
     ddp._runtime_logging_sample_rate = sample_rate

@@ -197,13 +197,7 @@ void Reducer::register_comm_hook(std::shared_ptr<comm_hooks::CommHook> hook) {
       phase_ != Phase::kReducing,
       "a communication hook cannot be registered while gradients are being "
       "reduced; register it between iterations");
-  for (const auto& bucket : layout_.buckets()) {
-    TORCH_CHECK(
-        !bucket.sparse, "ddp_ext's communication hooks reduce dense buckets "
-        "only, and parameter ", param_names_[bucket.param_indices.front()],
-        " has sparse gradients (an Embedding with sparse=True)");
-  }
-  comm_hook_ = std::move(hook);
+  comm_hook_ = std::move(hook); // sparse buckets too: see Note [Sparse gradients]
   gradients_stay_local_ = stays_local();
   if (comm_hook_->keeps_per_bucket_state()) {
     layout_.order().allow_continuous(false);
@@ -365,11 +359,7 @@ void Reducer::on_gradient_ready(size_t index, bool gradient_arrived) {
     case Phase::kAccumulating:
       return; // See Note [Reducer phases]: no_sync.
     case Phase::kIdle:
-      // See Note [Unprepared backward].
-      TORCH_CHECK(
-          !gradient_arrived,
-          unprepared_gradient_message(process_group_->getRank(), param_names_[index]));
-      return;
+      return; // See Note [Unprepared backward]: left in .grad, as torch's DDP.
     case Phase::kExpectingGradients:
       start_reducing();
       break;
@@ -431,9 +421,9 @@ void Reducer::copy_into_bucket(size_t index, bool scale) {
   const at::Tensor& grad = params_[index].grad();
   at::NoGradGuard no_grad;
   if (bucket.sparse) {
-    // See Note [Sparse gradients].
+    // See Note [Sparse gradients]: a hook gets it undivided, as a dense one.
     bucket.sparse_grad = sparse_contribution(
-        params_[index], grad, averaging_.ranks(), param_names_[index]);
+        params_[index], grad, scale ? averaging_.ranks() : 1, param_names_[index]);
     return;
   }
   const at::Tensor& view = bucket.views[layout_.slot_of(index)];
@@ -488,9 +478,9 @@ void Reducer::launch(size_t bucket_index) {
   note_fill_stream(bucket.filled_on, bucket.params.front().device());
   if (options_.batched_grad_copy) {
     for (size_t index : bucket.param_indices) {
-      copy_into_bucket(index, /*scale=*/false);
+      copy_into_bucket(index, /*scale=*/bucket.sparse && comm_hook_ == nullptr);
     }
-    if (comm_hook_ == nullptr) {
+    if (comm_hook_ == nullptr && !bucket.sparse) {
       at::NoGradGuard no_grad;
       bucket.flat.mul_(averaging_.factor());
     }
@@ -502,13 +492,15 @@ void Reducer::launch(size_t bucket_index) {
     return; // Unused on every rank too, by the option's contract.
   }
   if (comm_hook_ != nullptr) {
-    c10d::GradBucket handed = grad_bucket(bucket_index, bucket.flat);
+    // See Note [Sparse gradients]: a sparse bucket's buffer is its gradient.
+    const at::Tensor& buffer = bucket.sparse ? bucket.sparse_grad : bucket.flat;
+    c10d::GradBucket handed = grad_bucket(bucket_index, buffer);
     {
       TimelineRange hook_range(timeline_, TimelineEvent::kCommHook, bucket_index);
       bucket.future = comm_hook_->runHook(handed);
     }
     if (timeline_.on() && bucket.future) {
-      range.set_value(bucket.flat.numel() * bucket.flat.element_size());
+      range.set_value(buffer.is_sparse() ? buffer._values().nbytes() : buffer.nbytes());
       timeline_.on_completion(bucket.future, bucket_index);
     }
     return;
@@ -584,7 +576,17 @@ void Reducer::wait_for_launched_buckets() {
       bucket.future.reset();
       stall_.wait(*future, "bucket", static_cast<int64_t>(b));
       const at::Tensor reduced = comm_hook_->parseHookResult(future->value());
-      if (!reduced.is_same(bucket.flat)) {
+      if (bucket.sparse) {
+        // See Note [Sparse gradients]: the hook's result becomes the .grad.
+        TORCH_CHECK(
+            reduced.is_sparse() && reduced.sizes() == bucket.params.front().sizes(),
+            "the communication hook's future for bucket ", b, " holds a ",
+            reduced.is_sparse() ? "sparse" : "dense", " tensor of shape ",
+            reduced.sizes(), ", but the bucket holds the sparse gradient of ",
+            param_names_[bucket.param_indices.front()], " (shape ",
+            bucket.params.front().sizes(), "): return the reduced bucket.buffer()");
+        bucket.sparse_grad = reduced;
+      } else if (!reduced.is_same(bucket.flat)) {
         TORCH_CHECK(
             reduced.numel() == bucket.flat.numel(),
             "the communication hook's future for bucket ", b, " holds ",
