@@ -9,6 +9,48 @@ import torch
 from ddp_ext._arguments import backend_name
 
 
+# What torch's logger names a parameter dtype (c10's TypeMeta name).
+_TYPE_META_NAMES = {
+    torch.float32: "float",
+    torch.float64: "double",
+    torch.float16: "c10::Half",
+    torch.bfloat16: "c10::BFloat16",
+    torch.complex64: "c10::complex<float>",
+    torch.complex128: "c10::complex<double>",
+}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return _TYPE_META_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def _environment(group) -> Dict[str, Any]:
+    """torch's Logger::set_env_variables: the settings that shaped the run,
+    "N/A" when unset; NCCL's or Gloo's only with that backend."""
+
+    def env(name: str) -> str:
+        return os.environ.get(name, "N/A")
+
+    data: Dict[str, Any] = {
+        "master_addr": env("MASTER_ADDR"),
+        "master_port": env("MASTER_PORT"),
+        "torch_distributed_debug": env("TORCH_DISTRIBUTED_DEBUG"),
+        "cuda_visible_devices": env("CUDA_VISIBLE_DEVICES"),
+    }
+    backend = backend_name(group)
+    if backend == "nccl":
+        for name in ("SOCKET_IFNAME", "BLOCKING_WAIT", "ASYNC_ERROR_HANDLING", "DEBUG", "NTHREADS", "IB_TIMEOUT"):
+            data[f"nccl_{name.lower()}"] = env(f"NCCL_{name}")
+    elif backend == "gloo":
+        data["gloo_socket_ifname"] = env("GLOO_SOCKET_IFNAME")
+        data["gloo_device_transport"] = env("GLOO_DEVICE_TRANSPORT")
+        try:
+            data["gloo_num_threads"] = group._get_backend(torch.device("cpu")).options._threads
+        except (AttributeError, RuntimeError):
+            pass  # a group whose CPU backend is not torch's ProcessGroupGloo
+    return data
+
+
 def logging_data(ddp) -> Dict[str, Any]:
     params = [p for p in ddp._module_parameters if p.requires_grad]
     reducer = ddp.reducer
@@ -20,7 +62,7 @@ def logging_data(ddp) -> Dict[str, Any]:
         "backend_name": backend_name(group) or "unknown",
         "device_ids": ", ".join(map(str, ddp.device_ids or [])),
         "output_device": -1 if ddp.output_device is None else ddp.output_device,
-        "dtypes": ", ".join(sorted({str(p.dtype).replace("torch.", "") for p in params})),
+        "dtypes": ", ".join(sorted({_dtype_name(p.dtype) for p in params})),
         "broadcast_buffers": int(ddp.forward_sync_buffers),
         "bucket_cap_bytes": ddp.bucket_bytes_cap,
         "find_unused_parameters": int(ddp.find_unused_parameters),
@@ -31,11 +73,10 @@ def logging_data(ddp) -> Dict[str, Any]:
         "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in params),
         "has_sync_bn": int(any(isinstance(m, torch.nn.SyncBatchNorm) for m in ddp.module.modules())),
         "has_rebuilt_buckets": 0,
-        "master_addr": os.environ.get("MASTER_ADDR", "N/A"),
-        "master_port": os.environ.get("MASTER_PORT", "N/A"),
         # torch's: the iteration of the last sample or error, see
         # sample_runtime_stats; 0 before.
         "iteration": 0,
+        **_environment(group),
     }
     if reducer is not None:
         iterations = reducer.iterations

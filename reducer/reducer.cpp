@@ -24,7 +24,11 @@ namespace ddp_ext::reducer {
 // rounded to a reduce dtype: hooks keep their bookkeeping (so every error is
 // raised as with more ranks) but copy nothing, no collective is launched, and
 // nothing is written back. Parameters that got no gradient keep their .grad,
-// which is what "used by no rank" means in a world of one.
+// which is what "used by no rank" means in a world of one. Only over torch's
+// own backends (Gloo, NCCL, UCC, MPI, XCCL), where skipping a collective
+// cannot be seen: any other group, such as one written in Python, is user
+// code whose collectives may do more than reduce (count steps, coordinate
+// replicas), so it gets every collective torch's DDP would call, alone too.
 
 static_assert(StepCheck::kPhases == PhaseRecorder::kPhases, "Note [Stragglers]");
 
@@ -38,6 +42,21 @@ std::vector<at::Tensor> checked_params(
       names.size() == params.size(), "Reducer got ", params.size(),
       " parameters but ", names.size(), " names");
   return params;
+}
+
+// See Note [A world of one rank].
+bool torch_backend(const c10d::ProcessGroup& group) {
+  using Type = c10d::ProcessGroup::BackendType;
+  switch (group.getBackendType()) {
+    case Type::GLOO:
+    case Type::NCCL:
+    case Type::UCC:
+    case Type::MPI:
+    case Type::XCCL:
+      return true;
+    default:
+      return false;
+  }
 }
 
 bool any_droppable(const std::vector<int64_t>& units) {
@@ -206,7 +225,8 @@ void Reducer::register_comm_hook(std::shared_ptr<comm_hooks::CommHook> hook) {
 
 bool Reducer::stays_local() const {
   // See Note [A world of one rank].
-  return process_group_->getSize() == 1 && !options_.gradient_as_bucket_view &&
+  return process_group_->getSize() == 1 && torch_backend(*process_group_) &&
+      !options_.gradient_as_bucket_view &&
       !options_.reduce_dtype && comm_hook_ == nullptr;
 }
 
@@ -563,10 +583,13 @@ void Reducer::wait_for_launched_buckets() {
   for (size_t b = 0; b < next_bucket_; ++b) {
     Bucket& bucket = layout_.buckets()[b];
     if (bucket.work) {
-      stall_.wait(*bucket.work, "bucket", static_cast<int64_t>(b));
+      // As torch's reducer, through the work's future: all that a Work
+      // written in Python must provide.
+      const auto done = bucket.work->getFuture();
+      stall_.wait(*done, "bucket", static_cast<int64_t>(b));
       timeline_.awaited(b);
       if (bucket.sparse) {
-        bucket.sparse_grad = bucket.work->result().front();
+        bucket.sparse_grad = done->value().toTensorVector().front();
       }
       bucket.work.reset();
     }
