@@ -2,6 +2,7 @@
 describe the configuration and progress, filled from ddp_ext's own state."""
 
 import os
+import time
 from typing import Any, Dict
 
 import torch
@@ -148,6 +149,10 @@ def sample_runtime_stats(ddp) -> None:
     stats = _stats(ddp)
     iteration = stats["forwards"]
     stats["forwards"] = iteration + 1
+    # torch's timer starts the forward at synchronising forwards only; the
+    # reducer's forward_start also moves at a forward inside no_sync.
+    forward = stats.get("forward_start", 0)
+    stats["forward_start"] = time.monotonic_ns()  # the reducer's clock
     if not is_sampled(iteration, ddp._runtime_logging_sample_rate):
         return
     samples = stats["samples"] + 1
@@ -155,7 +160,11 @@ def sample_runtime_stats(ddp) -> None:
     logged = stats["logged"]
     logged["iteration"] = iteration
     logged.update(dict.fromkeys(RUNTIME_TIMES + RUNTIME_INSTANTS, 0))
-    forward, compute_start, comm_start, compute_end, comm_end = ddp.reducer._runtime_times()
+    # torch's timer keeps an instant until it is recorded again; the reducer
+    # clears the backward's instants when it arms the next backward.
+    kept = stats.setdefault("instants", [0, 0, 0, 0])
+    kept[:] = [now or before for now, before in zip(ddp.reducer._runtime_times()[1:], kept)]
+    compute_start, comm_start, compute_end, comm_end = kept
     spans = {
         "forward_compute_time": (forward, compute_start),
         "backward_compute_time": (compute_start, compute_end),
