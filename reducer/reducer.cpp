@@ -59,6 +59,15 @@ bool torch_backend(const c10d::ProcessGroup& group) {
   }
 }
 
+// The Work's future, or null if it has none (c10d's default getFuture raises).
+c10::intrusive_ptr<c10::ivalue::Future> future_of(c10d::Work& work) {
+  try {
+    return work.getFuture();
+  } catch (const c10::Error&) {
+    return nullptr;
+  }
+}
+
 bool any_droppable(const std::vector<int64_t>& units) {
   return std::any_of(units.begin(), units.end(), [](int64_t unit) { return unit >= 0; });
 }
@@ -583,13 +592,20 @@ void Reducer::wait_for_launched_buckets() {
   for (size_t b = 0; b < next_bucket_; ++b) {
     Bucket& bucket = layout_.buckets()[b];
     if (bucket.work) {
-      // As torch's reducer, through the work's future: all that a Work
-      // written in Python must provide.
-      const auto done = bucket.work->getFuture();
-      stall_.wait(*done, "bucket", static_cast<int64_t>(b));
+      // Over a group not built into torch (one written in Python), as
+      // torch's reducer: through the Work's future, all such a Work must
+      // provide. Over torch's own, and for a Work without a future, the
+      // Work itself (the process group's timeout applies).
+      const auto done = torch_backend(*process_group_) ? nullptr : future_of(*bucket.work);
+      if (done) {
+        stall_.wait(*done, "bucket", static_cast<int64_t>(b));
+      } else {
+        stall_.wait(*bucket.work, "bucket", static_cast<int64_t>(b));
+      }
       timeline_.awaited(b);
       if (bucket.sparse) {
-        bucket.sparse_grad = done->value().toTensorVector().front();
+        bucket.sparse_grad = done ? done->value().toTensorVector().front()
+                                  : bucket.work->result().front();
       }
       bucket.work.reset();
     }
