@@ -40,7 +40,7 @@ def register_comm_hook(ddp, state: object, hook) -> None:
     instead of the default averaging allreduce (torch's contract: the bucket
     holds gradients not yet divided by the world size; the future's value
     is the reduced buffer). Once only, between iterations."""
-    check_comm_hook(hook)
+    ddp._check_comm_hook(hook)  # records the error in the logging data, as torch's
     native = _native_hook(ddp, state, hook)
     _install(ddp, native, hook_name(hook), state)
     if _stops_tuning(ddp, native):  # here, so that the warning names the caller's line

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from ddp_ext import _C
+from ddp_ext import _C, _collectives
 from ddp_ext._buffers import BROADCAST_CHUNK_BYTES
 
 
@@ -42,7 +42,7 @@ class DelayedAllReduce:
 
     def _finish(self) -> None:
         if self._work is not None:
-            self._work.wait()
+            _collectives.wait(self._work)
             self._work = None
 
     def point_grads_at_buffer(self) -> None:

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook
 
+from ddp_ext import _collectives
+
 
 class DistributedDataParallelJoinHook(JoinHook):
     def __init__(self, ddp, divide_by_initial_world_size: bool):
@@ -99,7 +101,7 @@ def check_global_requires_backward_grad_sync(ddp, is_joined_rank: bool):
     work = dist.all_reduce(flag, group=ddp.process_group, async_op=True)
     if not is_joined_rank:
         return None
-    work.wait()
+    _collectives.wait(work)
     return flag.item() != 0
 
 
@@ -134,4 +136,4 @@ def match_all_reduce_for_bwd_pass(ddp) -> None:
 
 def match_unused_params_allreduce(ddp) -> None:
     """Point 5 above."""
-    ddp.process_group.allreduce(ddp.reducer._get_local_used_map()).wait()
+    _collectives.wait(_collectives.allreduce(ddp.process_group, [ddp.reducer._get_local_used_map()]))

@@ -2,11 +2,54 @@
 describe the configuration and progress, filled from ddp_ext's own state."""
 
 import os
+import time
 from typing import Any, Dict
 
 import torch
 
 from ddp_ext._arguments import backend_name
+
+
+# What torch's logger names a parameter dtype (c10's TypeMeta name).
+_TYPE_META_NAMES = {
+    torch.float32: "float",
+    torch.float64: "double",
+    torch.float16: "c10::Half",
+    torch.bfloat16: "c10::BFloat16",
+    torch.complex64: "c10::complex<float>",
+    torch.complex128: "c10::complex<double>",
+}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return _TYPE_META_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def _environment(group) -> Dict[str, Any]:
+    """torch's Logger::set_env_variables: the settings that shaped the run,
+    "N/A" when unset; NCCL's or Gloo's only with that backend."""
+
+    def env(name: str) -> str:
+        return os.environ.get(name, "N/A")
+
+    data: Dict[str, Any] = {
+        "master_addr": env("MASTER_ADDR"),
+        "master_port": env("MASTER_PORT"),
+        "torch_distributed_debug": env("TORCH_DISTRIBUTED_DEBUG"),
+        "cuda_visible_devices": env("CUDA_VISIBLE_DEVICES"),
+    }
+    backend = backend_name(group)
+    if backend == "nccl":
+        for name in ("SOCKET_IFNAME", "BLOCKING_WAIT", "ASYNC_ERROR_HANDLING", "DEBUG", "NTHREADS", "IB_TIMEOUT"):
+            data[f"nccl_{name.lower()}"] = env(f"NCCL_{name}")
+    elif backend == "gloo":
+        data["gloo_socket_ifname"] = env("GLOO_SOCKET_IFNAME")
+        data["gloo_device_transport"] = env("GLOO_DEVICE_TRANSPORT")
+        try:
+            data["gloo_num_threads"] = group._get_backend(torch.device("cpu")).options._threads
+        except (AttributeError, RuntimeError):
+            pass  # a group whose CPU backend is not torch's ProcessGroupGloo
+    return data
 
 
 def logging_data(ddp) -> Dict[str, Any]:
@@ -20,7 +63,7 @@ def logging_data(ddp) -> Dict[str, Any]:
         "backend_name": backend_name(group) or "unknown",
         "device_ids": ", ".join(map(str, ddp.device_ids or [])),
         "output_device": -1 if ddp.output_device is None else ddp.output_device,
-        "dtypes": ", ".join(sorted({str(p.dtype).replace("torch.", "") for p in params})),
+        "dtypes": ", ".join(sorted({_dtype_name(p.dtype) for p in params})),
         "broadcast_buffers": int(ddp.forward_sync_buffers),
         "bucket_cap_bytes": ddp.bucket_bytes_cap,
         "find_unused_parameters": int(ddp.find_unused_parameters),
@@ -31,8 +74,10 @@ def logging_data(ddp) -> Dict[str, Any]:
         "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in params),
         "has_sync_bn": int(any(isinstance(m, torch.nn.SyncBatchNorm) for m in ddp.module.modules())),
         "has_rebuilt_buckets": 0,
-        "master_addr": os.environ.get("MASTER_ADDR", "N/A"),
-        "master_port": os.environ.get("MASTER_PORT", "N/A"),
+        # torch's: the iteration of the last sample or error, see
+        # sample_runtime_stats; 0 before.
+        "iteration": 0,
+        **_environment(group),
     }
     if reducer is not None:
         iterations = reducer.iterations
@@ -40,7 +85,6 @@ def logging_data(ddp) -> Dict[str, Any]:
             {
                 "bucket_sizes": ", ".join(map(str, reducer.bucket_sizes())),
                 "num_buckets_reduced": len(reducer.bucket_sizes()),
-                "iteration": iterations,
                 # Static graph needs the same parameters used in every
                 # iteration; ddp_ext tracks whether that held so far.
                 "can_set_static_graph": int(iterations > 0 and reducer.unused_parameters_stable),
@@ -73,48 +117,82 @@ def logging_data(ddp) -> Dict[str, Any]:
 
 RUNTIME_TIMES = ("forward_compute_time", "backward_compute_time", "backward_comm_time",
                  "backward_compute_comm_overlap_time")
+RUNTIME_INSTANTS = ("forward_compute_time_start", "backward_compute_time_start", "backward_compute_time_end",
+                    "backward_comm_time_start", "backward_comm_time_end")
+
+
+def _stats(ddp) -> Dict[str, Any]:
+    # `forwards`: torch's reducer num_iterations_, the synchronising forwards
+    # with gradients so far; `samples`: its logger's
+    # num_iterations_stats_recorded_; `logged`: what the logger last set.
+    return ddp.__dict__.setdefault("_runtime_stats", {"forwards": 0, "samples": 0, "logged": {}})
+
+
+def is_sampled(iteration: int, sample_rate: int) -> bool:
+    """torch's Reducer::should_collect_runtime_stats: the first ten
+    iterations, then every `sample_rate`-th (iteration 0, the first forward,
+    has nothing to report yet)."""
+    return iteration > 0 and (iteration <= 10 or iteration % sample_rate == 0)
 
 
 def sample_runtime_stats(ddp) -> None:
     """Called at every synchronising forward with gradients, before the
-    reducer's prepare_for_forward, as torch's logger is: on sampled
-    iterations (the first ten, then every `_runtime_logging_sample_rate`-th)
-    logs the last iteration's times, in nanoseconds, with torch's meaning
-    (Note [Runtime statistics] in reducer/runtime_times.h) and their running
-    averages (avg_*)."""
-    stats = ddp.__dict__.setdefault("_runtime_stats", {"forwards": 0, "samples": 0, "logged": {}})
-    forwards = stats["forwards"]
-    stats["forwards"] = forwards + 1
-    if forwards == 0 or not (forwards <= 10 or forwards % ddp._runtime_logging_sample_rate == 0):
+    reducer's prepare_for_forward, as torch's Logger::set_runtime_stats_and_log
+    is. On a sampled iteration (`is_sampled`, counting this forward's
+    predecessors) it sets `iteration` to that count and logs the last
+    iteration's times, in nanoseconds, with torch's meaning (Note [Runtime
+    statistics] in reducer/runtime_times.h), and their running averages
+    (avg_*). As torch does, every figure is first reset to 0 and a time whose
+    end precedes its start (the iteration had no such phase, e.g. a forward
+    without backward came in between) stays 0 and leaves its average alone;
+    between samples every key keeps its value."""
+    stats = _stats(ddp)
+    iteration = stats["forwards"]
+    stats["forwards"] = iteration + 1
+    # torch's timer starts the forward at synchronising forwards only; the
+    # reducer's forward_start also moves at a forward inside no_sync.
+    forward = stats.get("forward_start", 0)
+    stats["forward_start"] = time.monotonic_ns()  # the reducer's clock
+    if not is_sampled(iteration, ddp._runtime_logging_sample_rate):
         return
-    forward, compute_start, comm_start, compute_end, comm_end = ddp.reducer._runtime_times()
-    if not (0 < forward <= compute_start <= comm_start <= comm_end and compute_start <= compute_end <= comm_end):
-        return  # the last forward had no finished synchronising backward
-    times = {
-        "forward_compute_time": compute_start - forward,
-        "backward_compute_time": compute_end - compute_start,
-        "backward_comm_time": comm_end - comm_start,
-        # Negative when every bucket left after the backward (no overlap).
-        "backward_compute_comm_overlap_time": max(0, compute_end - comm_start),
-    }
     samples = stats["samples"] + 1
     stats["samples"] = samples
     logged = stats["logged"]
-    for key, value in times.items():
-        logged[key] = value
-        logged[f"avg_{key}"] = (logged.get(f"avg_{key}", 0) * (samples - 1) + value) // samples
-    logged.update(
-        forward_compute_time_start=forward,
-        backward_compute_time_start=compute_start,
-        backward_compute_time_end=compute_end,
-        backward_comm_time_start=comm_start,
-        backward_comm_time_end=comm_end,
-    )
+    logged["iteration"] = iteration
+    logged.update(dict.fromkeys(RUNTIME_TIMES + RUNTIME_INSTANTS, 0))
+    # torch's timer keeps an instant until it is recorded again; the reducer
+    # clears the backward's instants when it arms the next backward.
+    kept = stats.setdefault("instants", [0, 0, 0, 0])
+    kept[:] = [now or before for now, before in zip(ddp.reducer._runtime_times()[1:], kept)]
+    compute_start, comm_start, compute_end, comm_end = kept
+    spans = {
+        "forward_compute_time": (forward, compute_start),
+        "backward_compute_time": (compute_start, compute_end),
+        "backward_comm_time": (comm_start, comm_end),
+        # Not measured when every bucket left after the backward (no overlap).
+        "backward_compute_comm_overlap_time": (comm_start, compute_end),
+    }
+    for key, (start, end) in spans.items():
+        average = logged.get(f"avg_{key}", 0)
+        if 0 < start <= end:  # 0: not recorded yet
+            logged[key] = end - start
+            average = (end - start + average * (samples - 1)) // samples
+        logged[f"avg_{key}"] = average
+    instants = (forward, compute_start, compute_end, comm_start, comm_end)
+    for key, instant in zip(RUNTIME_INSTANTS, instants):
+        logged[key] = instant
+
+
+def record_error(ddp, message: str) -> None:
+    """torch's Logger::set_error_and_log: `has_error` and `error` in the
+    logging data, and `iteration` at the error."""
+    stats = _stats(ddp)
+    stats["logged"].update(has_error=1, error=message, iteration=stats["forwards"])
 
 
 def set_runtime_logging_sample_rate(ddp, sample_rate: int) -> None:
     """Every how many iterations, after the first ten, sample_runtime_stats
     logs the times (torch's default: 100)."""
     if sample_rate < 1:
-        raise ValueError("DDP runtime logging sample rate should be equal or greater than 1")
+        ddp._log_and_throw(ValueError, "DDP runtime logging sample rate should be equal or greater than 1")
     ddp._runtime_logging_sample_rate = sample_rate

@@ -6,6 +6,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ddp_ext._collectives import allgather, wait
+
 Named = Sequence[Tuple[str, torch.Tensor]]
 
 
@@ -15,17 +17,18 @@ def _describe(named_tensors: Named) -> List[str]:
 
 def allgather_bytes(process_group: dist.ProcessGroup, payload: bytes, device) -> List[bytes]:
     """Every rank's `payload`, gathered with two allgathers on `process_group` itself,
-    so any c10d process group works, registered with torch.distributed or not."""
+    so any c10d process group works, registered with torch.distributed or not,
+    written in Python too (see ddp_ext/_collectives.py)."""
     world_size = process_group.size()
     data = torch.tensor(list(payload), dtype=torch.uint8, device=device)
     length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     lengths = [torch.empty_like(length) for _ in range(world_size)]
-    process_group.allgather([lengths], [length]).wait()
+    wait(allgather(process_group, [lengths], [length]))
     longest = max(int(n.item()) for n in lengths)
     padded = torch.zeros(max(longest, 1), dtype=torch.uint8, device=device)
     padded[: data.numel()] = data
     gathered = [torch.empty_like(padded) for _ in range(world_size)]
-    process_group.allgather([gathered], [padded]).wait()
+    wait(allgather(process_group, [gathered], [padded]))
     return [bytes(d[: int(n.item())].cpu().tolist()) for n, d in zip(lengths, gathered)]
 
 

@@ -317,7 +317,11 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
                 if self._stragglers is not None:
                     self._stragglers.forward(self.reducer)
             # See Note [Ranks out of step] in reducer/step_check.h.
-            self.reducer.prepare_for_forward(training_step=self.require_backward_grad_sync and self.module.training)
+            try:
+                self.reducer.prepare_for_forward(training_step=self.require_backward_grad_sync and self.module.training)
+            except RuntimeError as error:
+                _logging_data.record_error(self, str(error))  # torch's reducer logs its checks' errors
+                raise
         work = Join.notify_join_context(self)
         if work:
             self.reducer._set_forward_pass_work_handle(work, self._divide_by_initial_world_size)
@@ -464,10 +468,19 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
     register_comm_hook = _comm_hooks.register_comm_hook
     _register_builtin_comm_hook = _comm_hooks.register_builtin_comm_hook
 
-    _check_comm_hook = staticmethod(_comm_hooks.check_comm_hook)
     _register_fused_optim = _comm_hooks.register_fused_optim
 
+    def _check_comm_hook(self, hook) -> None:
+        try:
+            _comm_hooks.check_comm_hook(hook)
+        except (TypeError, ValueError) as error:
+            _logging_data.record_error(self, f"{type(error)}: {error}")  # as _log_and_throw
+            raise
+
     def _log_and_throw(self, err_type, err_msg):
+        """torch's: records the error in _get_ddp_logging_data() (`has_error`,
+        `error`), then raises it."""
+        _logging_data.record_error(self, f"{err_type}: {err_msg}")
         raise err_type(err_msg)
 
     # --- state and configuration -----------------------------------------

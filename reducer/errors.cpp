@@ -4,21 +4,6 @@
 
 namespace ddp_ext::reducer {
 
-std::string unprepared_gradient_message(int rank, const std::string& name) {
-  std::ostringstream message;
-  message << "DistributedDataParallel on rank " << rank
-          << " got a gradient for parameter " << name
-          << " in a backward pass it was not prepared for, so it would not be "
-             "averaged across ranks. This happens when backward runs on outputs "
-             "that did not come from the wrapper's forward (a backward inside "
-             "forward, as in manual optimization: call "
-             "ddp_model.reducer.prepare_for_backward(outputs) before it), or "
-             "when a second backward runs after the gradients were already "
-             "reduced. To accumulate gradients locally on purpose, run forward "
-             "and backward inside ddp_model.no_sync().";
-  return message.str();
-}
-
 std::string dropped_gradient_message(int rank, const std::string& name) {
   std::ostringstream message;
   message << "DistributedDataParallel on rank " << rank << ": parameter " << name

@@ -14,13 +14,18 @@ namespace ddp_ext::reducer {
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A gradient that arrives while the reducer is idle belongs to a backward
 // pass nobody prepared it for: its outputs did not come through the
-// wrapper's forward (a backward inside forward, as in manual optimization),
-// or the iteration's gradients were already reduced (a second backward over
-// the same graph). Left alone it would stay unaveraged on this rank and the
-// replicas would drift apart without a word, so the hook raises instead.
-// Accumulating locally is said explicitly: a forward inside no_sync, or
-// entering no_sync, moves the reducer to kAccumulating.
-std::string unprepared_gradient_message(int rank, const std::string& name);
+// wrapper's forward (the wrapped module called directly, a backward inside
+// forward as in manual optimization), or the iteration's gradients were
+// already reduced (a second backward over the same graph). torch's reducer
+// ignores autograd hooks it does not expect (`expect_autograd_hooks_`), and
+// so does ddp_ext's: the gradient accumulates in .grad on this rank alone,
+// unaveraged, and nothing is raised, so code written for torch's DDP (a
+// local reference backward on the same module, as torch's own tests run)
+// behaves the same. A framework that wants such a backward synchronised
+// calls reducer.prepare_for_backward(outputs) first, as with torch's DDP.
+// What torch does raise on, ddp_ext raises on too: a parameter reduced twice
+// in one prepared backward (marked_twice_message) and a forward before the
+// last prepared backward finished (unfinished_reduction_message).
 
 // See Note [Layer dropping] in reducer/layer_drop.h.
 std::string dropped_gradient_message(int rank, const std::string& name);

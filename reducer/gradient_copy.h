@@ -15,7 +15,10 @@ namespace ddp_ext::reducer {
 // (a division, as torch's DDP does for sparse gradients, so the values are
 // the same) and reduced by the process group's sparse allreduce, whose
 // result becomes .grad. A rank that did not use the parameter contributes an
-// empty sparse tensor. Communication hooks take dense buckets only.
+// empty sparse tensor. A communication hook gets, as with torch's DDP, a
+// GradBucket whose buffer() is the sparse gradient, undivided, with no
+// per-parameter offsets (gradients() is empty); the sparse tensor its future
+// holds becomes .grad.
 
 // Moving gradients between .grad and the buckets; the callers hold a
 // NoGradGuard. `name` names the parameter in errors only.

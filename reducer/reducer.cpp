@@ -24,7 +24,11 @@ namespace ddp_ext::reducer {
 // rounded to a reduce dtype: hooks keep their bookkeeping (so every error is
 // raised as with more ranks) but copy nothing, no collective is launched, and
 // nothing is written back. Parameters that got no gradient keep their .grad,
-// which is what "used by no rank" means in a world of one.
+// which is what "used by no rank" means in a world of one. Only over torch's
+// own backends (Gloo, NCCL, UCC, MPI, XCCL), where skipping a collective
+// cannot be seen: any other group, such as one written in Python, is user
+// code whose collectives may do more than reduce (count steps, coordinate
+// replicas), so it gets every collective torch's DDP would call, alone too.
 
 static_assert(StepCheck::kPhases == PhaseRecorder::kPhases, "Note [Stragglers]");
 
@@ -38,6 +42,30 @@ std::vector<at::Tensor> checked_params(
       names.size() == params.size(), "Reducer got ", params.size(),
       " parameters but ", names.size(), " names");
   return params;
+}
+
+// See Note [A world of one rank].
+bool torch_backend(const c10d::ProcessGroup& group) {
+  using Type = c10d::ProcessGroup::BackendType;
+  switch (group.getBackendType()) {
+    case Type::GLOO:
+    case Type::NCCL:
+    case Type::UCC:
+    case Type::MPI:
+    case Type::XCCL:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// The Work's future, or null if it has none (c10d's default getFuture raises).
+c10::intrusive_ptr<c10::ivalue::Future> future_of(c10d::Work& work) {
+  try {
+    return work.getFuture();
+  } catch (const c10::Error&) {
+    return nullptr;
+  }
 }
 
 bool any_droppable(const std::vector<int64_t>& units) {
@@ -205,13 +233,7 @@ void Reducer::register_comm_hook(std::shared_ptr<comm_hooks::CommHook> hook) {
       phase_ != Phase::kReducing,
       "a communication hook cannot be registered while gradients are being "
       "reduced; register it between iterations");
-  for (const auto& bucket : layout_.buckets()) {
-    TORCH_CHECK(
-        !bucket.sparse, "ddp_ext's communication hooks reduce dense buckets "
-        "only, and parameter ", param_names_[bucket.param_indices.front()],
-        " has sparse gradients (an Embedding with sparse=True)");
-  }
-  comm_hook_ = std::move(hook);
+  comm_hook_ = std::move(hook); // sparse buckets too: see Note [Sparse gradients]
   gradients_stay_local_ = stays_local();
   if (comm_hook_->keeps_per_bucket_state()) {
     layout_.order().allow_continuous(false);
@@ -220,7 +242,8 @@ void Reducer::register_comm_hook(std::shared_ptr<comm_hooks::CommHook> hook) {
 
 bool Reducer::stays_local() const {
   // See Note [A world of one rank].
-  return process_group_->getSize() == 1 && !options_.gradient_as_bucket_view &&
+  return process_group_->getSize() == 1 && torch_backend(*process_group_) &&
+      !options_.gradient_as_bucket_view &&
       !options_.reduce_dtype && comm_hook_ == nullptr;
 }
 
@@ -373,11 +396,7 @@ void Reducer::on_gradient_ready(size_t index, bool gradient_arrived) {
     case Phase::kAccumulating:
       return; // See Note [Reducer phases]: no_sync.
     case Phase::kIdle:
-      // See Note [Unprepared backward].
-      TORCH_CHECK(
-          !gradient_arrived,
-          unprepared_gradient_message(process_group_->getRank(), param_names_[index]));
-      return;
+      return; // See Note [Unprepared backward]: left in .grad, as torch's DDP.
     case Phase::kExpectingGradients:
       start_reducing();
       break;
@@ -439,9 +458,9 @@ void Reducer::copy_into_bucket(size_t index, bool scale) {
   const at::Tensor& grad = params_[index].grad();
   at::NoGradGuard no_grad;
   if (bucket.sparse) {
-    // See Note [Sparse gradients].
+    // See Note [Sparse gradients]: a hook gets it undivided, as a dense one.
     bucket.sparse_grad = sparse_contribution(
-        params_[index], grad, averaging_.ranks(), param_names_[index]);
+        params_[index], grad, scale ? averaging_.ranks() : 1, param_names_[index]);
     return;
   }
   const at::Tensor& view = bucket.views[layout_.slot_of(index)];
@@ -496,9 +515,9 @@ void Reducer::launch(size_t bucket_index) {
   note_fill_stream(bucket.filled_on, bucket.params.front().device());
   if (options_.batched_grad_copy) {
     for (size_t index : bucket.param_indices) {
-      copy_into_bucket(index, /*scale=*/false);
+      copy_into_bucket(index, /*scale=*/bucket.sparse && comm_hook_ == nullptr);
     }
-    if (comm_hook_ == nullptr) {
+    if (comm_hook_ == nullptr && !bucket.sparse) {
       at::NoGradGuard no_grad;
       bucket.flat.mul_(averaging_.factor());
     }
@@ -510,7 +529,9 @@ void Reducer::launch(size_t bucket_index) {
     return; // Unused on every rank too, by the option's contract.
   }
   if (comm_hook_ != nullptr) {
-    c10d::GradBucket handed = grad_bucket(bucket_index, bucket.flat);
+    // See Note [Sparse gradients]: a sparse bucket's buffer is its gradient.
+    const at::Tensor& buffer = bucket.sparse ? bucket.sparse_grad : bucket.flat;
+    c10d::GradBucket handed = grad_bucket(bucket_index, buffer);
     c10::intrusive_ptr<c10::ivalue::Future> future;
     {
       TimelineRange hook_range(timeline_, TimelineEvent::kCommHook, bucket_index);
@@ -521,7 +542,7 @@ void Reducer::launch(size_t bucket_index) {
     }
     bucket.future = std::move(future);
     if (timeline_.on() && bucket.future) {
-      range.set_value(bucket.flat.numel() * bucket.flat.element_size());
+      range.set_value(buffer.is_sparse() ? buffer._values().nbytes() : buffer.nbytes());
       timeline_.on_completion(bucket.future, bucket_index);
     }
     return;
@@ -586,10 +607,20 @@ void Reducer::wait_for_launched_buckets() {
   for (size_t b = 0; b < next_bucket_; ++b) {
     Bucket& bucket = layout_.buckets()[b];
     if (bucket.work) {
-      stall_.wait(*bucket.work, "bucket", static_cast<int64_t>(b));
+      // Over a group not built into torch (one written in Python), as
+      // torch's reducer: through the Work's future, all such a Work must
+      // provide. Over torch's own, and for a Work without a future, the
+      // Work itself (the process group's timeout applies).
+      const auto done = torch_backend(*process_group_) ? nullptr : future_of(*bucket.work);
+      if (done) {
+        stall_.wait(*done, "bucket", static_cast<int64_t>(b));
+      } else {
+        stall_.wait(*bucket.work, "bucket", static_cast<int64_t>(b));
+      }
       timeline_.awaited(b);
       if (bucket.sparse) {
-        bucket.sparse_grad = bucket.work->result().front();
+        bucket.sparse_grad = done ? done->value().toTensorVector().front()
+                                  : bucket.work->result().front();
       }
       bucket.work.reset();
     }
@@ -606,7 +637,17 @@ void Reducer::wait_for_launched_buckets() {
         reduced = comm_hook_->parseHookResult(future->value());
         future.reset();
       }
-      if (!reduced.is_same(bucket.flat)) {
+      if (bucket.sparse) {
+        // See Note [Sparse gradients]: the hook's result becomes the .grad.
+        TORCH_CHECK(
+            reduced.is_sparse() && reduced.sizes() == bucket.params.front().sizes(),
+            "the communication hook's future for bucket ", b, " holds a ",
+            reduced.is_sparse() ? "sparse" : "dense", " tensor of shape ",
+            reduced.sizes(), ", but the bucket holds the sparse gradient of ",
+            param_names_[bucket.param_indices.front()], " (shape ",
+            bucket.params.front().sizes(), "): return the reduced bucket.buffer()");
+        bucket.sparse_grad = reduced;
+      } else if (!reduced.is_same(bucket.flat)) {
         TORCH_CHECK(
             reduced.numel() == bucket.flat.numel(),
             "the communication hook's future for bucket ", b, " holds ",

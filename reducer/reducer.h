@@ -47,10 +47,10 @@ namespace ddp_ext::reducer {
 //
 // kIdle: no backward is expected (before the first forward, after a
 //   finished reduction, under torch.no_grad). A gradient that arrives now
-//   came from a backward the reducer was never told about (a backward that
-//   runs inside the wrapper's forward, a second backward over the same
-//   graph): it is an error, never a silently unsynchronised gradient. See
-//   Note [Unprepared backward].
+//   came from a backward the reducer was never told about (a backward over
+//   the wrapped module outside the wrapper, a second backward over the same
+//   graph): as torch's DDP does, it stays in .grad, unaveraged. See Note
+//   [Unprepared backward].
 // kAccumulating: the last forward ran inside no_sync (or no_sync was entered
 //   with nothing armed): backward passes only accumulate into .grad.
 // kExpectingGradients: a synchronising forward ran. A forward may start again
@@ -135,7 +135,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void prepare_for_local_backward();
 
   // Called when no_sync is entered: a backward with nothing armed only
-  // accumulates instead of being refused. See Note [Unprepared backward].
+  // accumulates (what an idle reducer does too, see Note [Unprepared
+  // backward]; kAccumulating names it).
   void allow_local_accumulation();
 
   // Makes the graph static: only before the first synchronising backward,

@@ -178,7 +178,7 @@ def test_logging_data_has_the_keys_frameworks_read(single_process_group):
         ddp(torch.randn(3, 2)).sum().backward()
     data = ddp._get_ddp_logging_data()
     assert data["can_set_static_graph"] == 1
-    assert data["iteration"] == 2
+    assert data["iteration"] == 1  # as torch's: the second forward sampled iteration 1
     assert data["comm_hook"] == "allreduce_hook"
     assert data["bucket_sizes"] == str(6 * 4)
     assert data["world_size"] == 1 and data["backend_name"] == "gloo"
@@ -224,16 +224,29 @@ def test_pickle_refuses_a_group_other_than_the_default(single_process_group):
         pickle.dumps(ddp)
 
 
-def test_unprepared_backward_raises_instead_of_skipping_the_reduction(single_process_group):
+def test_unprepared_backward_is_left_local_as_with_torch(single_process_group):
+    # See Note [Unprepared backward]: as torch's reducer, an idle one ignores
+    # the gradients of a backward it was not prepared for; they stay in .grad.
+    grads = {}
+    for wrapper in (OursDDP, TorchDDP):
+        torch.manual_seed(0)
+        ddp = wrapper(nn.Linear(2, 2))
+        x = torch.randn(3, 2)
+        ddp.module(x).sum().backward()  # a backward the wrapper's forward did not prepare
+        out = ddp(x).sum()
+        out.backward(retain_graph=True)
+        out.backward()  # a second backward after the reduction finished
+        grads[wrapper] = [p.grad.clone() for p in ddp.parameters()]
+        ddp.zero_grad()
+        ddp(x).sum().backward()  # and the next prepared one reduces as usual
+        for p, g in zip(ddp.parameters(), grads[wrapper]):
+            torch.testing.assert_close(3 * p.grad, g)
+    for ours, theirs in zip(grads[OursDDP], grads[TorchDDP]):
+        assert torch.equal(ours, theirs)
+
+
+def test_prepared_backward_outside_forward(single_process_group):
     ddp = OursDDP(nn.Linear(2, 2))
-    # A backward the wrapper's forward did not prepare: never silent.
-    with pytest.raises(RuntimeError, match="not prepared for"):
-        ddp.module(torch.randn(3, 2)).sum().backward()
-    # A second backward after the reduction finished.
-    out = ddp(torch.randn(3, 2)).sum()
-    out.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="not prepared for"):
-        out.backward()
     # Said explicitly: local accumulation, or a prepared backward.
     with ddp.no_sync():
         ddp.module(torch.randn(3, 2)).sum().backward()
