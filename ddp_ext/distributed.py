@@ -71,13 +71,15 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
 
     ``hang_timeout_s`` and ``on_hang`` (keyword only, ddp_ext's additions;
     environment variables DDP_EXT_HANG_TIMEOUT_S and DDP_EXT_ON_HANG override
-    them): when a collective of the reducer has waited ``hang_timeout_s``
-    seconds (default 60; 0: off), every rank reports what it is doing through
-    the store, and the message names the lagging or dead ranks, the training
-    step and the parameters that got no gradient. ``on_hang="auto"``
-    (default) raises when the reports prove the wait cannot end, else warns
-    once and waits on; ``"raise"`` and ``"warn"`` always do that. See
-    docs/DIAGNOSIS.md.
+    them): a rank whose peer's report proves that a wait of the reducer can
+    never end (the peer left parameters without a gradient, died, or raised
+    and left the collectives) raises within seconds; a collective that has
+    merely waited ``hang_timeout_s`` seconds (default 60; 0: off) makes every
+    rank report what it is doing through the store. The message names the
+    lagging or dead ranks, the training step and the parameters that got no
+    gradient. ``on_hang="auto"`` (default) raises when the reports prove the
+    wait cannot end, else warns once and waits on; ``"raise"`` and ``"warn"``
+    always do that. See docs/DIAGNOSIS.md.
     """
 
     def __init__(
