@@ -134,7 +134,9 @@ def release_at_exit() -> bool:
 
 def _at_exit() -> None:
     try:
-        release_at_exit()
+        if not release_at_exit():
+            print(f"ddp_ext: a Gloo process group was still busy after {timeout_s():g} s at exit "
+                  f"({TIMEOUT_ENV}); exiting without waiting for it", file=sys.stderr)
     except Exception as error:  # noqa: BLE001 (never turn a clean exit into a failure)
         print(f"ddp_ext: releasing process groups at exit failed: {error}", file=sys.stderr)
 
