@@ -17,6 +17,7 @@
 #include "process_groups/round_robin/backend.h"
 
 #include "process_groups/broadcast_coalesced.h"
+#include "process_groups/exit_release.h"
 #include "comm_hooks/builtin_hooks.h"
 #include "reducer/gradient_order.h"
 #include "reducer/reducer.h"
@@ -28,6 +29,24 @@ namespace {
 using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
 using FuturePtr = std::shared_ptr<torch::jit::PythonFutureWrapper>;
 using NoGil = py::call_guard<py::gil_scoped_release>;
+
+// Deletes an object that may hold the last reference to a process group
+// with the GIL released: a Gloo group's destructor joins its worker
+// threads, and a worker may need the GIL to release its last collective
+// (a deadlock if this thread held it). Not once the interpreter is
+// finalizing (it must keep the GIL then). See Note [Exit after training]
+// in ddp_ext/_exit.py.
+struct DeleteWithoutGil {
+  template <typename T>
+  void operator()(T* object) const {
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      py::gil_scoped_release no_gil;
+      delete object;
+    } else {
+      delete object;
+    }
+  }
+};
 
 // A property getter that releases the GIL (def_property takes no call_guard).
 template <typename T>
@@ -110,6 +129,10 @@ void bind_reducer(py::module& m) {
       py::arg("tensors"), py::arg("chunk_bytes"), py::arg("root") = 0,
       py::call_guard<py::gil_scoped_release>());
 
+  // See Note [Exit after training] in ddp_ext/_exit.py.
+  m.def("release_process_groups", &ddp_ext::release_process_groups, py::arg("groups"),
+        py::arg("timeout"), NoGil());
+
   py::enum_<BucketRebuild>(m, "BucketRebuild")
       .value("never", BucketRebuild::kNever)
       .value("once", BucketRebuild::kOnce)
@@ -133,8 +156,14 @@ void bind_reducer(py::module& m) {
   // torch._C._distributed_c10d.Reducer, which frameworks call.
   py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer")
       .def(
-          py::init<std::vector<at::Tensor>, std::vector<std::string>,
-                   ProcessGroupPtr, ReducerOptions, const std::vector<bool>&>(),
+          py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
+                      ProcessGroupPtr group, ReducerOptions options,
+                      const std::vector<bool>& sparse) {
+            return std::shared_ptr<Reducer>(
+                new Reducer(std::move(params), std::move(names), std::move(group),
+                            std::move(options), sparse),
+                DeleteWithoutGil{});
+          }),
           py::arg("params"), py::arg("param_names"),
           py::arg("process_group"), py::arg("options"),
           py::arg("sparse_gradients") = std::vector<bool>{}, NoGil())

@@ -32,6 +32,7 @@ from ddp_ext.distributed import DistributedDataParallel  # noqa: E402
 from ddp_ext.layer_drop import LayerDrop  # noqa: E402
 from ddp_ext.round_robin import RoundRobinOptions, new_round_robin_group, round_robin_group  # noqa: E402
 from ddp_ext import mpi  # noqa: E402,F401  (registers "ddp_ext_mpi" and "mpi://")
+from ddp_ext import _exit  # noqa: E402,F401  (releases process groups at exit: Note [Exit after training])
 
 __all__ = [
     "AdaptivePrecision",

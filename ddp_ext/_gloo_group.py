@@ -7,6 +7,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from ddp_ext import _exit
+
 
 def gloo_group(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> dist.ProcessGroup:
     """A ProcessGroup of `size` ranks whose collectives run on Gloo for every
@@ -18,4 +20,5 @@ def gloo_group(store: dist.Store, rank: int, size: int, timeout: datetime.timede
     for device in dist.Backend.backend_capability["gloo"]:
         group._register_backend(torch.device(device), gloo, backend)
     group._set_default_backend(gloo)
+    _exit.track(group)  # Note [Exit after training]
     return group

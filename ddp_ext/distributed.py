@@ -12,7 +12,7 @@ from torch.nn.parallel.distributed import DistributedDataParallel as TorchDistri
 from torch.nn.parallel.scatter_gather import gather as _gather, scatter_kwargs as _scatter_kwargs
 
 from ddp_ext import _C, _arguments, _buffers, _comm_hooks, _delayed_all_reduce, _diagnosis, _join, _logging_data
-from ddp_ext import _parameters, _pickling, _timeline, hierarchy
+from ddp_ext import _exit, _parameters, _pickling, _timeline, hierarchy
 from ddp_ext._diagnosis import stragglers as _stragglers
 from ddp_ext._arguments import (
     backend_name,
@@ -169,6 +169,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
 
         self.module = module
         self.process_group = process_group
+        _exit.track(process_group)  # Note [Exit after training]
         self.device_ids = placement.device_ids
         self.output_device = placement.output_device
         self.device = next(iter(placement.devices))

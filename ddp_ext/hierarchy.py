@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from ddp_ext import _C
+from ddp_ext import _C, _exit
 
 SETTINGS = ("auto", True, False)
 # flat group -> {(setting, torchrun variables) -> its twin, or None: the flat group itself}
@@ -161,6 +161,7 @@ def _make(process_group: dist.ProcessGroup, topology: Topology) -> dist.ProcessG
     group._set_default_backend(custom)
     group._set_group_name(f"{process_group.group_name}/hierarchical")
     _backends[group] = backend
+    _exit.track(group)  # Note [Exit after training]
     return group
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from ddp_ext import _C
+from ddp_ext import _C, _exit
 
 BACKEND_NAME = "round_robin"
 ENV_NUM_GROUPS = "DDP_EXT_ROUND_ROBIN_NUM_GROUPS"
@@ -137,6 +137,7 @@ def _new_child(kind: str, index: int, options) -> dist.ProcessGroup:
     store = dist.PrefixStore(f"child{index}/", options.store)
     backend = _new_child_backend(kind, index, store, options)
     if isinstance(backend, dist.ProcessGroup):
+        _exit.track(backend)  # Note [Exit after training]
         return backend
     group = dist.ProcessGroup(store, options.group_rank, options.group_size)
     backend_type = dist.Backend.backend_type_map[kind]
@@ -144,6 +145,7 @@ def _new_child(kind: str, index: int, options) -> dist.ProcessGroup:
         group._register_backend(torch.device(device), backend_type, backend)
     group._set_default_backend(backend_type)
     group._set_group_name(f"{options.group_id}/child{index}")
+    _exit.track(group)  # Note [Exit after training]
     return group
 
 
@@ -205,6 +207,7 @@ def _process_group(backend: _C.RoundRobinBackend, store, devices: Iterable[torch
         group._register_backend(device, _CUSTOM, backend)
     group._set_default_backend(_CUSTOM)
     group._set_group_name(group_name)
+    _exit.track(group)  # Note [Exit after training]
     return group
 
 
