@@ -143,7 +143,10 @@ def run(options: BenchOptions, progress) -> dict:
     summaries = {key: _summarize(r, window) for key, r in
                  (("ft", ft), ("ft_clean", ft_clean), ("restart", restart), ("restart_clean", restart_clean))}
     stop = hang["stop"]
-    after_stop = [r for r in hang["steps"] if r["time"] > stop["time"] and r["step"] > stop["after_step"]]
+    # The survivors' first commit without the stopped replica: a step it had
+    # already voted for before the stop may still commit with it, at once.
+    after_stop = [r for r in hang["steps"] if r["time"] > stop["time"] and r["step"] > stop["after_step"]
+                  and r["world_size"] < n]
     kills = [p for p in summaries["ft"]["kill_to_progress_s"] if p is not None]
     data = {
         "kill_to_commit_s": statistics.median(kills) if kills else None,
