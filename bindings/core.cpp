@@ -11,7 +11,6 @@
 #include <torch/version.h>
 
 #include "comm_hooks/compression/adaptive_precision.h"
-#include "comm_hooks/compression/int8_codec.h"
 #include "comm_hooks/compression/int8_exchange.h"
 #include "process_groups/hierarchical/backend.h"
 #include "process_groups/round_robin/backend.h"
@@ -372,22 +371,6 @@ void bind_compression(py::module& m) {
       "int8_exchange_for",
       [](int64_t world_size) { return std::string(int8_exchange_name(int8_exchange_for(world_size))); },
       py::arg("world_size"));
-  m.def(
-      "int8_encode",
-      [](at::Tensor values, int64_t chunk) {
-        at::Tensor payload = at::empty({int8_payload_bytes(values.numel(), chunk)},
-                                       values.options().dtype(at::kByte));
-        encode_int8(values, payload, chunk);
-        return payload;
-      },
-      py::arg("values"), py::arg("chunk"), NoGil(),
-      "Encodes values (1-D float32) in place of what the codes miss; returns the payload.");
-  m.def(
-      "int8_decode_sum",
-      [](const std::vector<at::Tensor>& payloads, at::Tensor out, int64_t chunk) {
-        decode_sum_int8(payloads, out, chunk);
-      },
-      py::arg("payloads"), py::arg("out"), py::arg("chunk"), NoGil());
 }
 
 // The one binding entry for hooks: ddp_ext/_comm_hooks.py builds a CommHook

@@ -3,9 +3,13 @@
 Everything else in benchmarks/ uses only what `import ddp_ext` exports. What
 this module takes, from where, and why:
 
-- `int8_encode`, `int8_decode_sum` from `ddp_ext._C` (the compiled extension):
-  the `compression` experiment times the adaptive-precision hook's 8-bit
-  codec step by step, which the public hook only runs as a whole.
+- `int8_encode`, `int8_decode_sum`: the product's 8-bit codec
+  (comm_hooks/compression/int8_codec.cpp), compiled with a binding of the
+  benchmarks' own (benchmarks/native/codec_bindings.cpp) on first use, with
+  ddp_ext's build facts and build lock: the `compression` experiment times
+  the adaptive-precision hook's codec step by step, which the public hook
+  only runs as a whole, and the shipped `ddp_ext._C` binds only what the
+  product uses.
 - `TunerPhase` from `ddp_ext._bucket_tuner`: the `bucket` experiment runs the
   `bucket_cap_mb="auto"` replica until its tuner has settled before timing it.
 - `settled_caps_mb(model)`, from the wrapper's `_auto_buckets`: the caps the
@@ -14,13 +18,45 @@ this module takes, from where, and why:
 When the product moves these, this file is the only one to change.
 """
 
-from ddp_ext import _C
-from ddp_ext._bucket_tuner import TunerPhase
+import functools
+import os
+import sys
 
-int8_encode = _C.int8_encode
-int8_decode_sum = _C.int8_decode_sum
+import torch
+
+from ddp_ext import _build_info
+from ddp_ext._bucket_tuner import TunerPhase
+from ddp_ext._build_lock import build_lock
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CODEC_SOURCES = ["benchmarks/native/codec_bindings.cpp", "comm_hooks/compression/int8_codec.cpp"]
+BUILD_WAIT_S = 1800  # a build by another process, under load on 2 cores
 
 __all__ = ["TunerPhase", "int8_decode_sum", "int8_encode", "settled_caps_mb"]
+
+
+@functools.lru_cache(maxsize=None)
+def _codec():
+    """The codec module, built once per Python and torch in the checkout's
+    build/bench_native/ (ranks that ask at once compile it once)."""
+    from torch.utils.cpp_extension import load
+
+    torch_minor = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    build_dir = os.path.join(ROOT, "build", "bench_native", f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch_minor}")
+    os.makedirs(build_dir, exist_ok=True)
+    with build_lock(build_dir, timeout_s=BUILD_WAIT_S):
+        return load(name="ddp_ext_bench_codec", sources=[os.path.join(ROOT, s) for s in CODEC_SOURCES],
+                    extra_include_paths=[ROOT], extra_cflags=list(_build_info.CXX_FLAGS), build_directory=build_dir)
+
+
+def int8_encode(values, chunk: int):
+    """Encodes `values` (1-D float32) in place of what the codes miss; returns the payload."""
+    return _codec().int8_encode(values, chunk)
+
+
+def int8_decode_sum(payloads, out, chunk: int) -> None:
+    """Writes the sum of the decoded `payloads` into `out`."""
+    _codec().int8_decode_sum(payloads, out, chunk)
 
 
 def settled_caps_mb(model) -> list:
