@@ -126,7 +126,7 @@ def test_same_order_and_rebuilt_layout_as_torch_ddp(r):
 # --- Join ---------------------------------------------------------------------------
 
 
-def _join(model, steps_per_rank, mode, wrapper_name, rank, world_size):
+def _join(model, steps_per_rank, mode, wrapper_name, rank, world_size, no_sync_first=False):
     wrapper = reference.ext_ddp if wrapper_name == "ext" else reference.torch_ddp
     kwargs = dict(bucket_cap_mb=CAP_MB)
     if wrapper_name == "ext":
@@ -136,6 +136,11 @@ def _join(model, steps_per_rank, mode, wrapper_name, rank, world_size):
     spec = models.MODELS[model]
     optimizer = reference.OPTIMIZERS["sgd"](module.parameters())
     layouts = []
+    if no_sync_first:  # every rank's first forward, outside Join; no backward synchronises
+        args, target = models.rank_batch(model, 99, 0, rank, world_size, 4)
+        with ddp.no_sync():
+            spec.loss(ddp(*args), target).backward()
+        optimizer.zero_grad()
     with ddp.join():
         for step in range(steps_per_rank[rank]):
             args, target = models.rank_batch(model, step, 0, rank, world_size, 4)
@@ -150,9 +155,9 @@ def _join(model, steps_per_rank, mode, wrapper_name, rank, world_size):
     return result
 
 
-def _join_run(model, steps_per_rank, rank, world_size):
+def _join_run(model, steps_per_rank, rank, world_size, no_sync_first=False):
     return {
-        name: _join(model, steps_per_rank, mode, wrapper, rank, world_size)
+        name: _join(model, steps_per_rank, mode, wrapper, rank, world_size, no_sync_first)
         for name, mode, wrapper in (("continuous", "continuous", "ext"), ("never", "never", "ext"),
                                     ("torch", None, "torch"))
     }
@@ -165,6 +170,16 @@ JOIN_RUNS = [
     # and sends the order its one backward observed; later rebuilds it votes
     # against.
     (Run("join_rank0_early_stack_reversed", functools.partial(_join_run, "stack_reversed", (1, 8))), 1),
+    # (Every rank runs one no_sync iteration first: joining before the first
+    # forward is not covered here.) Rank 1 joins before any synchronising
+    # backward: it has no order of its own, learns
+    # from shadowing rank 0's first backward that the first rebuild is due,
+    # and receives rank 0's order at rank 0's second forward, as torch's.
+    (Run("join_rank1_at_once_stack_reversed", functools.partial(_join_run, "stack_reversed", (6, 0), no_sync_first=True)), 1),
+    # Rank 0 joins before any synchronising backward: the broadcast's root has no order, so
+    # it sends its current layout's and the buckets stay as they are (the
+    # first rebuild is spent; see Note [Gradient order prediction]).
+    (Run("join_rank0_at_once_stack_reversed", functools.partial(_join_run, "stack_reversed", (0, 6), no_sync_first=True)), 0),
     # Both ranks are there for the first rebuild and for the order change at
     # step 5 (agreed at step 8); rank 1 joins after step 10, so the change
     # back at step 10 is voted for by rank 0 alone.
