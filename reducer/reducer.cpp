@@ -280,6 +280,9 @@ void Reducer::prepare_for_forward(bool training_step) {
 bool Reducer::rebuild_buckets() {
   const auto lock = lock_state(Access::kChange);
   TORCH_CHECK(phase_ != Phase::kReducing, unfinished_reduction_message());
+  if (timeline_.on() && phase_ == Phase::kIdle && layout_.order().first_rebuild_due()) {
+    reserve_timeline(); // room for the rebuild's range: a forward drained it
+  }
   const auto first = layout_.rebuild_first(*process_group_, timeline_, &stall_);
   if (first.changed) {
     next_bucket_ = 0;
