@@ -238,7 +238,16 @@ void bind_reducer(py::module& m) {
       .def("_check_reducer_finalized", &Reducer::check_finalized, NoGil())
       // See Note [Agreeing on the bucket layout]: the first rebuild, at
       // torch's point; returns whether it happened now.
-      .def("_rebuild_buckets", &Reducer::rebuild_buckets, NoGil())
+      .def(
+          "_rebuild_buckets",
+          [](Reducer& r) {
+            // Raises first, under the read lock a hook may take, if a
+            // reduction is under way (as torch's: called from a hook or its
+            // callback it must not wait for the lock the backward holds).
+            r.check_finalized();
+            return r.rebuild_buckets();
+          },
+          NoGil())
       .def("_push_all_rebuilt_params", &Reducer::shadowed_backward, NoGil())
       .def("_remove_autograd_hooks", &Reducer::remove_autograd_hooks, NoGil())
       .def("_update_process_group", &Reducer::update_process_group,
