@@ -51,7 +51,7 @@ What ddp_ext does:
   reference to its group does not deadlock with a Gloo worker.
 The groups are unusable after the release; an atexit function registered
 before `import ddp_ext` runs after it and must not run collectives.
-tests/test_exit_status.py checks the exit status over many 2-rank runs, and
+tests/wrapper/test_exit_status.py checks the exit status over many 2-rank runs, and
 tools/exit_runs.py counts it over 200 (docs/RELIABILITY.md, "Exit status").
 """
 

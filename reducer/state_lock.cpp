@@ -64,7 +64,7 @@ namespace ddp_ext::reducer {
 // waits for a changer, unless user code makes it: a hook, or a callback the
 // reducer waits for, that changes the wrapper from another thread waits for
 // the window that waits for it. Hooks and their callbacks must only read
-// (tests/test_hooks_reading_wrapper.py calls every reading method from both).
+// (tests/hooks/test_hooks_reading_wrapper.py calls every reading method from both).
 //
 // Cost: opening and closing a window is an unlock and a lock, once per
 // bucket for its hook and once per wait.

@@ -1,4 +1,4 @@
-// The test extension's Python entry point (see tests/native_extensions.py):
+// The test extension's Python entry point (see tests/support/native_extensions.py):
 // bindings only, for the test doubles beside this file.
 
 #include <torch/csrc/autograd/function.h>

@@ -1,6 +1,6 @@
 #pragma once
 
-// A test double, compiled only by the tests (tests/native_extensions.py),
+// A test double, compiled only by the tests (tests/support/native_extensions.py),
 // never into ddp_ext._C.
 
 #include <ATen/core/Tensor.h>
