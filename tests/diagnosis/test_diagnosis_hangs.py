@@ -31,26 +31,12 @@ from torch import nn
 import ddp_ext
 from ddp_ext._diagnosis import resolve_hang_settings
 from tests.support.spawn import run_ranks
+from tests.support.models import SkippableNet
 
 HANG_TIMEOUT_S = 2.0
 SLACK_S = 4.0  # a loaded machine: scheduling, imports, the first forward
 PG_TIMEOUT_S = 60.0
 NOT_FINISHED = "Expected to have finished reduction in the prior iteration before starting a new one"
-
-
-class _Net(nn.Module):
-    """Three layers; `skip` leaves fc2 out of the forward."""
-
-    def __init__(self, skip=False):
-        super().__init__()
-        self.skip = skip
-        self.fc0 = nn.Linear(4, 4)
-        self.fc1 = nn.Linear(4, 4)
-        self.fc2 = nn.Linear(4, 4)
-
-    def forward(self, x):
-        x = torch.tanh(self.fc1(torch.tanh(self.fc0(x))))
-        return x if self.skip else self.fc2(x)
 
 
 def _barrier_through_store(name, world_size):
@@ -68,7 +54,7 @@ def _first_step_outcome(rank, world_size, on_hang):
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
     last = rank == world_size - 1
     ddp = ddp_ext.DistributedDataParallel(
-        _Net(skip=last), process_group=group, hang_timeout_s=HANG_TIMEOUT_S, on_hang=on_hang
+        SkippableNet(skip=last), process_group=group, hang_timeout_s=HANG_TIMEOUT_S, on_hang=on_hang
     )
     x = torch.randn(3, 4)
     outcome = ("no error", None, None)
@@ -121,7 +107,7 @@ def test_without_diagnosis_the_waiting_rank_waits_for_the_process_group():
 
 def _first_step_without_diagnosis(rank, world_size):
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=5))
-    ddp = ddp_ext.DistributedDataParallel(_Net(skip=rank == 1), process_group=group, hang_timeout_s=0)
+    ddp = ddp_ext.DistributedDataParallel(SkippableNet(skip=rank == 1), process_group=group, hang_timeout_s=0)
     x = torch.randn(3, 4)
     outcome = ("no error", None, None)
     loss = ddp(x).pow(2).mean()
@@ -141,7 +127,7 @@ def _first_step_without_diagnosis(rank, world_size):
 def _late_rank(rank, world_size, on_hang, late_s):
     torch.manual_seed(0)
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
-    ddp = ddp_ext.DistributedDataParallel(_Net(), process_group=group, hang_timeout_s=1.0, on_hang=on_hang)
+    ddp = ddp_ext.DistributedDataParallel(SkippableNet(), process_group=group, hang_timeout_s=1.0, on_hang=on_hang)
     x = torch.randn(3, 4) + rank
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -192,7 +178,7 @@ def _late_rank_with_reading_warning_hook(rank, world_size):
 
     torch.manual_seed(0)
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
-    ddp = ddp_ext.DistributedDataParallel(_Net(), process_group=group, hang_timeout_s=1.0, on_hang="warn")
+    ddp = ddp_ext.DistributedDataParallel(SkippableNet(), process_group=group, hang_timeout_s=1.0, on_hang="warn")
     ddp.watch_stragglers(every=1)
     x = torch.randn(3, 4) + rank
     seen = []
@@ -239,7 +225,7 @@ def test_a_warning_hook_may_read_the_wrapper_while_it_waits():
 def _late_rank_with_warnings_as_errors(rank, world_size):
     torch.manual_seed(0)
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
-    ddp = ddp_ext.DistributedDataParallel(_Net(), process_group=group, hang_timeout_s=1.0, on_hang="warn")
+    ddp = ddp_ext.DistributedDataParallel(SkippableNet(), process_group=group, hang_timeout_s=1.0, on_hang="warn")
     x = torch.randn(3, 4) + rank
     raised = None
     with warnings.catch_warnings():
@@ -271,7 +257,7 @@ def _dying_rank_main(rank, world_size, store_path, results):
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     victim = world_size - 1
     torch.manual_seed(0)
-    net = _Net()
+    net = SkippableNet()
     ddp = ddp_ext.DistributedDataParallel(net, hang_timeout_s=HANG_TIMEOUT_S, bucket_cap_mb=1e-9)
     if rank == victim:
         # Dies in its backward of step 2, after the buckets of fc2 and fc1 left.
@@ -335,7 +321,7 @@ def test_a_dead_rank_is_named_by_the_survivors():
 def _healthy(rank, world_size, iterations):
     torch.manual_seed(0)
     threads_before = threading.active_count()
-    net = _Net()
+    net = SkippableNet()
     ddp = ddp_ext.DistributedDataParallel(net, hang_timeout_s=HANG_TIMEOUT_S)
     diagnosis = ddp._hang_diagnosis
     x = torch.randn(3, 4) + rank

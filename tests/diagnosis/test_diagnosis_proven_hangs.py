@@ -21,11 +21,11 @@ import pytest
 import torch
 import torch._dynamo  # noqa: F401 - else the first forward imports it, seconds that would look like a late rank
 import torch.distributed as dist
-from torch import nn
 
 import ddp_ext
 from ddp_ext._diagnosis.hang import UNFINISHED_PROOF_S
 from tests.support.spawn import _rank_main, run_ranks, stop
+from tests.support.models import SkippableNet
 
 PROVEN_WITHIN_S = 5.0  # the bound for a proof: one probe slice (1 s) and a loaded machine
 PG_TIMEOUT_S = 120.0  # far above every bound: a rank that waited for it fails them
@@ -37,21 +37,6 @@ def _default_settings(monkeypatch):
     # The ranks inherit the environment: the defaults must be the defaults.
     monkeypatch.delenv("DDP_EXT_HANG_TIMEOUT_S", raising=False)
     monkeypatch.delenv("DDP_EXT_ON_HANG", raising=False)
-
-
-class _Net(nn.Module):
-    """Three layers; `skip` leaves fc2 out of the forward."""
-
-    def __init__(self):
-        super().__init__()
-        self.skip = False
-        self.fc0 = nn.Linear(4, 4)
-        self.fc1 = nn.Linear(4, 4)
-        self.fc2 = nn.Linear(4, 4)
-
-    def forward(self, x):
-        x = torch.tanh(self.fc1(torch.tanh(self.fc0(x))))
-        return x if self.skip else self.fc2(x)
 
 
 def _group():
@@ -88,7 +73,7 @@ def _skips_and_stays_alive(rank, world_size, next_forward):
     alive without one (its backward ended unfinished). The others wait."""
     torch.manual_seed(0)
     last = rank == world_size - 1
-    net = _Net()
+    net = SkippableNet()
     ddp = ddp_ext.DistributedDataParallel(net, process_group=_group())
     assert ddp._hang_settings.timeout_s == 60.0 and ddp._hang_settings.on_hang == "auto"
     x = torch.randn(3, 4)
@@ -155,7 +140,7 @@ def test_a_backward_that_ended_unfinished_is_proof_once_the_wait_lasted_a_second
 def _dies_mid_step(rank, world_size):
     torch.manual_seed(0)
     victim = world_size - 1
-    net = _Net()
+    net = SkippableNet()
     ddp = ddp_ext.DistributedDataParallel(net, process_group=_group(), bucket_cap_mb=1e-9)
     if rank == victim:
         # Dies in its backward of training step 2, after fc2's and fc1's buckets left.
@@ -229,7 +214,7 @@ def _one_raises_and_leaves(rank, world_size):
     torch.manual_seed(0)
     late = world_size - 1
     settings = dict(hang_timeout_s=1.0, on_hang="raise") if rank == 0 else {}
-    ddp = ddp_ext.DistributedDataParallel(_Net(), process_group=_group(), **settings)
+    ddp = ddp_ext.DistributedDataParallel(SkippableNet(), process_group=_group(), **settings)
     x = torch.randn(3, 4) + rank
     outcome, raised_at = (None, None), None
     with warnings.catch_warnings(record=True) as caught:
@@ -286,7 +271,7 @@ def test_a_rank_that_raised_and_left_is_named_within_seconds(world_size):
 
 def _late_with_defaults(rank, world_size, late_s):
     torch.manual_seed(0)
-    ddp = ddp_ext.DistributedDataParallel(_Net(), process_group=_group())
+    ddp = ddp_ext.DistributedDataParallel(SkippableNet(), process_group=_group())
     x = torch.randn(3, 4) + rank
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -319,7 +304,7 @@ def test_a_late_rank_is_no_proof_and_the_probes_read_no_report_without_one():
 
 def _healthy_probes(rank, world_size, iterations):
     torch.manual_seed(0)
-    ddp = ddp_ext.DistributedDataParallel(_Net(), process_group=_group())
+    ddp = ddp_ext.DistributedDataParallel(SkippableNet(), process_group=_group())
     x = torch.randn(3, 4) + rank
     for _ in range(iterations):
         ddp(x).pow(2).mean().backward()

@@ -45,6 +45,22 @@ def _mse(output, target):
 # --- Models of issue 2 --------------------------------------------------------
 
 
+class SkippableNet(nn.Module):
+    """Three layers; `skip` (settable later) leaves fc2 out of the forward:
+    a parameter without a gradient, for the hang tests."""
+
+    def __init__(self, skip=False):
+        super().__init__()
+        self.skip = skip
+        self.fc0 = nn.Linear(4, 4)
+        self.fc1 = nn.Linear(4, 4)
+        self.fc2 = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = torch.tanh(self.fc1(torch.tanh(self.fc0(x))))
+        return x if self.skip else self.fc2(x)
+
+
 class MLP(nn.Module):
     def __init__(self):
         super().__init__()
