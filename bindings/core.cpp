@@ -264,17 +264,19 @@ void bind_reducer(py::module& m) {
       .def("_set_static_graph", &Reducer::set_static_graph, NoGil())
       .def("_delay_all_reduce", &Reducer::finish_learning_iteration, NoGil())
       .def("_check_reducer_finalized", &Reducer::check_finalized, NoGil())
+      // See Note [Agreeing on the bucket layout]: the first rebuild, at
+      // torch's point; returns whether it happened now.
       .def(
           "_rebuild_buckets",
           [](Reducer& r) {
-            // Rebuilds happen at the end of the backward pass that agrees on
-            // them (Note [Gradient order prediction]); this call rebuilds
-            // nothing. Like torch's, it checks that the last reduction finished.
+            // Raises first, under the read lock a hook may take, if a
+            // reduction is under way (as torch's: called from a hook or its
+            // callback it must not wait for the lock the backward holds).
             r.check_finalized();
-            return false;
+            return r.rebuild_buckets();
           },
           NoGil())
-      .def("_push_all_rebuilt_params", [](Reducer&) {})
+      .def("_push_all_rebuilt_params", &Reducer::shadowed_backward, NoGil())
       .def("_remove_autograd_hooks", &Reducer::remove_autograd_hooks, NoGil())
       .def("_update_process_group", &Reducer::update_process_group,
            py::arg("new_process_group"), NoGil())

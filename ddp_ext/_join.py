@@ -6,6 +6,14 @@ context's shadow loop, which calls `main_hook` once for every iteration that
 the other ranks still run. The hook issues, in the same order, every
 collective those ranks' forward and backward issue:
 
+0. once, after the first synchronising backward, the broadcast of rank 0's
+   gradient order for the first bucket rebuild (Note [Agreeing on the bucket
+   layout] in reducer/bucket_layout.h), as torch's join hook does through
+   `_rebuild_buckets`; the joined rank receives the order and rebuilds as its
+   peers do. A rank that joined before any backward has no order of its own;
+   it learns that the first rebuild is due by shadowing a synchronising
+   backward (`_push_all_rebuilt_params`, as torch's). If it is rank 0 it
+   sends its current layout's order, so every rank keeps the buckets it has,
 1. the buffer broadcast of a synchronising forward (after agreeing on the
    rank to broadcast from),
 2. the allreduce telling joined ranks whether this iteration synchronises
@@ -14,9 +22,9 @@ collective those ranks' forward and backward issue:
    the joined rank re-lays its buckets as its peers do),
 3. the step check of the backward (see Note [Ranks out of step] in
    reducer/step_check.h), as a rank with no step; it carries the vote on
-   rebuilding buckets (Note [Gradient order prediction] in
+   later (continuous) rebuilds (Note [Gradient order prediction] in
    reducer/gradient_order.h), where a rank that joined votes no, so no
-   rebuild happens while a rank has joined,
+   continuous rebuild happens while a rank has joined,
 4. one reduction per bucket, of zeros, through the same communication hook,
    except the buckets of layers that LayerDrop dropped on every rank (the
    plans the peers drew are drawn here too; see Note [Layer dropping] in
@@ -44,6 +52,8 @@ class DistributedDataParallelJoinHook(JoinHook):
         ddp = self.ddp
         if not ddp._lazy_init_ran:  # the peers' first forward checks their hooks
             ddp._lazy_init()
+        # Point 0: the peers' forward rebuilds here (once), after Join's notification.
+        ddp.reducer._rebuild_buckets()
         # The peers' forward draws LayerDrop plans; draw the same ones.
         ddp._dropped_layers.simulate_forward()
         ddp._check_and_sync_module_buffers()
@@ -132,6 +142,9 @@ def match_all_reduce_for_bwd_pass(ddp) -> None:
     works = [ddp.reducer._run_comm_hook(bucket) for bucket in buckets]
     for work in works:
         work.wait()
+    # Point 0: the peers observed a synchronising backward, so the first
+    # rebuild falls due at their next forward.
+    ddp.reducer._push_all_rebuilt_params()
 
 
 def match_unused_params_allreduce(ddp) -> None:

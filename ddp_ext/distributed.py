@@ -328,6 +328,10 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         work = Join.notify_join_context(self)
         if work:
             self.reducer._set_forward_pass_work_handle(work, self._divide_by_initial_world_size)
+        if torch.is_grad_enabled():
+            # The first rebuild, at torch's point: see Note [Agreeing on the
+            # bucket layout] in reducer/bucket_layout.h.
+            self.reducer._rebuild_buckets()
         if self._check_sync_bufs_pre_fwd():
             self.reducer._check_step_before_forward_collectives()
             self._sync_buffers()
@@ -586,7 +590,9 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
     @property
     def _has_rebuilt_buckets(self) -> bool:
         """torch's flag (ZeRO's DDP hooks read it): whether the buckets were
-        rebuilt in the observed gradient order after the first iteration."""
+        rebuilt in the observed gradient order; true from the second
+        grad-enabled forward after the first synchronising backward on, as
+        with torch's DDP."""
         return self.reducer is not None and self.reducer.has_rebuilt_buckets
 
     # --- pickling: see ddp_ext/_pickling.py ---------------------------------

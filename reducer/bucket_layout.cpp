@@ -160,7 +160,8 @@ bool BucketLayout::conclude(
   if (vote_cast_) {
     vote_cast_ = false;
     if (rebuild_agreed(summed_votes.value_or(own_vote_), group.getSize())) {
-      changed = rebuild(order_.layout_for(agreed_order(group, watch)), timeline);
+      changed = rebuild(
+          order_.layout_for(agreed_order(order_.voted_order(), group, watch)), timeline);
       order_.rebuilt(changed);
     }
   }
@@ -168,10 +169,25 @@ bool BucketLayout::conclude(
   return changed;
 }
 
+BucketLayout::FirstRebuild BucketLayout::rebuild_first(
+    c10d::ProcessGroup& group, Timeline& timeline, StallWatch* watch) {
+  FirstRebuild result;
+  if (!order_.first_rebuild_due()) {
+    return result;
+  }
+  // See the Note, point 2. A rank that shadowed the backward has no order:
+  // it receives rank 0's; if it is rank 0, it sends its current layout's.
+  const std::vector<size_t> mine =
+      order_.first_order().empty() ? current_order() : order_.first_order();
+  result.changed = rebuild(order_.layout_for(agreed_order(mine, group, watch)), timeline);
+  order_.rebuilt(result.changed);
+  result.done = true;
+  return result;
+}
+
 std::vector<size_t> BucketLayout::agreed_order(
-    c10d::ProcessGroup& group, StallWatch* watch) const {
-  // Every rank voted, so every rank has an order; rank 0's is the one.
-  const auto& mine = order_.voted_order();
+    const std::vector<size_t>& mine, c10d::ProcessGroup& group, StallWatch* watch) const {
+  // Rank 0's order is the one; every rank sends one of the same length.
   TORCH_INTERNAL_ASSERT(mine.size() == params_.size());
   at::Tensor order = at::empty({static_cast<int64_t>(mine.size())}, at::kLong);
   int64_t* values = order.data_ptr<int64_t>();
@@ -193,7 +209,9 @@ std::vector<size_t> BucketLayout::agreed_order(
   }
   std::vector<size_t> agreed(mine.size());
   for (size_t k = 0; k < agreed.size(); ++k) {
-    TORCH_CHECK(values[k] >= 0, "the broadcast gradient order holds ", values[k]);
+    TORCH_CHECK(values[k] >= 0 && static_cast<size_t>(values[k]) < agreed.size(),
+                "the broadcast gradient order holds ", values[k], " for ",
+                agreed.size(), " parameters");
     agreed[k] = static_cast<size_t>(values[k]);
   }
   return agreed;

@@ -41,18 +41,26 @@ namespace ddp_ext::reducer {
 // 1. The first layout: assign_buckets over the parameters in reverse
 //    registration order with the construction caps, at construction.
 // 2. Order rebuilds (Note [Gradient order prediction] in
-//    reducer/gradient_order.h). Each rank's vote, as it stood at the end of
-//    the previous backward, rides on that backward's step check (the rider
-//    slot, Note [Ranks out of step] in reducer/step_check.h): the allreduce
-//    starts with the first gradient and is awaited at the end of the
-//    backward, so the vote costs no collective of its own. A rebuild is
-//    agreed only if every rank voted for it (a rank that joined under Join
-//    votes no). Then rank 0 broadcasts the order behind its vote and every
-//    rank assigns buckets from it with assign_buckets_in_order (same caps,
-//    the first bucket keeping its small cap), at the end of finalizing that
-//    backward. Ranks whose orders differ cannot be served by one layout:
-//    rank 0's wins, as in torch's DDP, and once rank 0 is content it stops
-//    voting, so the others cannot force rebuild after rebuild.
+//    reducer/gradient_order.h). The first one, as torch's DDP, is not voted
+//    on: after the first synchronising backward (which every rank takes
+//    part in or, having joined, shadows), at the start of the next forward
+//    with gradients enabled, right after Join's notification, rank 0
+//    broadcasts the order it observed and every rank assigns buckets from
+//    it with assign_buckets_in_order (same caps, the first bucket keeping
+//    its small cap). A rank that joined takes part from its Join hook, at
+//    the same point of its shadow iteration (ddp_ext/_join.py). Later
+//    (continuous) rebuilds are voted on: each rank's vote, as it stood at
+//    the end of the previous backward, rides on that backward's step check
+//    (the rider slot, Note [Ranks out of step] in reducer/step_check.h): the
+//    allreduce starts with the first gradient and is awaited at the end of
+//    the backward, so the vote costs no collective of its own. Such a
+//    rebuild is agreed only if every rank voted for it (a rank that joined
+//    under Join votes no). Then rank 0 broadcasts the order behind its vote
+//    and every rank assigns buckets from it as above, at the end of
+//    finalizing that backward. Ranks whose orders differ cannot be served
+//    by one layout: rank 0's wins, as in torch's DDP, and once rank 0 is
+//    content it stops voting, so the others cannot force rebuild after
+//    rebuild.
 // 3. Tuned caps (Note [Auto-tuned bucket caps] in ddp_ext/_auto_buckets.py):
 //    set_caps re-cuts the buckets in their current order, between
 //    iterations. The tuner's decisions fall due after the same number of
@@ -62,12 +70,14 @@ namespace ddp_ext::reducer {
 //    step counts, one float64 triple per trial or window, never per
 //    iteration, and every rank applies the same decision.
 //
-// The order of collectives. A backward issues, in order: the step check (at
-// its first gradient, carrying the rebuild vote), the bucket allreduces, the
-// used bitmap; its end may add the broadcast of rank 0's order. The tuner's
-// allreduce comes at the start of a forward, before the buffer broadcast's
-// step check. Both sit at points every rank with data reaches in the same
-// order, and a rank that joined under Join shadows both (ddp_ext/_join.py).
+// The order of collectives. A forward with gradients enabled issues, in
+// order: Join's notification, once the broadcast of rank 0's first order,
+// the buffer broadcast's step check and broadcast, the tuner's allreduce
+// when one falls due. A backward issues the step check (at its first
+// gradient, carrying the rebuild vote), the bucket allreduces, the used
+// bitmap; its end may add the broadcast of rank 0's order for a continuous
+// rebuild. All sit at points every rank with data reaches in the same
+// order, and a rank that joined under Join shadows them (ddp_ext/_join.py).
 //
 // Why two ways rather than one. The tuner's figure is a wall-clock time that
 // must be compared across ranks (MAX, a float), and it is due only every
@@ -77,9 +87,12 @@ namespace ddp_ext::reducer {
 // tuner's figure there would make every backward's check wider for a value
 // needed rarely, and the decision would come a backward late, after this
 // iteration's buckets already left; a cap change must come between
-// iterations, which is where the tuner's own allreduce already is. So order
-// rebuilds agree at the end of a backward, caps at the start of a forward,
-// and this Note is where that is argued.
+// iterations, which is where the tuner's own allreduce already is. So
+// continuous order rebuilds agree at the end of a backward, caps at the
+// start of a forward, and this Note is where that is argued. The first
+// rebuild needs no agreement (every rank knows it is due) and sits where
+// torch's DDP has it, so that _has_rebuilt_buckets and the layout match
+// torch's iteration by iteration (torch's ZeRO overlap hook reads the flag).
 
 // Bytes a parameter occupies in a bucket, per parameter, with what else
 // assigning buckets needs: computed once, here, for every layout.
@@ -157,6 +170,15 @@ class BucketLayout {
       c10d::ProcessGroup& group,
       Timeline& timeline,
       StallWatch* watch = nullptr);
+  // The first rebuild, at the start of a forward (see the Note, point 2):
+  // if due, receives rank 0's first order (this rank's own, or its current
+  // layout's if it has none, when it is rank 0) and rebuilds from it.
+  struct FirstRebuild {
+    bool done = false; // the first rebuild happened now
+    bool changed = false; // and replaced the buckets
+  };
+  FirstRebuild rebuild_first(
+      c10d::ProcessGroup& group, Timeline& timeline, StallWatch* watch = nullptr);
   // Forgets a vote cast for an iteration that will not conclude.
   void forget_vote() {
     vote_cast_ = false;
@@ -166,7 +188,8 @@ class BucketLayout {
   LayoutInputs inputs() const;
   void index_buckets();
   std::vector<size_t> current_order() const;
-  std::vector<size_t> agreed_order(c10d::ProcessGroup& group, StallWatch* watch) const;
+  std::vector<size_t> agreed_order(
+      const std::vector<size_t>& mine, c10d::ProcessGroup& group, StallWatch* watch) const;
   bool rebuild(const std::vector<std::vector<size_t>>& layout, Timeline& timeline);
 
   const std::vector<at::Tensor>& params_;

@@ -134,7 +134,7 @@ bool GradientOrder::first_pending() const {
 }
 
 bool GradientOrder::consulting() const {
-  return first_pending() || watching();
+  return watching(); // the first rebuild is not voted on; see the Note
 }
 
 int64_t GradientOrder::vote() const {
@@ -230,11 +230,13 @@ void GradientOrder::update_vote(const std::vector<size_t>& bucket_of, size_t buc
     return;
   }
   if (first_pending()) {
-    // The first rebuild, as torch's DDP: to the first observed order.
-    vote_ = true;
+    // The first rebuild, as torch's DDP: to the first observed order, at
+    // the next forward (see the Note).
+    vote_ = false;
     if (voted_order_.empty()) {
       voted_order_ = order_;
     }
+    first_ready_ = true;
     return;
   }
   if (!watching()) {
@@ -294,9 +296,16 @@ void GradientOrder::forget_candidate() {
   candidate_buckets_ = 0;
 }
 
+void GradientOrder::shadowed_backward() {
+  if (first_pending()) {
+    first_ready_ = true;
+  }
+}
+
 void GradientOrder::restart() {
   rebuilt(false);
   first_done_ = false;
+  first_ready_ = false;
 }
 
 void GradientOrder::rebuilt(bool changed) {

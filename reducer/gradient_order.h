@@ -53,23 +53,36 @@ namespace ddp_ext::reducer {
 // that alternate faster than that never win a vote: a candidate built from
 // one loses on the other.
 //
-// Consensus. Every rank must build the same buckets at the same point: each
-// rank votes, the vote rides on the step check, a rebuild needs every rank's
+// Consensus. Every rank must build the same buckets at the same point: for
+// a continuous rebuild each rank votes, the vote rides on the step check, a rebuild needs every rank's
 // vote and follows rank 0's order. Note [Agreeing on the bucket layout] in
 // reducer/bucket_layout.h argues how, and how it orders with the other
 // collectives.
 //
-// The first rebuild (once, and continuous) follows torch's DDP: after the
-// first synchronising backward every rank votes for it, unless
-// find_unused_parameters is set without static_graph (orders then depend on
-// which parameters each iteration used). Continuous watching then goes on;
-// a communication hook other than the stateless built-in ones stops it after
-// the first rebuild, since hooks may keep state per bucket index (PowerSGD's
-// error feedback).
+// The first rebuild (once, and continuous) follows torch's DDP, at torch's
+// point and without a vote: the first synchronising backward records its
+// order (a rank that joined under Join and shadowed that backward records
+// that it happened, and no order); at the start of the next forward with
+// gradients enabled, after Join's notification and before the buffer
+// broadcast (or in the Join hook of a rank that joined, at the same point),
+// rank 0 broadcasts its first order and every rank rebuilds from it. From
+// that forward on has_rebuilt() holds (torch's _has_rebuilt_buckets), so the
+// second iteration's backward already runs with the rebuilt buckets, as
+// torch's does. Rank 0 is the root and must send an order: a rank 0 that
+// joined before any backward has none and sends its current layout's order,
+// so the buckets stay as they are and the first rebuild is spent (torch's
+// joined rank 0 would send registration order). There is no first rebuild
+// when find_unused_parameters is set without static_graph (orders then
+// depend on which parameters each iteration used). Continuous watching
+// starts after the first rebuild; its rebuilds are voted on as above, at
+// the end of a backward. A communication hook other than the stateless
+// built-in ones stops it after the first rebuild, since hooks may keep
+// state per bucket index (PowerSGD's error feedback).
 //
 // Why a rebuild is safe. It runs at the end of finalizing a backward (or a
-// learning iteration), after every bucket's reduction was awaited and its
-// result written to .grad, so no gradient is in flight and the buckets hold
+// learning iteration), or at the start of a forward (the first rebuild),
+// after every bucket's reduction was awaited and its result written to
+// .grad, so no gradient is in flight and the buckets hold
 // nothing that is needed again, except with gradient_as_bucket_view, where
 // each .grad that is a view into its bucket is copied to its new view and
 // re-pointed there. Every rank re-lays the same buckets at the same point,
@@ -80,7 +93,7 @@ namespace ddp_ext::reducer {
 
 enum class BucketRebuild {
   kNever, // keep the construction layout
-  kOnce, // torch's DDP: rebuild once after the first iteration
+  kOnce, // torch's DDP: rebuild once, at the second forward
   kContinuous, // once, then whenever the order persistently costs overlap
 };
 
@@ -165,12 +178,25 @@ class GradientOrder {
   // iteration will use.
   void update_vote(const std::vector<size_t>& bucket_of, size_t buckets);
 
+  // The first rebuild (see the Note): a rank that joined shadowed a
+  // synchronising backward, so its peers observed one.
+  void shadowed_backward();
+  // Whether the first rebuild is due at this forward: the same on every rank.
+  bool first_rebuild_due() const {
+    return first_pending() && first_ready_;
+  }
+  // The first observed order (empty on a rank that shadowed the backward).
+  const std::vector<size_t>& first_order() const {
+    return voted_order_;
+  }
+
   // Whether the next synchronising backward carries a vote. The same on
   // every rank: it changes only when a rebuild is agreed.
   bool consulting() const;
   // This rank's vote for the next consensus: 0 or 1.
   int64_t vote() const;
-  // The order behind the vote (what rank 0 broadcasts).
+  // The order behind the vote (what rank 0 broadcasts for a continuous
+  // rebuild).
   const std::vector<size_t>& voted_order() const {
     return voted_order_;
   }
@@ -236,6 +262,7 @@ class GradientOrder {
   bool first_due_ = true;
   bool continuous_allowed_ = true;
   bool first_done_ = false;
+  bool first_ready_ = false; // a synchronising backward happened since
 
   std::vector<int64_t> stamps_; // per parameter; -1: not ready yet
   int64_t clock_ = 0;

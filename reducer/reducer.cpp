@@ -277,6 +277,27 @@ void Reducer::prepare_for_forward(bool training_step) {
   }
 }
 
+bool Reducer::rebuild_buckets() {
+  const auto lock = lock_state(Access::kChange);
+  TORCH_CHECK(phase_ != Phase::kReducing, unfinished_reduction_message());
+  if (timeline_.on() && phase_ == Phase::kIdle && layout_.order().first_rebuild_due()) {
+    reserve_timeline(); // room for the rebuild's range: a forward drained it
+  }
+  const auto first = layout_.rebuild_first(*process_group_, timeline_, &stall_);
+  if (first.changed) {
+    next_bucket_ = 0;
+    if (phase_ == Phase::kExpectingGradients) {
+      arm_buckets(); // a forward already armed the old buckets
+    }
+  }
+  return first.done;
+}
+
+void Reducer::shadowed_backward() {
+  const auto lock = lock_state(Access::kChange);
+  layout_.order().shadowed_backward();
+}
+
 void Reducer::check_finalized() const {
   const auto lock = lock_state(Access::kRead);
   TORCH_CHECK(phase_ != Phase::kReducing, unfinished_reduction_message());

@@ -102,6 +102,16 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // training mode; see Note [Ranks out of step].
   void prepare_for_forward(bool training_step = false);
 
+  // torch's _rebuild_buckets: called at the start of every forward with
+  // gradients enabled, after Join's notification (and by a joined rank's
+  // Join hook at the same point). Does the first rebuild if it is due and
+  // returns whether it did; raises if the last synchronising backward left
+  // gradients unreduced. See Note [Agreeing on the bucket layout].
+  bool rebuild_buckets();
+  // torch's _push_all_rebuilt_params: a rank that joined shadowed a
+  // synchronising backward, so the first rebuild is due at the next forward.
+  void shadowed_backward();
+
   // Called at the end of a forward whose backward must synchronise gradients
   // (or by frameworks before a backward that runs inside the forward).
   // `outputs` are the forward's output tensors; with find_unused_parameters

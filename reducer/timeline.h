@@ -49,8 +49,9 @@ namespace ddp_ext::reducer {
 // is on, so torch.profiler traces show ddp_ext's phases too.
 //
 // Bucket indices are those of the layout the bucket was launched in; a
-// rebuild (recorded as a range at the end of the backward that agreed on it)
-// renumbers the buckets from the next iteration on.
+// rebuild (recorded as a range: the first at the start of the forward that
+// does it, later ones at the end of the backward that agreed on them)
+// renumbers the buckets from the next backward on.
 //
 // Why the Chrome trace is written in Python rather than here, as the design
 // sketch had it: the parameter names and the wrapper's forward live on the

@@ -53,7 +53,7 @@ def _without_gloo_refusal():
     return mock.patch.object(ddp_zero_hook.dist, "get_backend", lambda group=None: "nccl")
 
 
-def _train(rank, world_size, impl, variant, optimizer, warmup=0):
+def _train(rank, world_size, impl, variant, optimizer):
     ddp = _wrap(impl, _model())
     zero = ZeroRedundancyOptimizer(
         ddp.parameters(), optimizer_class=OPTIMIZERS[optimizer], overlap_with_ddp=True, lr=0.01
@@ -62,23 +62,24 @@ def _train(rank, world_size, impl, variant, optimizer, warmup=0):
         hook = MAKERS[variant](allreduce_hook, ddp, zero)
     ddp.register_comm_hook(None, hook)
     before = [p.detach().clone() for p in ddp.module.parameters()]
-    dummy = torch.Generator().manual_seed(200 + rank)
-    for _ in range(warmup):  # ZeRO updates nothing while it learns DDP's buckets
-        ddp.zero_grad()
-        nn.functional.mse_loss(ddp(torch.randn(6, 8, generator=dummy)), torch.randn(6, 4, generator=dummy)).backward()
-    unmoved_after_warmup = all(torch.equal(a, p) for a, p in zip(before, ddp.module.parameters()))
     gen = torch.Generator().manual_seed(100 + rank)
+    rebuilt_after_forward = []  # iteration by iteration, as the hook sees it
+    unmoved = []  # whether each iteration left the parameters as they were
     for _ in range(STEPS):
         ddp.zero_grad()
         x = torch.randn(6, 8, generator=gen)
         y = torch.randn(6, 4, generator=gen)
-        nn.functional.mse_loss(ddp(x), y).backward()
+        start = [p.detach().clone() for p in ddp.module.parameters()]
+        out = ddp(x)
+        rebuilt_after_forward.append(bool(ddp._has_rebuilt_buckets))
+        nn.functional.mse_loss(out, y).backward()
+        unmoved.append(all(torch.equal(a, p) for a, p in zip(start, ddp.module.parameters())))
     params = [p.detach().clone() for p in ddp.module.parameters()]
     return {
         "params": params,
         "moved": any(not torch.equal(a, b) for a, b in zip(before, params)),
-        "rebuilt": bool(ddp._has_rebuilt_buckets),
-        "unmoved_after_warmup": unmoved_after_warmup,
+        "rebuilt_after_forward": rebuilt_after_forward,
+        "unmoved": unmoved,
     }
 
 
@@ -100,20 +101,18 @@ def test_on_gloo_both_hooks_refuse_with_torchs_message_as_under_torch():
             assert refused == {variant: GLOO_REFUSAL for variant in MAKERS}, (impl, refused)
 
 
-# ddp_ext's first bucket rebuild comes one backward later than torch's (docs/
-# TORCH_CONTRACT.md), so ZeRO, which waits for it, starts updating one
-# iteration later: one leading iteration (the "dummy inputs" torch's ZeRO
-# documentation suggests for its own warm-up) lines the runs up.
-EXT_WARMUP = 1
-
-
+# ddp_ext's first bucket rebuild comes where torch's does, at the start of the
+# second forward (docs/TORCH_CONTRACT.md), so ZeRO, which waits for it, starts
+# updating at the same iteration with no leading iteration: same inputs, same
+# steps for both.
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_hook_with_zero_step_trains_as_under_torch(optimizer):
-    ours = run_ranks(_train, 2, "ddp_ext", "step", optimizer, EXT_WARMUP, timeout=TIMEOUT_S)
+    ours = run_ranks(_train, 2, "ddp_ext", "step", optimizer, timeout=TIMEOUT_S)
     theirs = run_ranks(_train, 2, "torch", "step", optimizer, timeout=TIMEOUT_S)
     for rank, (mine, reference) in enumerate(zip(ours, theirs)):
-        assert mine["rebuilt"] and reference["rebuilt"]
-        assert mine["unmoved_after_warmup"]
+        assert reference["rebuilt_after_forward"] == [False] + [True] * (STEPS - 1), reference
+        assert mine["rebuilt_after_forward"] == reference["rebuilt_after_forward"], (rank, mine, reference)
+        assert mine["unmoved"] == reference["unmoved"], (rank, mine["unmoved"], reference["unmoved"])
         assert mine["moved"] and reference["moved"], "ZeRO never stepped: the test proves nothing"
         for index, (a, b) in enumerate(zip(mine["params"], reference["params"])):
             torch.testing.assert_close(a, b, msg=f"{optimizer}, rank {rank}, parameter {index}")

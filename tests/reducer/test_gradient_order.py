@@ -55,36 +55,44 @@ class UsedInReverse(nn.Module):
 
 @pytest.mark.parametrize("mode, rebuilt", [("continuous", True), ("once", True), ("never", False)])
 def test_one_rank_observes_and_rebuilds(mode, rebuilt, single_process_group):
-    """A world of one rank decides alone: the vote cast after the first
-    iteration is counted in the second, at whose end the buckets are rebuilt."""
+    """torch's timing: the first synchronising backward observes the order,
+    and the next forward with gradients rebuilds from it (no vote), so the
+    second backward already runs with the rebuilt buckets."""
     torch.manual_seed(0)
     ddp = ddp_ext.DistributedDataParallel(UsedInReverse(), rebuild_buckets=mode, bucket_cap_mb=1e-9)
     assert ddp.reducer.overlap_fraction is None and ddp.reducer.observed_order() == []
     construction = [[3], [2], [1], [0]]
     assert ddp.bucket_indices() == construction
-    for _ in range(2):
-        ddp(torch.randn(4, 2)).sum().backward()
+    ddp(torch.randn(4, 2)).sum().backward()
     # Autograd reaches each Linear's bias before its weight, `a` before `b`.
     assert ddp.reducer.observed_order() == [1, 0, 3, 2]
-    # The second iteration still ran with the construction layout, in which
-    # bucket 0 fills with the third gradient and launches the only one early.
+    # Not yet rebuilt: that waits for the next forward, as in torch's DDP.
+    assert ddp._has_rebuilt_buckets is False
+    assert ddp.bucket_indices() == construction
+    # The first iteration ran with the construction layout, in which bucket 0
+    # fills with the third gradient and launches the only one early.
     assert ddp.reducer.overlap_fraction == pytest.approx(12 / 68)
     # Bias of `a` (8 bytes, first) waits for 60 bytes to arrive, its weight
     # (24 bytes, second) for 36; the two gradients of `b` launch on arrival.
     assert ddp.reducer.launch_delay == pytest.approx((8 * 60 + 24 * 36) / 68**2)
-    assert ddp._has_rebuilt_buckets is rebuilt
+    with torch.no_grad():
+        ddp(torch.randn(4, 2))  # no gradients: torch rebuilds nothing here either
+    assert ddp._has_rebuilt_buckets is False
+    out = ddp(torch.randn(4, 2))
+    assert ddp._has_rebuilt_buckets is rebuilt  # from this forward on
+    assert ddp.reducer._rebuild_buckets() is False  # once only
+    out.sum().backward()
     data = ddp._get_ddp_logging_data()
     assert data["prev_iteration_grad_ready_order_indices"] == "1, 0, 3, 2"
     assert data["has_rebuilt_buckets"] == int(rebuilt)
     assert data["rebuild_buckets"] == mode
     assert data["bucket_rebuilds"] == int(rebuilt)
-    ddp(torch.randn(4, 2)).sum().backward()
     if rebuilt:
         assert ddp.bucket_indices() == [[1], [0], [3], [2]]
         assert data["rebuilt_per_bucket_param_indices"] == "1, 0, 3, 2"
         assert data["rebuilt_bucket_sizes"] == "8, 24, 12, 24"
-        # Every bucket but the last gradient's launched before it arrived,
-        # each on its gradient's arrival.
+        # The second backward ran with the rebuilt buckets: every bucket but
+        # the last gradient's launched before it arrived, each on arrival.
         assert ddp.reducer.overlap_fraction == pytest.approx(1 - 24 / 68)
         assert ddp.reducer.launch_delay == 0.0
     else:

@@ -45,9 +45,12 @@ def _logged(wrapper, c, rank, world_size):
     last step left, and the rebuild count (ddp_ext)."""
     seen = {}
 
+    history = seen["history"] = []  # per step, the order keys below
+
     def on_step(ddp, module):
         seen["logging"] = ddp._get_ddp_logging_data()
         seen["rebuilds"] = ddp.reducer.rebuilds if hasattr(ddp.reducer, "rebuilds") else None
+        history.append({key: seen["logging"].get(key) for key in ORDER_KEYS})
 
     trace = reference.train_ddp(wrapper, c, rank, world_size, on_step=on_step)
     return dict(trace=trace, **seen)
@@ -105,6 +108,17 @@ def test_same_order_and_rebuilt_layout_as_torch_ddp(r):
             ours = result[mode]["logging"]
             for key in ORDER_KEYS:
                 assert ours[key] == theirs[key], f"{r.id}, rank {rank}, {mode}: {key}"
+            # Step by step too, wherever torch's logging data has the key
+            # (torch fills some in only at sampled iterations). Its
+            # has_rebuilt_buckets is a snapshot taken at a sampled forward's
+            # start, before that forward rebuilds: not compared per step.
+            compared = 0
+            for step, (mine, reference_step) in enumerate(zip(result[mode]["history"], result["torch"]["history"])):
+                for key, value in reference_step.items():
+                    if value is not None and key != "has_rebuilt_buckets":
+                        compared += 1
+                        assert mine[key] == value, f"{r.id}, rank {rank}, {mode}, step {step}: {key}"
+            assert compared >= len(ORDER_KEYS) - 1, f"{r.id}: torch's logging data compared nothing"
         never = result["never"]["logging"]
         assert never["has_rebuilt_buckets"] == 0 and "rebuilt_per_bucket_param_indices" not in never
 
@@ -112,7 +126,7 @@ def test_same_order_and_rebuilt_layout_as_torch_ddp(r):
 # --- Join ---------------------------------------------------------------------------
 
 
-def _join(model, steps_per_rank, mode, wrapper_name, rank, world_size):
+def _join(model, steps_per_rank, mode, wrapper_name, rank, world_size, no_sync_first=False):
     wrapper = reference.ext_ddp if wrapper_name == "ext" else reference.torch_ddp
     kwargs = dict(bucket_cap_mb=CAP_MB)
     if wrapper_name == "ext":
@@ -122,6 +136,11 @@ def _join(model, steps_per_rank, mode, wrapper_name, rank, world_size):
     spec = models.MODELS[model]
     optimizer = reference.OPTIMIZERS["sgd"](module.parameters())
     layouts = []
+    if no_sync_first:  # every rank's first forward, outside Join; no backward synchronises
+        args, target = models.rank_batch(model, 99, 0, rank, world_size, 4)
+        with ddp.no_sync():
+            spec.loss(ddp(*args), target).backward()
+        optimizer.zero_grad()
     with ddp.join():
         for step in range(steps_per_rank[rank]):
             args, target = models.rank_batch(model, step, 0, rank, world_size, 4)
@@ -136,9 +155,9 @@ def _join(model, steps_per_rank, mode, wrapper_name, rank, world_size):
     return result
 
 
-def _join_run(model, steps_per_rank, rank, world_size):
+def _join_run(model, steps_per_rank, rank, world_size, no_sync_first=False):
     return {
-        name: _join(model, steps_per_rank, mode, wrapper, rank, world_size)
+        name: _join(model, steps_per_rank, mode, wrapper, rank, world_size, no_sync_first)
         for name, mode, wrapper in (("continuous", "continuous", "ext"), ("never", "never", "ext"),
                                     ("torch", None, "torch"))
     }
@@ -146,9 +165,21 @@ def _join_run(model, steps_per_rank, rank, world_size):
 
 # (run, layout-changing rebuilds every rank ends with)
 JOIN_RUNS = [
-    # Rank 0 (the broadcast's source) joins after one step, before the first
-    # rebuild is agreed: its no vote keeps the construction layout.
-    (Run("join_rank0_early_stack_reversed", functools.partial(_join_run, "stack_reversed", (1, 8))), 0),
+    # Rank 0 (the broadcast's source) joins after one step: as torch's, its
+    # join hook takes part in the first rebuild at the peers' second forward
+    # and sends the order its one backward observed; later rebuilds it votes
+    # against.
+    (Run("join_rank0_early_stack_reversed", functools.partial(_join_run, "stack_reversed", (1, 8))), 1),
+    # (Every rank runs one no_sync iteration first: joining before the first
+    # forward is not covered here.) Rank 1 joins before any synchronising
+    # backward: it has no order of its own, learns
+    # from shadowing rank 0's first backward that the first rebuild is due,
+    # and receives rank 0's order at rank 0's second forward, as torch's.
+    (Run("join_rank1_at_once_stack_reversed", functools.partial(_join_run, "stack_reversed", (6, 0), no_sync_first=True)), 1),
+    # Rank 0 joins before any synchronising backward: the broadcast's root has no order, so
+    # it sends its current layout's and the buckets stay as they are (the
+    # first rebuild is spent; see Note [Gradient order prediction]).
+    (Run("join_rank0_at_once_stack_reversed", functools.partial(_join_run, "stack_reversed", (0, 6), no_sync_first=True)), 0),
     # Both ranks are there for the first rebuild and for the order change at
     # step 5 (agreed at step 8); rank 1 joins after step 10, so the change
     # back at step 10 is voted for by rank 0 alone.
@@ -271,12 +302,13 @@ def test_python_hooks_stop_continuous_rebuilding(run_id):
 
 
 def test_a_rebuild_reuses_bucket_memory_unless_grads_are_views():
-    """stack_reversed rebuilds at the end of step 1: every bucket the hook saw
+    """stack_reversed rebuilds at the start of step 1 (the second forward, as
+    torch's DDP): every bucket the hook saw
     lies in one storage, the same before and after, unless .grad are bucket
     views, in which case the rebuilt buckets live in new memory."""
     plain = _hook_results("python_hook_stack_reversed")[0]["storages"]
     view = _hook_results("python_hook_stack_reversed_view")[0]["storages"]
     assert all(len(s) == 1 for s in plain + view), "buckets of one dtype share one storage"
     assert len({s[0] for s in plain}) == 1, f"the rebuild allocated new bucket memory: {plain}"
-    before, after = {s[0] for s in view[:2]}, {s[0] for s in view[2:]}
+    before, after = {s[0] for s in view[:1]}, {s[0] for s in view[1:]}
     assert len(before) == 1 and len(after) == 1 and before != after, view
