@@ -161,7 +161,7 @@ bool BucketLayout::conclude(
     vote_cast_ = false;
     if (rebuild_agreed(summed_votes.value_or(own_vote_), group.getSize())) {
       changed = rebuild(
-          order_.layout_for(agreed_order(order_.voted_order(), group, watch)), timeline);
+          order_.layout_for(agreed_order(order_.voted_order(), group, watch, "layout broadcast")), timeline);
       order_.rebuilt(changed);
     }
   }
@@ -179,14 +179,17 @@ BucketLayout::FirstRebuild BucketLayout::rebuild_first(
   // it receives rank 0's; if it is rank 0, it sends its current layout's.
   const std::vector<size_t> mine =
       order_.first_order().empty() ? current_order() : order_.first_order();
-  result.changed = rebuild(order_.layout_for(agreed_order(mine, group, watch)), timeline);
+  result.changed = rebuild(order_.layout_for(agreed_order(mine, group, watch, "first layout broadcast")), timeline);
   order_.rebuilt(result.changed);
   result.done = true;
   return result;
 }
 
 std::vector<size_t> BucketLayout::agreed_order(
-    const std::vector<size_t>& mine, c10d::ProcessGroup& group, StallWatch* watch) const {
+    const std::vector<size_t>& mine,
+    c10d::ProcessGroup& group,
+    StallWatch* watch,
+    const char* waiting_for) const {
   // Rank 0's order is the one; every rank sends one of the same length.
   TORCH_INTERNAL_ASSERT(mine.size() == params_.size());
   at::Tensor order = at::empty({static_cast<int64_t>(mine.size())}, at::kLong);
@@ -200,7 +203,7 @@ std::vector<size_t> BucketLayout::agreed_order(
     from_rank_0.rootRank = 0;
     auto work = group.broadcast(tensors, from_rank_0);
     if (watch != nullptr) {
-      watch->wait(*work, "layout broadcast", -1);
+      watch->wait(*work, waiting_for, -1);
     } else {
       work->wait();
     }

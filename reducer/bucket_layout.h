@@ -188,8 +188,14 @@ class BucketLayout {
   LayoutInputs inputs() const;
   void index_buckets();
   std::vector<size_t> current_order() const;
+  // Rank 0's order, broadcast; `waiting_for` names the wait to the stall
+  // watch (the first rebuild's happens at a forward, the later ones' at the
+  // end of a backward).
   std::vector<size_t> agreed_order(
-      const std::vector<size_t>& mine, c10d::ProcessGroup& group, StallWatch* watch) const;
+      const std::vector<size_t>& mine,
+      c10d::ProcessGroup& group,
+      StallWatch* watch,
+      const char* waiting_for) const;
   bool rebuild(const std::vector<std::vector<size_t>>& layout, Timeline& timeline);
 
   const std::vector<at::Tensor>& params_;

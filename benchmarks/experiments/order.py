@@ -49,8 +49,11 @@ DEFAULT_CAP_MB = 2 * layer_bytes() / 2**20
 
 class OrderStep(TrainingStep):
     """A training iteration that swaps a switching model's stages at
-    iteration `switch_at`, and records ddp_ext's overlap fraction, launch
-    delay and rebuild count after each iteration (outside the timed region)."""
+    iteration `switch_at`, and records ddp_ext's overlap fraction and launch
+    delay after each iteration (outside the timed region), and the rebuild
+    count its backward ran with: read at the end of its forward, since the
+    first rebuild happens at the start of a forward and later ones at the end
+    of a backward."""
 
     def __init__(self, ddp, batch, switch_at):
         super().__init__(ddp, batch)
@@ -59,6 +62,11 @@ class OrderStep(TrainingStep):
         self.overlap = []
         self.delay = []
         self.rebuilds = []
+        if isinstance(ddp, OurDDP):
+            ddp.module.register_forward_hook(self._record_rebuilds)
+
+    def _record_rebuilds(self, module, inputs, output):
+        self.rebuilds.append(self.model.reducer.rebuilds)
 
     def __call__(self):
         if self.iteration == self.switch_at and hasattr(self.model.module, "swapped"):
@@ -68,7 +76,6 @@ class OrderStep(TrainingStep):
         if isinstance(self.model, OurDDP):
             self.overlap.append(self.model.reducer.overlap_fraction)
             self.delay.append(self.model.reducer.launch_delay)
-            self.rebuilds.append(self.model.reducer.rebuilds)
         return sample
 
 
@@ -111,15 +118,16 @@ def _measure(rank, world_size, job):
 
 
 def around_last_rebuild(values, rebuilds) -> dict:
-    """A per-iteration measure in the iteration at whose end the last layout
-    change happened (it ran with the layout being replaced), and its median
-    over every iteration after it. Without a rebuild both are the median."""
-    changed = [i for i, count in enumerate(rebuilds) if count == rebuilds[-1]][0] if rebuilds[-1] else None
-    if changed is None:
+    """A per-iteration measure in the last iteration that ran with the layout
+    the last rebuild replaced, and its median over every iteration after it
+    (`rebuilds`: the count each iteration's backward ran with). Without a
+    rebuild both are the median."""
+    first_final = [i for i, count in enumerate(rebuilds) if count == rebuilds[-1]][0] if rebuilds[-1] else None
+    if first_final is None:
         median = float(np.median(values))
         return {"before": median, "after": median, "last_rebuild_iteration": None}
-    return {"before": values[changed], "after": float(np.median(values[changed + 1 :])),
-            "last_rebuild_iteration": changed}
+    return {"before": values[first_final - 1], "after": float(np.median(values[first_final:])),
+            "last_rebuild_iteration": first_final - 1}
 
 
 def run(options: BenchOptions, progress) -> dict:
@@ -158,10 +166,10 @@ def run(options: BenchOptions, progress) -> dict:
         f"bucket_cap_mb {cap_mb(options):g} for all three: two layers' bytes, so that both DDPs lay out the "
         "same buckets of two layers (ddp_ext's cap admits a bucket up to the cap, torch's closes one on reaching it).",
         "ratio = median ddp_ext (continuous) / median torch DDP; [min-max] over back-to-back block pairs. "
-        "ddp_ext (once) rebuilds after the first iteration only, as torch's DDP does.",
+        "ddp_ext (once) rebuilds once, at the second iteration's forward, as torch's DDP does.",
         "overlap fraction: the fraction of gradient bytes whose allreduce was launched before the last gradient "
-        "of the backward arrived (see Note [Gradient order prediction]); `before`: the iteration at whose end "
-        "the last rebuild happened, run with the layout it replaced; `after`: median over every later iteration "
+        "of the backward arrived (see Note [Gradient order prediction]); `before`: the last iteration run with the "
+        "layout the last rebuild replaced; `after`: median over every later iteration "
         "(for ddp_ext once, whose only rebuild may change nothing, over every iteration then).",
         "launch delay: the byte-weighted mean wait of a gradient for its allreduce to launch, counted in gradient "
         "bytes arriving meanwhile, as a fraction of all gradient bytes (0: every allreduce launches as its last "

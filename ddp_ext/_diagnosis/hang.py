@@ -15,7 +15,7 @@ import time
 import warnings
 from typing import Dict, Optional
 
-from ddp_ext._diagnosis.messages import hang_message, proven
+from ddp_ext._diagnosis.messages import hang_message, proven, step_of
 from ddp_ext._diagnosis.settings import HangSettings, resolve_hang_settings
 from ddp_ext._diagnosis.side_channel import SideChannel, StoreUnreachable, store_of
 
@@ -64,7 +64,9 @@ _next_numbers: Dict[str, int] = {}
 # (the report at the deadline says so), and does not run with
 # on_hang="warn", which waits on whatever the reports say. Proofs count only
 # for the training step of the wait, so one left in the store by an earlier
-# incident that the job survived proves nothing later.
+# incident that the job survived proves nothing later. A report's training
+# step is the one its wait belongs to (messages.step_of): the first bucket
+# rebuild's broadcast, at a forward, belongs to the step that forward begins.
 
 
 class HangDiagnosis:
@@ -143,7 +145,8 @@ class HangDiagnosis:
             return None  # the report at hang_timeout_s says so
         unfinished_proves = own["waited_s"] >= UNFINISHED_PROOF_S
         if not any(
-            rep["step"] == own["step"] and (rep["kind"] in PROOF_KINDS or (rep["kind"] == "unfinished" and unfinished_proves))
+            step_of(rep) == step_of(own)
+            and (rep["kind"] in PROOF_KINDS or (rep["kind"] == "unfinished" and unfinished_proves))
             for rep in found.values()
         ):
             return None
@@ -169,7 +172,7 @@ class HangDiagnosis:
     def _relevant(own: dict, other: dict) -> bool:
         # A report of this incident: not one resolved since, nor one of an
         # earlier step than the one before this rank's.
-        return other["kind"] != "resolved" and other["step"] >= own["step"] - 1
+        return other["kind"] != "resolved" and step_of(other) >= step_of(own) - 1
 
 
 def _group_name(process_group) -> str:

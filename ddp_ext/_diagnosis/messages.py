@@ -36,7 +36,27 @@ def waiting_text(report: dict) -> str:
         return "the allreduce of the used-parameter bitmap"
     if what == "layout broadcast":
         return "the broadcast of the agreed bucket order (a bucket rebuild)"
+    if what == "first layout broadcast":
+        return "the broadcast of rank 0's gradient order (the first bucket rebuild)"
     return "a collective"
+
+
+def _at_forward(report: dict) -> bool:
+    # The first bucket rebuild happens at the forward after the first
+    # backward; every other wait at the end of a backward.
+    return report.get("waiting_for") == "first layout broadcast"
+
+
+def step_of(report: dict) -> int:
+    """The training step a report is about: a report counts finished
+    backwards, so a wait in a forward belongs to the next step."""
+    return report["step"] + 1 if _at_forward(report) else report["step"]
+
+
+def place_text(report: dict) -> str:
+    """Where in its iteration the rank waits."""
+    part = "the forward" if _at_forward(report) else "the end of the backward"
+    return f"{part} of training step {step_of(report)}"
 
 
 def _buckets(report: dict) -> str:
@@ -47,11 +67,11 @@ def report_line(rank: int, report: Optional[dict], window_s: float, alive: Optio
     if report is None:
         state = {True: " (its process is alive)", False: " (its process is gone)", None: ""}[alive]
         return f"rank {rank}: reported nothing within {window_s:.1f} s{state}"
-    kind, step = report["kind"], report["step"]
+    kind, step = report["kind"], step_of(report)
     if kind == "stalled":
         return (
-            f"rank {rank}: waiting {report['waited_s']:.1f} s for {waiting_text(report)} at the end of the "
-            f"backward of training step {step} ({_buckets(report)})"
+            f"rank {rank}: waiting {report['waited_s']:.1f} s for {waiting_text(report)} at "
+            f"{place_text(report)} ({_buckets(report)})"
         )
     if kind == "failed":
         return f"rank {rank}: its wait for {waiting_text(report)} in training step {step} failed: {report['error']}"
@@ -86,7 +106,7 @@ def hang_message(
     it reported nothing; `alive`: for those, whether their process is alive
     (None: unknown, on another host)."""
     alive = alive or {}
-    rank, step = own["rank"], own["step"]
+    rank, step = own["rank"], step_of(own)
     everyone = dict(reports)
     everyone[rank] = own
     unfinished = [r for r, rep in everyone.items() if rep is not None and rep["kind"] in UNFINISHED]
@@ -96,7 +116,7 @@ def hang_message(
     waiting = [r for r, rep in everyone.items() if rep is not None and rep["kind"] in ("stalled", "failed")]
     left = [r for r, rep in reports.items() if rep is not None and rep["kind"] == "raised"]
     failed = own["kind"] == "failed"
-    where = f"{waiting_text(own)} at the end of the backward of training step {step}"
+    where = f"{waiting_text(own)} at {place_text(own)}"
     lines = []
     if unfinished:
         how = "whose wait failed" if failed else f"which waited {own['waited_s']:.1f} s"
@@ -134,14 +154,14 @@ def hang_message(
         how = "its wait failed" if failed else f"waited {own['waited_s']:.1f} s"
         lines.append(
             f"DistributedDataParallel: {ranks_text(left)} raised an error in training step "
-            f"{everyone[left[0]]['step']} and left the collectives, so rank {rank} waits for {where} without a "
+            f"{step_of(everyone[left[0]])} and left the collectives, so rank {rank} waits for {where} without a "
             f"partner ({how}; "
             f"hang_timeout_s={timeout_s:g}). Look at the error {ranks_text(left)} raised."
         )
     elif silent:
         lines.append(
-            f"DistributedDataParallel: {ranks_text(silent)} did not reach the end of the backward of training step "
-            f"{step}: rank {rank} has waited {own['waited_s']:.1f} s (hang_timeout_s={timeout_s:g}) for {where}, "
+            f"DistributedDataParallel: {ranks_text(silent)} did not reach {place_text(own)}: rank {rank} has "
+            f"waited {own['waited_s']:.1f} s (hang_timeout_s={timeout_s:g}) for {where}, "
             f"and {ranks_text(silent)} reported nothing through the store within {window_s:.1f} s. "
             f"{'They are' if len(silent) > 1 else 'It is'} busy outside DistributedDataParallel (data loading, "
             "evaluation, a checkpoint, another collective), much slower, or dead without closing "

@@ -124,7 +124,7 @@ def _first_step_without_diagnosis(rank, world_size):
 # --- A late rank: alive, elsewhere ----------------------------------------------------
 
 
-def _late_rank(rank, world_size, on_hang, late_s):
+def _late_rank(rank, world_size, on_hang, late_s, late_step=2):
     torch.manual_seed(0)
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
     ddp = ddp_ext.DistributedDataParallel(SkippableNet(), process_group=group, hang_timeout_s=1.0, on_hang=on_hang)
@@ -132,8 +132,8 @@ def _late_rank(rank, world_size, on_hang, late_s):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         raised = None
-        for step in range(3):
-            if rank == 1 and step == 1:
+        for step in range(4):
+            if rank == 1 and step == late_step:
                 time.sleep(late_s)  # "data loading"
             try:
                 ddp(x).pow(2).mean().backward()
@@ -151,7 +151,7 @@ def test_a_late_rank_is_named_in_a_warning_and_training_goes_on(on_hang):
     (raised0, warned0, grads0), (raised1, warned1, grads1) = outcomes
     assert raised0 is None and raised1 is None, (raised0, raised1)
     assert len(warned0) == 1, f"rank 0 warned {len(warned0)} times: {warned0}"
-    assert "rank 1 did not reach the end of the backward of training step 2" in warned0[0], warned0[0]
+    assert "rank 1 did not reach the end of the backward of training step 3" in warned0[0], warned0[0]
     assert "reported nothing" in warned0[0] and "Still waiting" in warned0[0], warned0[0]
     assert warned1 == [], warned1
     for g0, g1 in zip(grads0, grads1):
@@ -161,8 +161,18 @@ def test_a_late_rank_is_named_in_a_warning_and_training_goes_on(on_hang):
 def test_a_late_rank_raises_with_on_hang_raise():
     outcomes = run_ranks(_late_rank, 2, "raise", 3.0, timeout=120)
     (raised0, _, _), (raised1, _, _) = outcomes
-    assert raised0 is not None and "rank 1 did not reach the end of the backward of training step 2" in raised0
+    assert raised0 is not None and "rank 1 did not reach the end of the backward of training step 3" in raised0
     # Rank 1 comes back to collectives rank 0 left: it is told so, in seconds.
+    assert raised1 is not None and "rank 0 raised an error in training step 3 and left the collectives" in raised1
+
+
+def test_a_rank_late_for_the_first_rebuild_is_named_at_the_forward():
+    # The first bucket rebuild broadcasts rank 0's gradient order at the
+    # forward after the first backward (as torch's DDP does): the wait is there.
+    outcomes = run_ranks(_late_rank, 2, "raise", 3.0, 1, timeout=120)
+    (raised0, _, _), (raised1, _, _) = outcomes
+    assert raised0 is not None and "rank 1 did not reach the forward of training step 2" in raised0, raised0
+    assert "the broadcast of rank 0's gradient order (the first bucket rebuild)" in raised0, raised0
     assert raised1 is not None and "rank 0 raised an error in training step 2 and left the collectives" in raised1
 
 
@@ -200,8 +210,8 @@ def _late_rank_with_reading_warning_hook(rank, world_size):
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = showwarning
-        for step in range(3):
-            if rank == 1 and step == 1:
+        for step in range(4):
+            if rank == 1 and step == 2:
                 time.sleep(3.0)
             ddp(x).pow(2).mean().backward()
     _barrier_through_store("reading-hook-done", world_size)
@@ -214,8 +224,8 @@ def test_a_warning_hook_may_read_the_wrapper_while_it_waits():
     print(seen0)
     kinds = [kind for kind, _ in seen0]
     assert kinds == ["straggler_report", "iteration", "phase", "refused"], seen0
-    # torch's `iteration`: the second forward sampled iteration 1.
-    assert seen0[1][1] == 1 and seen0[2][1] == "reducing", seen0
+    # torch's `iteration`: the third forward sampled iteration 2.
+    assert seen0[1][1] == 2 and seen0[2][1] == "reducing", seen0
     assert "from inside its own hang report" in seen0[3][1], seen0[3][1]
     assert hooks0 == hooks1 == 0 and seen1 == []
     for g0, g1 in zip(grads0, grads1):
@@ -231,8 +241,8 @@ def _late_rank_with_warnings_as_errors(rank, world_size):
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         try:
-            for step in range(3):
-                if rank == 1 and step == 1:
+            for step in range(4):
+                if rank == 1 and step == 2:
                     time.sleep(3.0)
                 ddp(x).pow(2).mean().backward()
         except RuntimeError as e:
@@ -243,9 +253,9 @@ def _late_rank_with_warnings_as_errors(rank, world_size):
 
 def test_a_filter_that_makes_the_warning_an_error_raises_it():
     raised0, raised1 = run_ranks(_late_rank_with_warnings_as_errors, 2, timeout=120)
-    assert raised0 is not None and "rank 1 did not reach the end of the backward of training step 2" in raised0, raised0
+    assert raised0 is not None and "rank 1 did not reach the end of the backward of training step 3" in raised0, raised0
     # Rank 0 left the collectives, and rank 1 is told so, as with on_hang="raise".
-    assert raised1 is not None and "rank 0 raised an error in training step 2 and left the collectives" in raised1
+    assert raised1 is not None and "rank 0 raised an error in training step 3 and left the collectives" in raised1
 
 
 # --- A dead rank ------------------------------------------------------------------------

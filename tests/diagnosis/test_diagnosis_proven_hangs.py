@@ -208,9 +208,10 @@ def test_a_rank_that_died_mid_step_is_named_within_seconds(world_size):
 
 def _one_raises_and_leaves(rank, world_size):
     """Rank 0 alone gives up on late ranks after 1 s (on_hang="raise"), raises,
-    catches its error and stays alive; the last rank is 3 s late in training
-    step 1. The others keep the defaults: their waits in step 1 can never
-    end, since rank 0 left."""
+    catches its error and stays alive; the last rank is 3 s late for training
+    step 2, whose forward does the first bucket rebuild (a broadcast). The
+    others keep the defaults: their waits in step 2 can never end, since
+    rank 0 left."""
     torch.manual_seed(0)
     late = world_size - 1
     settings = dict(hang_timeout_s=1.0, on_hang="raise") if rank == 0 else {}
@@ -222,10 +223,9 @@ def _one_raises_and_leaves(rank, world_size):
         for step in range(3):
             if rank == late and step == 1:
                 time.sleep(3.0)  # "data loading"
-            loss = ddp(x).pow(2).mean()
             start = time.monotonic()
             try:
-                loss.backward()
+                ddp(x).pow(2).mean().backward()
             except RuntimeError as e:
                 outcome = (str(e), time.monotonic() - start)
                 raised_at = time.time()  # the ranks share a host, and its clock
@@ -242,12 +242,11 @@ def test_a_rank_that_raised_and_left_is_named_within_seconds(world_size):
     late = world_size - 1
     # Rank 0 names the late rank (and, with 3 ranks, rank 1 too: a wait
     # short of its own hang_timeout_s publishes nothing).
-    assert outcomes[0][0] is not None and "did not reach the end" in outcomes[0][0], outcomes[0]
+    assert outcomes[0][0] is not None and "did not reach the forward of training step 2" in outcomes[0][0], outcomes[0]
     assert f"rank {late}: reported nothing" in outcomes[0][0], outcomes[0]
-    # The late rank's backward began after rank 0 left: it raises within
-    # seconds of its start. With 3 ranks, rank 1's first collective of the
-    # step (launched by rank 0 before it left) completes when the late rank
-    # comes, and the next one never does: it raises within seconds of that.
+    # The late rank's step began after rank 0 left: the broadcast that rank 0
+    # (and, with 3 ranks, rank 1) launched before leaving completes, and the
+    # backward's first collective never does: it raises within seconds.
     _check_waiting_ranks(
         outcomes,
         skip=set(range(late)),
