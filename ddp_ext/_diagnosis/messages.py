@@ -71,7 +71,7 @@ def report_line(rank: int, report: Optional[dict], window_s: float, alive: Optio
     if kind == "stalled":
         return (
             f"rank {rank}: waiting {report['waited_s']:.1f} s for {waiting_text(report)} at "
-            f"{place_text(report)} ({_buckets(report)})"
+            f"{place_text(report)}" + ("" if _at_forward(report) else f" ({_buckets(report)})")
         )
     if kind == "failed":
         return f"rank {rank}: its wait for {waiting_text(report)} in training step {step} failed: {report['error']}"
