@@ -293,7 +293,9 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
 
     def _lazy_init(self) -> None:
         """At the first forward, which every rank runs (a rank that joins
-        before it runs it from its Join hook)."""
+        before it runs it from its Join hook), after Join's notification:
+        the hook agreement is a collective, which a joined rank runs after
+        the notification's allreduce."""
         self._setup_in_backward_optimizers()
         _comm_hooks.agree_on_hooks(self)
         self._lazy_init_ran = True
@@ -308,9 +310,12 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
 
     @torch._disable_dynamo
     def _pre_forward(self, *inputs, **kwargs):
-        if not self._lazy_init_ran and not torch.compiler.is_compiling():
-            self._lazy_init()
+        first = not self._lazy_init_ran and not torch.compiler.is_compiling()
+        if first:
+            self._setup_in_backward_optimizers()  # refuses before anything is armed
         if self._delay_all_reduce_all_params:
+            if first:
+                self._lazy_init()
             return inputs, kwargs
         if torch.is_grad_enabled():
             self._parameter_watch.check(self.module, self.process_group)
@@ -328,6 +333,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         work = Join.notify_join_context(self)
         if work:
             self.reducer._set_forward_pass_work_handle(work, self._divide_by_initial_world_size)
+        if first:
+            self._lazy_init()
         if torch.is_grad_enabled():
             # The first rebuild, at torch's point: see Note [Agreeing on the
             # bucket layout] in reducer/bucket_layout.h.

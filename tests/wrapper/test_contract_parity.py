@@ -199,6 +199,22 @@ def _join_case(divide_by_initial_world_size, find_unused_parameters, buffers, ho
     return state
 
 
+def _join_before_the_first_forward(wrapper, rank):
+    # Rank 0 has no data at all: it joins before its first forward, and its
+    # Join hook shadows the peers' first-forward collectives.
+    torch.manual_seed(0)
+    module = MLP()
+    ddp = wrapper(module)
+    opt = torch.optim.SGD(module.parameters(), lr=0.05)
+    with ddp.join():
+        for step in range(STEPS * rank):
+            x, y = _batch(rank, step)
+            F.mse_loss(ddp(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return _params(module)
+
+
 def _join_throws(wrapper, rank):
     torch.manual_seed(0)
     ddp = wrapper(MLP())
@@ -406,6 +422,7 @@ CASES = (
         Case("join-find_unused", _run_join(True, find_unused_parameters=True)),
         Case("join-buffers", _run_join(True, buffers=True)),
         Case("join-fp16_compress_hook", _run_join(True, hook="fp16_compress")),
+        Case("join-before_the_first_forward", _join_before_the_first_forward),
         Case("join-throw_on_early_termination", _join_throws, error=("exhausted all inputs", "exhausted inputs")),
         Case("join-with-zero_redundancy_optimizer", _join_with_optimizer_joinable),
         Case("deepcopy", _deepcopy_then_train),
