@@ -18,8 +18,8 @@
 #include "process_groups/broadcast_coalesced.h"
 #include "process_groups/exit_release.h"
 #include "comm_hooks/builtin_hooks.h"
-#include "reducer/gradient_order.h"
-#include "reducer/reducer.h"
+#include "reducer/layout/gradient_order.h"
+#include "reducer/core/reducer.h"
 
 namespace py = pybind11;
 

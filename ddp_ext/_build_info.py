@@ -23,26 +23,26 @@ SOURCES = [
     "process_groups/hierarchical/future_work.cpp",
     "process_groups/ordered_launches.cpp",
     "process_groups/round_robin/backend.cpp",
-    "reducer/accumulator_hooks.cpp",
-    "reducer/averaging.cpp",
-    "reducer/bucket_assignment.cpp",
-    "reducer/bucket_layout.cpp",
-    "reducer/bucket_memory.cpp",
-    "reducer/errors.cpp",
-    "reducer/gradient_copy.cpp",
-    "reducer/gradient_order.cpp",
-    "reducer/layer_drop.cpp",
-    "reducer/phase_recorder.cpp",
-    "reducer/reducer.cpp",
-    "reducer/stall_report.cpp",
-    "reducer/stall_watch.cpp",
-    "reducer/state_lock.cpp",
-    "reducer/static_graph.cpp",
-    "reducer/step_agreement.cpp",
-    "reducer/step_check.cpp",
-    "reducer/step_slots.cpp",
-    "reducer/timeline.cpp",
-    "reducer/usage.cpp",
+    "reducer/agreement/step_agreement.cpp",
+    "reducer/agreement/step_check.cpp",
+    "reducer/agreement/step_slots.cpp",
+    "reducer/core/accumulator_hooks.cpp",
+    "reducer/core/averaging.cpp",
+    "reducer/core/errors.cpp",
+    "reducer/core/gradient_copy.cpp",
+    "reducer/core/reducer.cpp",
+    "reducer/core/state_lock.cpp",
+    "reducer/layout/bucket_assignment.cpp",
+    "reducer/layout/bucket_layout.cpp",
+    "reducer/layout/bucket_memory.cpp",
+    "reducer/layout/gradient_order.cpp",
+    "reducer/observation/phase_recorder.cpp",
+    "reducer/observation/stall_report.cpp",
+    "reducer/observation/stall_watch.cpp",
+    "reducer/observation/timeline.cpp",
+    "reducer/participation/layer_drop.cpp",
+    "reducer/participation/static_graph.cpp",
+    "reducer/participation/usage.cpp",
 ]
 
 # The pybind11 entry point, compiled on its own; every other source is
@@ -63,7 +63,7 @@ MPI_SOURCES = [
 ]
 MPI_BINDING_SOURCE = "bindings/mpi.cpp"
 
-# Includes are rooted at the repository: `#include "reducer/reducer.h"`.
+# Includes are rooted at the repository: `#include "reducer/core/reducer.h"`.
 INCLUDE_DIRS = ["."]
 
 CXX_FLAGS = ["-O2", "-g0"]

@@ -141,7 +141,7 @@ def sample_runtime_stats(ddp) -> None:
     is. On a sampled iteration (`is_sampled`, counting this forward's
     predecessors) it sets `iteration` to that count and logs the last
     iteration's times, in nanoseconds, with torch's meaning (Note [Runtime
-    statistics] in reducer/runtime_times.h), and their running averages
+    statistics] in reducer/observation/runtime_times.h), and their running averages
     (avg_*). As torch does, every figure is first reset to 0 and a time whose
     end precedes its start (the iteration had no such phase, e.g. a forward
     without backward came in between) stays 0 and leaves its average alone;

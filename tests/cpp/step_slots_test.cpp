@@ -1,4 +1,4 @@
-// The step check's slots (reducer/step_slots.h): each rank's entry, summed
+// The step check's slots (reducer/agreement/step_slots.h): each rank's entry, summed
 // as the allreduce sums them, read back by every rank. See Note [Ranks out
 // of step].
 #include <gtest/gtest.h>
@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "reducer/step_slots.h"
+#include "reducer/agreement/step_slots.h"
 
 namespace ddp_ext::reducer {
 namespace {
