@@ -70,7 +70,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_ext._arguments import MIB
-from ddp_ext._bucket_tuner import BucketTuner, TunerPhase, TunerPolicy
+from ddp_ext._bucket_tuner import BucketTuner, TuningStage, TunerPolicy
 
 
 def caps_bytes(caps_mb: Sequence[float]) -> List[int]:
@@ -151,7 +151,7 @@ class AutoBuckets:
         ddp._requested_caps = dataclasses.replace(ddp._requested_caps, caps_bytes=caps)
 
     def freeze(self, why: str) -> None:
-        if self.tuner.phase is TunerPhase.FROZEN:
+        if self.tuner.stage is TuningStage.FROZEN:
             return
         self.tuner.freeze()
         warnings.warn(

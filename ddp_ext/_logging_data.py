@@ -108,7 +108,7 @@ def logging_data(ddp) -> Dict[str, Any]:
     if getattr(ddp, "_auto_buckets", None) is not None:
         # ddp_ext's own: bucket_cap_mb="auto", where its tuner stands (see
         # Note [Auto-tuned bucket caps]); bucket_cap_bytes is the cap in use.
-        data["bucket_cap_auto"] = ddp._auto_buckets.tuner.phase.value
+        data["bucket_cap_auto"] = ddp._auto_buckets.tuner.stage.value
     if ddp._comm_hooks:
         data["comm_hook"] = ddp._comm_hooks[-1][0]
     data.update(ddp.__dict__.get("_runtime_stats", {}).get("logged", {}))

@@ -582,7 +582,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
     @property
     def bucket_tuner(self):
         """ddp_ext only. With bucket_cap_mb="auto", the tuner's state: its
-        phase, the candidate in use (`current`, an index into
+        stage, the candidate in use (`current`, an index into
         `policy.candidates_mb`) and its `history` of trials and decisions.
         None with fixed caps."""
         return None if self._auto_buckets is None else self._auto_buckets.tuner

@@ -31,8 +31,8 @@ void Reducer::raise_if_out_of_step() {
   }
   if (message.empty()) {
     hook_unconfirmed_ = false; // See Note [Hooks registered after the first forward].
-    if (!step_check_->phases().empty()) { // See Note [Stragglers].
-      phases_.received(backward_step_, step_check_->phases());
+    if (!step_check_->timings().empty()) { // See Note [Stragglers].
+      timings_.received(backward_step_, step_check_->timings());
     }
     return;
   }

@@ -34,9 +34,9 @@ void StepCheck::start(c10d::ProcessGroup& group, const StepEntry& entry) {
 
 void StepCheck::launch_backward(
     c10d::ProcessGroup& group, int64_t step, int64_t rider, int64_t plan,
-    int64_t hooks, const int64_t* phases) {
+    int64_t hooks, const int64_t* timings) {
   TORCH_INTERNAL_ASSERT(plan > 0 && hooks > 0, "fingerprints are positive");
-  start(group, StepEntry{encode_position(CheckKind::kBackward, step), plan, hooks, rider, phases});
+  start(group, StepEntry{encode_position(CheckKind::kBackward, step), plan, hooks, rider, timings});
 }
 
 void StepCheck::launch_forward(c10d::ProcessGroup& group, int64_t backwards) {
@@ -66,7 +66,7 @@ std::string StepCheck::wait(StallWatch* watch) {
   const at::Tensor slots = slots_.is_same(host_) ? host_ : slots_.cpu();
   StepReading reading = layout_.read(slots.data_ptr<int64_t>(), rank_, written_);
   summed_rider_ = reading.summed_rider;
-  phases_ = std::move(reading.phases);
+  timings_ = std::move(reading.timings);
   return reading.error;
 }
 

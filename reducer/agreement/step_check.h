@@ -58,12 +58,12 @@ namespace ddp_ext::reducer {
 // A third slot of each rank holds the fingerprint of its communication
 // hooks (Note [Hooks registered after the first forward]).
 //
-// Every rank also writes, in kPhases slots of its own, the mean length of
-// its phases over the last few steps when the reducer asks it to (zeros
+// Every rank also writes, in kTimings slots of its own, its mean step
+// timings over the last few steps when the reducer asks it to (zeros
 // otherwise): the straggler figures of ddp_ext/_diagnosis/stragglers.py
-// ride on the same allreduce (Note [Stragglers] in reducer/observation/phase_recorder.h).
+// ride on the same allreduce (Note [Stragglers] in reducer/observation/step_timings.h).
 //
-// The cost: one latency-bound collective of ((3 + kPhases) * world_size + 1) * 8 bytes
+// The cost: one latency-bound collective of ((3 + kTimings) * world_size + 1) * 8 bytes
 // per iteration, overlapped with the backward, and with buffer broadcasting
 // one more, awaited, before the broadcast.
 
@@ -88,22 +88,22 @@ namespace ddp_ext::reducer {
 // may hold the dropped allreduces: fix the code and restart.
 class StepCheck {
  public:
-  static constexpr int kPhases = StepSlots::kPhases;
+  static constexpr int kTimings = StepSlots::kTimings;
   StepCheck(int rank, int world_size, c10::Device device);
 
   // Starts the check of a backward at training step `step`; this rank adds
   // `rider` to the rider slot. `plan`: the fingerprint of the layers this
   // rank dropped (DropPlan::fingerprint, positive).
   // `hooks`: the fingerprint of this rank's communication hooks (positive).
-  // `phases`: kPhases values this rank publishes, or null.
+  // `timings`: kTimings values this rank publishes, or null.
   void launch_backward(
       c10d::ProcessGroup& group, int64_t step, int64_t rider, int64_t plan,
-      int64_t hooks, const int64_t* phases = nullptr);
+      int64_t hooks, const int64_t* timings = nullptr);
 
-  // Every rank's phase values (rank-major) from the last check waited for,
+  // Every rank's step timings (rank-major) from the last check waited for,
   // if any rank wrote some; empty otherwise.
-  const std::vector<int64_t>& phases() const {
-    return phases_;
+  const std::vector<int64_t>& timings() const {
+    return timings_;
   }
 
   // Starts the check of a forward's buffer broadcast, after `backwards`
@@ -143,7 +143,7 @@ class StepCheck {
   StepSlots layout_;
   int64_t summed_rider_ = 0;
   int64_t written_ = 0; // this rank's slot in the check in flight
-  std::vector<int64_t> phases_;
+  std::vector<int64_t> timings_;
   // The slots (StepSlots's layout), on the CPU.
   at::Tensor host_;
   at::Tensor slots_; // the same on the parameters' device (host_ on CPU)

@@ -136,7 +136,7 @@ StepSlots::StepSlots(int world_size) : world_size_(world_size) {
 }
 
 int64_t StepSlots::size() const {
-  return (3 + kPhases) * static_cast<int64_t>(world_size_) + 1;
+  return (3 + kTimings) * static_cast<int64_t>(world_size_) + 1;
 }
 
 void StepSlots::write(int64_t* values, int rank, const StepEntry& entry) const {
@@ -146,8 +146,8 @@ void StepSlots::write(int64_t* values, int rank, const StepEntry& entry) const {
   values[world_size_ + rank] = entry.plan;
   values[2 * world_size_ + rank] = entry.hooks;
   values[3 * world_size_] = entry.rider;
-  if (entry.phases != nullptr) {
-    std::copy(entry.phases, entry.phases + kPhases, values + 3 * world_size_ + 1 + kPhases * rank);
+  if (entry.timings != nullptr) {
+    std::copy(entry.timings, entry.timings + kTimings, values + 3 * world_size_ + 1 + kTimings * rank);
   }
 }
 
@@ -157,10 +157,10 @@ StepReading StepSlots::read(const int64_t* values, int rank, int64_t written) co
     return reading; // A rank that joined has no position to compare.
   }
   reading.summed_rider = values[3 * world_size_];
-  const int64_t* phases = values + 3 * world_size_ + 1;
-  const int64_t count = static_cast<int64_t>(kPhases) * world_size_;
-  if (std::any_of(phases, phases + count, [](int64_t v) { return v != 0; })) {
-    reading.phases.assign(phases, phases + count);
+  const int64_t* timings = values + 3 * world_size_ + 1;
+  const int64_t count = static_cast<int64_t>(kTimings) * world_size_;
+  if (std::any_of(timings, timings + count, [](int64_t v) { return v != 0; })) {
+    reading.timings.assign(timings, timings + count);
   }
   std::map<int64_t, std::vector<int64_t>> ranks_at;
   std::map<int64_t, std::vector<int64_t>> ranks_with_plan;

@@ -25,21 +25,21 @@ struct StepEntry {
   int64_t plan = 0; // the dropped layers' fingerprint (Note [Layer dropping]); 0: none compared
   int64_t hooks = 0; // the hooks' fingerprint (Note [Hooks registered after the first forward]); 0: none compared
   int64_t rider = 0; // summed over the ranks (the rebuild vote)
-  const int64_t* phases = nullptr; // kPhases values (Note [Stragglers]), or null
+  const int64_t* timings = nullptr; // kTimings values (Note [Stragglers]), or null
 };
 
 // What the summed slots say to the rank that wrote `written`.
 struct StepReading {
   std::string error; // empty: the ranks with data are in step and agree
   int64_t summed_rider = 0;
-  std::vector<int64_t> phases; // every rank's (rank-major); empty if none wrote any
+  std::vector<int64_t> timings; // every rank's (rank-major); empty if none wrote any
 };
 
 // The slots of a world of `world_size` ranks: W positions, W plan and W hook
-// fingerprints, the rider, and kPhases values per rank.
+// fingerprints, the rider, and kTimings values per rank.
 class StepSlots {
  public:
-  static constexpr int kPhases = 3; // PhaseRecorder::kPhases (Note [Stragglers])
+  static constexpr int kTimings = 3; // StepTimings::kTimings (Note [Stragglers])
 
   explicit StepSlots(int world_size);
 

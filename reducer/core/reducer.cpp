@@ -30,7 +30,7 @@ namespace ddp_ext::reducer {
 // code whose collectives may do more than reduce (count steps, coordinate
 // replicas), so it gets every collective torch's DDP would call, alone too.
 
-static_assert(StepCheck::kPhases == PhaseRecorder::kPhases, "Note [Stragglers]");
+static_assert(StepCheck::kTimings == StepTimings::kTimings, "Note [Stragglers]");
 
 namespace {
 
@@ -186,17 +186,17 @@ Phase Reducer::phase() const {
 
 void Reducer::set_straggler_every(int64_t every) {
   const auto lock = lock_state(Access::kChange);
-  phases_.set_every(every);
+  timings_.set_every(every);
 }
 
 std::pair<int64_t, std::vector<int64_t>> Reducer::straggler_figures() const {
   const auto lock = lock_state(Access::kRead);
-  return phases_.figures();
+  return timings_.figures();
 }
 
 RuntimeTimes Reducer::runtime_times() const {
   const auto lock = lock_state(Access::kRead);
-  return phases_.times();
+  return timings_.times();
 }
 
 int64_t Reducer::iterations() const {
@@ -268,7 +268,7 @@ bool Reducer::may_be_globally_unused(size_t index) const {
 
 void Reducer::prepare_for_forward(bool training_step) {
   const auto lock = lock_state(Access::kChange);
-  phases_.forward_begins(); // See Note [Runtime statistics].
+  timings_.forward_begins(); // See Note [Runtime statistics].
   if (training_step) {
     ++training_steps_; // See Note [Ranks out of step].
   }
@@ -318,7 +318,7 @@ void Reducer::prepare_for_backward(
   }
   enter(phase_, Phase::kExpectingGradients);
   ++iterations_;
-  phases_.backward_armed(); // See Note [Runtime statistics].
+  timings_.backward_armed(); // See Note [Runtime statistics].
   wait_for_launched_buckets(); // left over from an unfinished iteration
   if (step_check_) {
     step_check_->drop();
@@ -388,7 +388,7 @@ void Reducer::start_reducing() {
     // See Note [Stragglers]: every rank is at the same step, so all publish.
     step_check_->launch_backward(
         *process_group_, training_steps_, order_vote, drop_plan_.fingerprint(),
-        hook_fingerprint_, phases_.to_publish(training_steps_));
+        hook_fingerprint_, timings_.to_publish(training_steps_));
     timeline_.instant(TimelineEvent::kStepCheckLaunch, -1);
   }
   averaging_.take(process_group_->getSize()); // See Note [Join and the divide factor].
@@ -518,7 +518,7 @@ c10d::GradBucket Reducer::grad_bucket(size_t bucket_index, at::Tensor buffer) co
 }
 
 void Reducer::launch(size_t bucket_index) {
-  phases_.bucket_launched(); // See Note [Runtime statistics].
+  timings_.bucket_launched(); // See Note [Runtime statistics].
   if (gradients_stay_local_) {
     return; // See Note [A world of one rank].
   }
@@ -686,7 +686,7 @@ void Reducer::finalize_backward() {
   TORCH_INTERNAL_ASSERT(phase_ == Phase::kReducing && !static_graph_.learning());
   TORCH_INTERNAL_ASSERT(next_bucket_ == layout_.buckets().size());
   TimelineRange range(timeline_, TimelineEvent::kFinalize);
-  phases_.gradients_done(); // See Note [Runtime statistics].
+  timings_.gradients_done(); // See Note [Runtime statistics].
   if (!options_.overlap_with_backward) {
     launch_all_buckets();
   }
@@ -695,7 +695,7 @@ void Reducer::finalize_backward() {
     TimelineRange wait_range(timeline_, TimelineEvent::kWaitForBuckets);
     wait_for_launched_buckets();
   }
-  phases_.collectives_done();
+  timings_.collectives_done();
   std::vector<bool> globally_used; // empty: every parameter counts as used
   if (static_graph_.on()) {
     globally_used = static_graph_.used_globally();
@@ -746,7 +746,7 @@ void Reducer::finish_learning_iteration() {
   }
   TORCH_INTERNAL_ASSERT(phase_ == Phase::kReducing);
   TimelineRange range(timeline_, TimelineEvent::kFinalize);
-  phases_.gradients_done(); // See Note [Runtime statistics].
+  timings_.gradients_done(); // See Note [Runtime statistics].
   const std::vector<bool> used_locally = usage_.used_locally();
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!ready_[i]) {
@@ -762,7 +762,7 @@ void Reducer::finish_learning_iteration() {
     TimelineRange wait_range(timeline_, TimelineEvent::kWaitForBuckets);
     wait_for_launched_buckets();
   }
-  phases_.collectives_done();
+  timings_.collectives_done();
   static_graph_.learned_from(used_locally, usage_.wait(gradients_stay_local_, &stall_));
   write_back_gradients(static_graph_.used_globally());
   conclude_layout(/*launched_at_end=*/true);

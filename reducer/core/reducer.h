@@ -26,7 +26,7 @@
 #include "reducer/layout/gradient_order.h"
 #include "reducer/participation/layer_drop.h"
 #include "reducer/core/reducer_options.h"
-#include "reducer/observation/phase_recorder.h"
+#include "reducer/observation/step_timings.h"
 #include "reducer/observation/stall_watch.h"
 #include "reducer/participation/static_graph.h"
 #include "reducer/agreement/step_check.h"
@@ -221,10 +221,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // The instants of the last iteration; see Note [Runtime statistics].
   RuntimeTimes runtime_times() const;
 
-  // See Note [Stragglers] in reducer/observation/phase_recorder.h. every <= 0: off.
+  // See Note [Stragglers] in reducer/observation/step_timings.h. every <= 0: off.
   void set_straggler_every(int64_t every);
   // The training step and every rank's figures (rank-major,
-  // PhaseRecorder::kPhases each, microseconds + 1) of the last exchange;
+  // StepTimings::kTimings each, microseconds + 1) of the last exchange;
   // figures empty before one.
   std::pair<int64_t, std::vector<int64_t>> straggler_figures() const;
 
@@ -373,7 +373,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool reported_unfinished_ = false;
 
   // See Note [Runtime statistics] and Note [Stragglers].
-  PhaseRecorder phases_;
+  StepTimings timings_;
 };
 
 // A window without the reducer's lock for as long as it lives (also when

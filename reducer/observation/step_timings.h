@@ -12,7 +12,7 @@ namespace ddp_ext::reducer {
 // ~~~~~~~~~~~~~~~~~
 // A rank slower than the others makes them wait in their collectives,
 // where nobody sees why. Each rank measures, per synchronising iteration,
-// three phases from the instants of Note [Runtime statistics]: the data
+// three timings from the instants of Note [Runtime statistics]: the data
 // wait (the end of the last backward's collectives to the next forward),
 // the forward, and the backward's computation (the forward's end to the
 // last gradient: before any wait for a collective, so a rank that only waits
@@ -22,12 +22,12 @@ namespace ddp_ext::reducer {
 // anyway: every rank then holds every rank's figures, and
 // ddp_ext/_diagnosis/stragglers.py compares them. every <= 0: off.
 
-// The reducer feeds it at phase changes (a clock read each, none in the
-// per-gradient hook); it keeps the instants of Note [Runtime statistics]
+// The reducer feeds it at the turning points of an iteration (a clock read
+// each, none in the per-gradient hook); it keeps the instants of Note [Runtime statistics]
 // and the sums of Note [Stragglers]. Guarded by the reducer's mutex.
-class PhaseRecorder {
+class StepTimings {
  public:
-  static constexpr int kPhases = 3; // data wait, forward, backward
+  static constexpr int kTimings = 3; // data wait, forward, backward
 
   void forward_begins() {
     times_.forward_start = RuntimeTimes::now();
@@ -44,13 +44,13 @@ class PhaseRecorder {
   void gradients_done() {
     times_.backward_compute_end = RuntimeTimes::now();
   }
-  // Every bucket was awaited: the iteration's phases count.
+  // Every bucket was awaited: the iteration's timings count.
   void collectives_done();
 
   void set_every(int64_t every) {
     every_ = every;
   }
-  // The kPhases means to publish in the backward check of `training_step`
+  // The kTimings means to publish in the backward check of `training_step`
   // (and the sums restart), or null when it is not an exchange step.
   const int64_t* to_publish(int64_t training_step);
   // Every rank's figures, as the step check of `step` brought them.
@@ -69,9 +69,9 @@ class PhaseRecorder {
  private:
   RuntimeTimes times_;
   int64_t every_ = 0;
-  int64_t sums_[kPhases] = {0, 0, 0};
+  int64_t sums_[kTimings] = {0, 0, 0};
   int64_t count_ = 0;
-  int64_t means_[kPhases] = {0, 0, 0};
+  int64_t means_[kTimings] = {0, 0, 0};
   int64_t last_comm_end_ = 0;
   int64_t step_ = 0;
   std::vector<int64_t> figures_;

@@ -1,8 +1,8 @@
-#include "reducer/observation/phase_recorder.h"
+#include "reducer/observation/step_timings.h"
 
 namespace ddp_ext::reducer {
 
-void PhaseRecorder::collectives_done() {
+void StepTimings::collectives_done() {
   times_.backward_comm_end = RuntimeTimes::now();
   const RuntimeTimes& t = times_;
   if (every_ > 0 && t.forward_start > 0 &&
@@ -17,11 +17,11 @@ void PhaseRecorder::collectives_done() {
   last_comm_end_ = t.backward_comm_end;
 }
 
-const int64_t* PhaseRecorder::to_publish(int64_t training_step) {
+const int64_t* StepTimings::to_publish(int64_t training_step) {
   if (every_ <= 0 || count_ == 0 || training_step % every_ != 0) {
     return nullptr;
   }
-  for (int p = 0; p < kPhases; ++p) {
+  for (int p = 0; p < kTimings; ++p) {
     means_[p] = sums_[p] / count_ / 1000 + 1; // microseconds; 0 means none
     sums_[p] = 0;
   }
