@@ -9,7 +9,11 @@ VERSION = "0.1.0"
 
 # Paths relative to the repository root. Listed by hand, never globbed.
 SOURCES = [
-    "bindings/core.cpp",
+    "bindings/comm_hooks.cpp",
+    "bindings/compression.cpp",
+    "bindings/module.cpp",
+    "bindings/process_groups.cpp",
+    "bindings/reducer.cpp",
     "comm_hooks/builtin_hooks.cpp",
     "comm_hooks/compression/accumulate.cpp",
     "comm_hooks/compression/adaptive_precision.cpp",
@@ -45,9 +49,16 @@ SOURCES = [
     "reducer/participation/usage.cpp",
 ]
 
-# The pybind11 entry point, compiled on its own; every other source is
-# compiled as one generated unit (see ddp_ext/_translation_units.py).
-BINDING_SOURCE = "bindings/core.cpp"
+# The pybind11 bindings (module.cpp, the entry point, first), compiled as one
+# generated unit; every other source is compiled as another (see
+# ddp_ext/_translation_units.py).
+BINDING_SOURCES = [
+    "bindings/module.cpp",
+    "bindings/comm_hooks.cpp",
+    "bindings/compression.cpp",
+    "bindings/process_groups.cpp",
+    "bindings/reducer.cpp",
+]
 
 # The MPI backend, a module of its own (ddp_ext._mpi), built only where MPI
 # is found (see ddp_ext/_mpi_build.py): binding source first, as above.

@@ -54,7 +54,7 @@ namespace ddp_ext::reducer {
 // a reader, or by a changer outside its windows, neither of which waits for
 // a collective, a future or user code. Python reaches the reducer only
 // through bindings that release the GIL before they take the mutex
-// (bindings/core.cpp: NoGil, without_gil, layout_reader), so no thread
+// (bindings/: NoGil, without_gil, layout_reader), so no thread
 // holds the GIL while it waits for the mutex, and a holder of the mutex
 // that needs the GIL gets it. A process group thread that runs a
 // callback reading the wrapper therefore gets the mutex and returns, and
