@@ -41,6 +41,7 @@ SOURCES = [
     "reducer/layout/bucket_memory.cpp",
     "reducer/layout/gradient_order.cpp",
     "reducer/observation/step_timings.cpp",
+    "reducer/observation/timeline_and_timings.cpp",
     "reducer/observation/stall_report.cpp",
     "reducer/observation/stall_watch.cpp",
     "reducer/observation/timeline.cpp",

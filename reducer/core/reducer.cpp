@@ -115,6 +115,8 @@ Reducer::Reducer(
     set_static_graph();
   }
   ready_.assign(n, false);
+  observers_.add(&timings_); // See Note [Reducer observers].
+  observers_.add(&timeline_);
   // See Note [Windows without the lock]: every wait lets the lock go.
   stall_.set_window([this](bool open) {
     if (open) {
@@ -146,26 +148,6 @@ void Reducer::abandon_iteration() {
   static_graph_.abandon();
 }
 
-void Reducer::set_timeline(bool on) {
-  const auto lock = lock_state(Access::kChange);
-  timeline_.set_on(on);
-  if (on) {
-    reserve_timeline(); // for a backward already prepared
-  }
-}
-
-void Reducer::reserve_timeline() {
-  // See Note [Communication timeline]: at most one gradient instant per
-  // parameter, a launch, hook and completion per bucket, and a few more.
-  const size_t buckets = layout_.buckets().size();
-  timeline_.reserve(params_.size() + 4 * buckets + 16, buckets);
-}
-
-std::vector<TimelineEvent> Reducer::take_timeline(int64_t* dropped, int64_t wait_ms) {
-  const auto lock = lock_state(Access::kChange);
-  return timeline_.take(dropped, wait_ms);
-}
-
 int64_t Reducer::training_steps() const {
   const auto lock = lock_state(Access::kRead);
   return training_steps_;
@@ -182,21 +164,6 @@ void Reducer::enter(Phase from, Phase to) {
 Phase Reducer::phase() const {
   const auto lock = lock_state(Access::kRead);
   return phase_;
-}
-
-void Reducer::set_straggler_every(int64_t every) {
-  const auto lock = lock_state(Access::kChange);
-  timings_.set_every(every);
-}
-
-std::pair<int64_t, std::vector<int64_t>> Reducer::straggler_figures() const {
-  const auto lock = lock_state(Access::kRead);
-  return timings_.figures();
-}
-
-RuntimeTimes Reducer::runtime_times() const {
-  const auto lock = lock_state(Access::kRead);
-  return timings_.times();
 }
 
 int64_t Reducer::iterations() const {
@@ -268,7 +235,7 @@ bool Reducer::may_be_globally_unused(size_t index) const {
 
 void Reducer::prepare_for_forward(bool training_step) {
   const auto lock = lock_state(Access::kChange);
-  timings_.forward_begins(); // See Note [Runtime statistics].
+  observers_.notify(&ReducerObserver::on_forward); // See Note [Reducer observers].
   if (training_step) {
     ++training_steps_; // See Note [Ranks out of step].
   }
@@ -280,8 +247,10 @@ void Reducer::prepare_for_forward(bool training_step) {
 bool Reducer::rebuild_buckets() {
   const auto lock = lock_state(Access::kChange);
   TORCH_CHECK(phase_ != Phase::kReducing, unfinished_reduction_message());
-  if (timeline_.on() && phase_ == Phase::kIdle && layout_.order().first_rebuild_due()) {
-    reserve_timeline(); // room for the rebuild's range: a forward drained it
+  if (phase_ == Phase::kIdle && layout_.order().first_rebuild_due()) {
+    // Room for the rebuild's timeline range: a forward drained it.
+    observers_.notify(
+        &ReducerObserver::on_iteration_ahead, params_.size(), layout_.buckets().size());
   }
   const auto first = layout_.rebuild_first(*process_group_, timeline_, &stall_);
   if (first.changed) {
@@ -318,7 +287,7 @@ void Reducer::prepare_for_backward(
   }
   enter(phase_, Phase::kExpectingGradients);
   ++iterations_;
-  timings_.backward_armed(); // See Note [Runtime statistics].
+  observers_.notify(&ReducerObserver::on_backward_armed);
   wait_for_launched_buckets(); // left over from an unfinished iteration
   if (step_check_) {
     step_check_->drop();
@@ -330,9 +299,8 @@ void Reducer::prepare_for_backward(
   accumulated_only_ = accumulated_only;
   // See Note [Layer dropping] and Note [Hooks registered after the first forward].
   plan_confirmed_ = !drops_layers_ && !hook_unconfirmed_;
-  if (timeline_.on()) {
-    reserve_timeline();
-  }
+  observers_.notify(
+      &ReducerObserver::on_iteration_ahead, params_.size(), layout_.buckets().size());
   arm_buckets();
   usage_.drop(/*clear=*/false);
   static_graph_.arm();
@@ -376,7 +344,7 @@ void Reducer::set_forward_pass_work(
 
 void Reducer::start_reducing() {
   enter(Phase::kExpectingGradients, Phase::kReducing);
-  timeline_.instant(TimelineEvent::kBackwardBegin, -1);
+  observers_.notify(&ReducerObserver::on_backward_begin);
   backward_step_ = training_steps_;
   reported_unfinished_ = false;
   if (stall_.on() && step_check_ && !static_graph_.learning()) {
@@ -389,7 +357,7 @@ void Reducer::start_reducing() {
     step_check_->launch_backward(
         *process_group_, training_steps_, order_vote, drop_plan_.fingerprint(),
         hook_fingerprint_, timings_.to_publish(training_steps_));
-    timeline_.instant(TimelineEvent::kStepCheckLaunch, -1);
+    observers_.notify(&ReducerObserver::on_step_check_launched);
   }
   averaging_.take(process_group_->getSize()); // See Note [Join and the divide factor].
   // See Note [Layer dropping].
@@ -518,7 +486,7 @@ c10d::GradBucket Reducer::grad_bucket(size_t bucket_index, at::Tensor buffer) co
 }
 
 void Reducer::launch(size_t bucket_index) {
-  timings_.bucket_launched(); // See Note [Runtime statistics].
+  observers_.notify(&ReducerObserver::on_bucket_launch, bucket_index);
   if (gradients_stay_local_) {
     return; // See Note [A world of one rank].
   }
@@ -686,7 +654,7 @@ void Reducer::finalize_backward() {
   TORCH_INTERNAL_ASSERT(phase_ == Phase::kReducing && !static_graph_.learning());
   TORCH_INTERNAL_ASSERT(next_bucket_ == layout_.buckets().size());
   TimelineRange range(timeline_, TimelineEvent::kFinalize);
-  timings_.gradients_done(); // See Note [Runtime statistics].
+  observers_.notify(&ReducerObserver::on_gradients_done);
   if (!options_.overlap_with_backward) {
     launch_all_buckets();
   }
@@ -695,7 +663,7 @@ void Reducer::finalize_backward() {
     TimelineRange wait_range(timeline_, TimelineEvent::kWaitForBuckets);
     wait_for_launched_buckets();
   }
-  timings_.collectives_done();
+  observers_.notify(&ReducerObserver::on_collectives_done);
   std::vector<bool> globally_used; // empty: every parameter counts as used
   if (static_graph_.on()) {
     globally_used = static_graph_.used_globally();
@@ -746,7 +714,7 @@ void Reducer::finish_learning_iteration() {
   }
   TORCH_INTERNAL_ASSERT(phase_ == Phase::kReducing);
   TimelineRange range(timeline_, TimelineEvent::kFinalize);
-  timings_.gradients_done(); // See Note [Runtime statistics].
+  observers_.notify(&ReducerObserver::on_gradients_done);
   const std::vector<bool> used_locally = usage_.used_locally();
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!ready_[i]) {
@@ -762,7 +730,7 @@ void Reducer::finish_learning_iteration() {
     TimelineRange wait_range(timeline_, TimelineEvent::kWaitForBuckets);
     wait_for_launched_buckets();
   }
-  timings_.collectives_done();
+  observers_.notify(&ReducerObserver::on_collectives_done);
   static_graph_.learned_from(used_locally, usage_.wait(gradients_stay_local_, &stall_));
   write_back_gradients(static_graph_.used_globally());
   conclude_layout(/*launched_at_end=*/true);

@@ -26,6 +26,7 @@
 #include "reducer/layout/gradient_order.h"
 #include "reducer/participation/layer_drop.h"
 #include "reducer/core/reducer_options.h"
+#include "reducer/observation/observer.h"
 #include "reducer/observation/step_timings.h"
 #include "reducer/observation/stall_watch.h"
 #include "reducer/participation/static_graph.h"
@@ -293,7 +294,6 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void conclude_layout(bool launched_at_end);
   // Refills each bucket's pending count for the backward being armed.
   void arm_buckets();
-  void reserve_timeline();
   // See Note [Hang attribution]: this rank's side of a StallEvent, and the
   // check, at the end of a backward, that every bucket was launched
   // (reducer/observation/stall_report.cpp).
@@ -374,6 +374,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   // See Note [Runtime statistics] and Note [Stragglers].
   StepTimings timings_;
+
+  // See Note [Reducer observers]: timings_ and timeline_.
+  ReducerObservers observers_;
 };
 
 // A window without the reducer's lock for as long as it lives (also when

@@ -2,7 +2,7 @@
 
 namespace ddp_ext::reducer {
 
-void StepTimings::collectives_done() {
+void StepTimings::on_collectives_done() {
   times_.backward_comm_end = RuntimeTimes::now();
   const RuntimeTimes& t = times_;
   if (every_ > 0 && t.forward_start > 0 &&

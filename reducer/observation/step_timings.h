@@ -4,6 +4,7 @@
 #include <utility>
 #include <vector>
 
+#include "reducer/observation/observer.h"
 #include "reducer/observation/runtime_times.h"
 
 namespace ddp_ext::reducer {
@@ -22,30 +23,31 @@ namespace ddp_ext::reducer {
 // anyway: every rank then holds every rank's figures, and
 // ddp_ext/_diagnosis/stragglers.py compares them. every <= 0: off.
 
-// The reducer feeds it at the turning points of an iteration (a clock read
-// each, none in the per-gradient hook); it keeps the instants of Note [Runtime statistics]
-// and the sums of Note [Stragglers]. Guarded by the reducer's mutex.
-class StepTimings {
+// An observer of the reducer (Note [Reducer observers]): a clock read at
+// some turning points of an iteration, none in the per-gradient hook; it
+// keeps the instants of Note [Runtime statistics] and the sums of Note
+// [Stragglers]. Guarded by the reducer's mutex.
+class StepTimings : public ReducerObserver {
  public:
   static constexpr int kTimings = 3; // data wait, forward, backward
 
-  void forward_begins() {
+  void on_forward() override {
     times_.forward_start = RuntimeTimes::now();
   }
-  void backward_armed() {
+  void on_backward_armed() override {
     times_.backward_compute_start = RuntimeTimes::now();
     times_.backward_comm_start = times_.backward_compute_end = times_.backward_comm_end = 0;
   }
-  void bucket_launched() {
+  void on_bucket_launch(size_t) override {
     if (times_.backward_comm_start == 0) {
       times_.backward_comm_start = RuntimeTimes::now();
     }
   }
-  void gradients_done() {
+  void on_gradients_done() override {
     times_.backward_compute_end = RuntimeTimes::now();
   }
   // Every bucket was awaited: the iteration's timings count.
-  void collectives_done();
+  void on_collectives_done() override;
 
   void set_every(int64_t every) {
     every_ = every;

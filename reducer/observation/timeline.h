@@ -13,6 +13,8 @@
 #include <optional>
 #include <vector>
 
+#include "reducer/observation/observer.h"
+
 namespace ddp_ext::reducer {
 
 // Note [Communication timeline]
@@ -83,7 +85,9 @@ const char* timeline_range_name(int32_t kind);
 
 int64_t timeline_now_ns();
 
-class Timeline {
+// An observer of the reducer (Note [Reducer observers]) that also records
+// the ranges and completions the reducer hands it.
+class Timeline : public ReducerObserver {
  public:
   Timeline();
 
@@ -97,6 +101,25 @@ class Timeline {
   // Makes room for `events` more events without allocating while recording,
   // in an iteration with `buckets` buckets.
   void reserve(size_t events, size_t buckets);
+  // Makes room for a whole iteration over `buckets` buckets of `params`
+  // parameters: at most one gradient instant per parameter, a launch, hook
+  // and completion per bucket, and a few more.
+  void reserve_iteration(size_t params, size_t buckets) {
+    reserve(params + 4 * buckets + 16, buckets);
+  }
+
+  // See Note [Reducer observers].
+  void on_iteration_ahead(size_t params, size_t buckets) override {
+    if (on_) {
+      reserve_iteration(params, buckets);
+    }
+  }
+  void on_backward_begin() override {
+    instant(TimelineEvent::kBackwardBegin, -1);
+  }
+  void on_step_check_launched() override {
+    instant(TimelineEvent::kStepCheckLaunch, -1);
+  }
 
   void instant(int32_t kind, int64_t index, int64_t value = 0) {
     if (on_) {
