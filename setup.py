@@ -19,10 +19,10 @@ MPI = runpy.run_path(os.path.join(ROOT, "ddp_ext", "_mpi_build.py"))["find_mpi"]
 # (see SANITIZE_FLAGS in ddp_ext/_build_info.py and tools/sanitized_tests.sh).
 SANITIZE = BUILD_INFO["SANITIZE_FLAGS"] if os.environ.get(BUILD_INFO["SANITIZE_ENV"]) == "1" else []
 
-# Two translation units: the bindings, and every other source as one unit
+# Two translation units: the bindings as one unit, and every other source as one
 # (see ddp_ext/_translation_units.py), written under build/.
 sources = TRANSLATION_UNITS["translation_units"](
-    ROOT, BUILD_INFO["SOURCES"], BUILD_INFO["BINDING_SOURCE"], os.path.join(ROOT, "build", "units")
+    ROOT, BUILD_INFO["SOURCES"], BUILD_INFO["BINDING_SOURCES"], os.path.join(ROOT, "build", "units")
 )
 
 def extension(name, sources, compile_args=(), link_args=()):

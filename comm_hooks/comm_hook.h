@@ -32,7 +32,7 @@ namespace ddp_ext::comm_hooks {
 //
 // The default reduction (no hook registered) is not a CommHook: the reducer
 // scales gradients while copying them into the bucket (Note [Gradient
-// averaging] in reducer/averaging.h), reduces sparse buckets, and waits on
+// averaging] in reducer/core/averaging.h), reduces sparse buckets, and waits on
 // the process group's Work, so it runs inline in Reducer::launch.
 //
 // A hook that keeps state per bucket index (error feedback held by bucket,
@@ -40,7 +40,7 @@ namespace ddp_ext::comm_hooks {
 // buckets were laid out again. keeps_per_bucket_state() is the one place
 // that says so: such a hook stops the reducer's continuous rebuilding after
 // the first rebuild (Note [Gradient order prediction] in
-// reducer/gradient_order.h) and the wrapper's bucket tuner (Note
+// reducer/layout/gradient_order.h) and the wrapper's bucket tuner (Note
 // [Auto-tuned bucket caps] in ddp_ext/_auto_buckets.py).
 class CommHook : public c10d::CommHookInterface {
  public:

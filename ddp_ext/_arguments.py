@@ -241,7 +241,7 @@ def _cap_bytes(name: str, value) -> int:
 
 @dataclass(frozen=True)
 class BucketCaps:
-    """The caps asked for; the reducer's bucket layout (reducer/bucket_layout.h)
+    """The caps asked for; the reducer's bucket layout (reducer/layout/bucket_layout.h)
     cuts with them and owns them from construction on."""
 
     caps_bytes: List[int]  # cap of the 1st, 2nd, ... bucket of each kind; the last repeats
@@ -289,7 +289,7 @@ def resolve_bucket_caps(bucket_cap_mb, bucket_cap_mb_list: Optional[Sequence[flo
 
 # ddp_ext's `rebuild_buckets` keyword: when buckets are laid out again in the
 # order gradients arrive (see Note [Gradient order prediction] in
-# reducer/gradient_order.h).
+# reducer/layout/gradient_order.h).
 REBUILD_BUCKETS_MODES = ("continuous", "once", "never")
 
 

@@ -7,7 +7,7 @@ machine (paper section 5.2), so "auto" measures instead of guessing.
 
 1. Timing. An iteration is timed on each rank from the start of a
    training step (a synchronising forward in training mode, as the step
-   check counts them, Note [Ranks out of step] in reducer/step_check.h) to
+   check counts them, Note [Ranks out of step] in reducer/agreement/step_check.h) to
    the start of the next forward with gradients enabled: the whole step
    without no_sync, and with no_sync the one step that communicates (its
    forward, backward and optimizer step), not the micro-batches that only
@@ -27,12 +27,12 @@ machine (paper section 5.2), so "auto" measures instead of guessing.
    rank sets the pace) and their counts. Why this is its own allreduce,
    where it sits among the other collectives and why the rebuild vote rides
    on the step check instead: Note [Agreeing on the bucket layout] in
-   reducer/bucket_layout.h. The counts are compared as a backstop, and
+   reducer/layout/bucket_layout.h. The counts are compared as a backstop, and
    raise if they differ; they start from 0 when the tuner restarts (a new
    process group, a copy of the wrapper), which every rank does at the same
    point. A rank that joined under Join keeps counting and takes part from
    its shadow loop (ddp_ext/_join.py), so its buckets follow its peers'.
-4. Re-laying. The reducer's bucket layout (reducer/bucket_layout.h) re-cuts
+4. Re-laying. The reducer's bucket layout (reducer/layout/bucket_layout.h) re-cuts
    the buckets in their current, agreed order and makes later
    gradient-order rebuilds use the new caps; the wrapper's cap attributes
    read them back. It runs between iterations, where a rebuild is safe for
@@ -58,7 +58,7 @@ machine (paper section 5.2), so "auto" measures instead of guessing.
    process group or is copied. So caps cross from Python to C++ once at
    construction and once per decision (a handful per run), never per
    iteration: the round trip costs nothing on the per-gradient path, and
-   there is still one layout policy, in C++ (reducer/bucket_assignment.h).
+   there is still one layout policy, in C++ (reducer/layout/bucket_assignment.h).
 """
 
 import dataclasses
@@ -70,7 +70,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_ext._arguments import MIB
-from ddp_ext._bucket_tuner import BucketTuner, TunerPhase, TunerPolicy
+from ddp_ext._bucket_tuner import BucketTuner, TuningStage, TunerPolicy
 
 
 def caps_bytes(caps_mb: Sequence[float]) -> List[int]:
@@ -151,7 +151,7 @@ class AutoBuckets:
         ddp._requested_caps = dataclasses.replace(ddp._requested_caps, caps_bytes=caps)
 
     def freeze(self, why: str) -> None:
-        if self.tuner.phase is TunerPhase.FROZEN:
+        if self.tuner.stage is TuningStage.FROZEN:
             return
         self.tuner.freeze()
         warnings.warn(

@@ -36,11 +36,14 @@ class TunerPolicy:
             raise ValueError(f"TunerPolicy needs discard >= 0 and drift > 0, got {self.discard}, {self.drift}")
 
 
-class TunerPhase(enum.Enum):
+class TuningStage(enum.Enum):
     WARMUP = "warmup"  # timing the starting caps, nothing decided yet
     TUNING = "tuning"  # trying the candidates in turn
     SETTLED = "settled"  # on the best candidate, watching for drift
     FROZEN = "frozen"  # tuning stopped for good (see freeze)
+
+
+TunerPhase = TuningStage  # its former name, kept for callers that import it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +63,7 @@ class BucketTuner:
 
     def __init__(self, policy: TunerPolicy = TunerPolicy(), current: int = 0):
         self.policy = policy
-        self.phase = TunerPhase.WARMUP
+        self.stage = TuningStage.WARMUP
         self.current = current  # index of the candidate in use
         self.iteration = 0
         self.history: List[TunerEvent] = []
@@ -71,10 +74,19 @@ class BucketTuner:
         self._scores: Dict[int, List[float]] = {}
         self._strikes = 0
 
+    @property
+    def phase(self) -> TuningStage:
+        """The former name of `stage`, kept for callers that read it."""
+        return self.stage
+
+    @phase.setter
+    def phase(self, stage: TuningStage) -> None:
+        self.stage = stage
+
     def record(self, seconds: float) -> bool:
         """One synchronising iteration took `seconds`. True: a decision is due."""
         self.iteration += 1
-        if self.phase is TunerPhase.FROZEN:
+        if self.stage is TuningStage.FROZEN:
             return False
         if self._skip:
             self._skip -= 1
@@ -84,7 +96,7 @@ class BucketTuner:
 
     def _batch(self) -> int:
         p = self.policy
-        return {TunerPhase.WARMUP: p.warmup, TunerPhase.TUNING: p.trial, TunerPhase.SETTLED: p.window}[self.phase]
+        return {TuningStage.WARMUP: p.warmup, TuningStage.TUNING: p.trial, TuningStage.SETTLED: p.window}[self.stage]
 
     def figure(self) -> float:
         """This rank's figure for the batch just timed: its median (s)."""
@@ -97,12 +109,12 @@ class BucketTuner:
         or None to keep the current one."""
         self._samples = []
         before = self.current
-        if self.phase is TunerPhase.WARMUP:
+        if self.stage is TuningStage.WARMUP:
             self._start_tuning(agreed, distinct())
-        elif self.phase is TunerPhase.TUNING:
+        elif self.stage is TuningStage.TUNING:
             self._scores.setdefault(self.current, []).append(agreed)
             self._next_trial()
-        elif self.phase is TunerPhase.SETTLED:
+        elif self.stage is TuningStage.SETTLED:
             drifting = agreed > self.settled_figure * (1 + self.policy.drift)
             self._strikes = self._strikes + 1 if drifting else 0
             if self._strikes >= self.policy.sustain:
@@ -130,7 +142,7 @@ class BucketTuner:
         for r in range(self.policy.rounds):
             self._queue += candidates if r % 2 == 0 else candidates[::-1]
         self._scores = {}
-        self.phase = TunerPhase.TUNING
+        self.stage = TuningStage.TUNING
         self._next_trial()
 
     def _next_trial(self) -> None:
@@ -147,20 +159,20 @@ class BucketTuner:
         self.current = candidate
         self.settled_figure = figure
         self._strikes = 0
-        self.phase = TunerPhase.SETTLED
+        self.stage = TuningStage.SETTLED
         self._event("settled", figure)
 
     def freeze(self) -> None:
         """Stops tuning for good; the current candidate stays."""
-        self.phase = TunerPhase.FROZEN
+        self.stage = TuningStage.FROZEN
         self._samples = []
         self._event("frozen")
 
     def restart(self) -> None:
         """Forgets what was timed and starts over from the warm-up, keeping
         the current candidate (a new process group, a copy of the wrapper)."""
-        if self.phase is not TunerPhase.FROZEN:
-            self.phase = TunerPhase.WARMUP
+        if self.stage is not TuningStage.FROZEN:
+            self.stage = TuningStage.WARMUP
         self._samples = []
         self._skip = 0
         self._queue = []

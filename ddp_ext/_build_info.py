@@ -9,7 +9,11 @@ VERSION = "0.1.0"
 
 # Paths relative to the repository root. Listed by hand, never globbed.
 SOURCES = [
-    "bindings/core.cpp",
+    "bindings/comm_hooks.cpp",
+    "bindings/compression.cpp",
+    "bindings/module.cpp",
+    "bindings/process_groups.cpp",
+    "bindings/reducer.cpp",
     "comm_hooks/builtin_hooks.cpp",
     "comm_hooks/compression/accumulate.cpp",
     "comm_hooks/compression/adaptive_precision.cpp",
@@ -23,31 +27,39 @@ SOURCES = [
     "process_groups/hierarchical/future_work.cpp",
     "process_groups/ordered_launches.cpp",
     "process_groups/round_robin/backend.cpp",
-    "reducer/accumulator_hooks.cpp",
-    "reducer/averaging.cpp",
-    "reducer/bucket_assignment.cpp",
-    "reducer/bucket_layout.cpp",
-    "reducer/bucket_memory.cpp",
-    "reducer/errors.cpp",
-    "reducer/gradient_copy.cpp",
-    "reducer/gradient_order.cpp",
-    "reducer/layer_drop.cpp",
-    "reducer/phase_recorder.cpp",
-    "reducer/reducer.cpp",
-    "reducer/stall_report.cpp",
-    "reducer/stall_watch.cpp",
-    "reducer/state_lock.cpp",
-    "reducer/static_graph.cpp",
-    "reducer/step_agreement.cpp",
-    "reducer/step_check.cpp",
-    "reducer/step_slots.cpp",
-    "reducer/timeline.cpp",
-    "reducer/usage.cpp",
+    "reducer/agreement/step_agreement.cpp",
+    "reducer/agreement/step_check.cpp",
+    "reducer/agreement/step_slots.cpp",
+    "reducer/core/accumulator_hooks.cpp",
+    "reducer/core/averaging.cpp",
+    "reducer/core/errors.cpp",
+    "reducer/core/gradient_copy.cpp",
+    "reducer/core/reducer.cpp",
+    "reducer/core/state_lock.cpp",
+    "reducer/layout/bucket_assignment.cpp",
+    "reducer/layout/bucket_layout.cpp",
+    "reducer/layout/bucket_memory.cpp",
+    "reducer/layout/gradient_order.cpp",
+    "reducer/observation/step_timings.cpp",
+    "reducer/observation/timeline_and_timings.cpp",
+    "reducer/observation/stall_report.cpp",
+    "reducer/observation/stall_watch.cpp",
+    "reducer/observation/timeline.cpp",
+    "reducer/participation/layer_drop.cpp",
+    "reducer/participation/static_graph.cpp",
+    "reducer/participation/usage.cpp",
 ]
 
-# The pybind11 entry point, compiled on its own; every other source is
-# compiled as one generated unit (see ddp_ext/_translation_units.py).
-BINDING_SOURCE = "bindings/core.cpp"
+# The pybind11 bindings (module.cpp, the entry point, first), compiled as one
+# generated unit; every other source is compiled as another (see
+# ddp_ext/_translation_units.py).
+BINDING_SOURCES = [
+    "bindings/module.cpp",
+    "bindings/comm_hooks.cpp",
+    "bindings/compression.cpp",
+    "bindings/process_groups.cpp",
+    "bindings/reducer.cpp",
+]
 
 # The MPI backend, a module of its own (ddp_ext._mpi), built only where MPI
 # is found (see ddp_ext/_mpi_build.py): binding source first, as above.
@@ -63,7 +75,7 @@ MPI_SOURCES = [
 ]
 MPI_BINDING_SOURCE = "bindings/mpi.cpp"
 
-# Includes are rooted at the repository: `#include "reducer/reducer.h"`.
+# Includes are rooted at the repository: `#include "reducer/core/reducer.h"`.
 INCLUDE_DIRS = ["."]
 
 CXX_FLAGS = ["-O2", "-g0"]

@@ -63,7 +63,7 @@ def agree_on_hooks(ddp) -> None:
     averaged; two small allgathers. Hooks are compared by name: their states
     may differ in type (None or the group a hook defaults to). A hook
     registered later is compared by every backward's step check (Note [Hooks
-    registered after the first forward] in reducer/step_check.h)."""
+    registered after the first forward] in reducer/agreement/step_check.h)."""
     mine = _hooks_text(ddp)
     every_rank = [b.decode() for b in _model_check.allgather_bytes(ddp.process_group, mine.encode(), ddp.device)]
     if len(set(every_rank)) == 1:
@@ -91,7 +91,7 @@ def _native_hook(ddp, state, hook):
 def _install(ddp, native, name: str, state) -> None:
     ddp.reducer._register_comm_hook(native)
     ddp._comm_hooks.append((name, state))
-    # See Note [Hooks registered after the first forward] in reducer/step_check.h.
+    # See Note [Hooks registered after the first forward] in reducer/agreement/step_check.h.
     ddp.reducer._set_comm_hook_fingerprint(hooks_fingerprint(ddp), confirm=ddp._lazy_init_ran)
 
 

@@ -1,6 +1,6 @@
 """The wrapper's side of layer dropping: which parameters belong to which
 LayerDrop layer, and which ones a forward dropped. See Note [Layer dropping]
-in reducer/layer_drop.h.
+in reducer/participation/layer_drop.h.
 """
 
 from typing import Dict, List, Optional, Sequence, Tuple

@@ -47,7 +47,7 @@ What ddp_ext does:
   exits after an error must not wait that long. It then goes on with the
   exit as it would have without ddp_ext.
 - The Reducer is deleted with the GIL released (DeleteWithoutGil in
-  bindings/core.cpp), so dropping a DDP module whose Reducer holds the last
+  bindings/reducer.cpp), so dropping a DDP module whose Reducer holds the last
   reference to its group does not deadlock with a Gloo worker.
 The groups are unusable after the release; an atexit function registered
 before `import ddp_ext` runs after it and must not run collectives.

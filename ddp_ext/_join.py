@@ -8,7 +8,7 @@ collective those ranks' forward and backward issue:
 
 0. once, after the first synchronising backward, the broadcast of rank 0's
    gradient order for the first bucket rebuild (Note [Agreeing on the bucket
-   layout] in reducer/bucket_layout.h), as torch's join hook does through
+   layout] in reducer/layout/bucket_layout.h), as torch's join hook does through
    `_rebuild_buckets`; the joined rank receives the order and rebuilds as its
    peers do. A rank that joined before any backward has no order of its own;
    it learns that the first rebuild is due by shadowing a synchronising
@@ -21,19 +21,19 @@ collective those ranks' forward and backward issue:
    falls due (Note [Auto-tuned bucket caps] in ddp_ext/_auto_buckets.py;
    the joined rank re-lays its buckets as its peers do),
 3. the step check of the backward (see Note [Ranks out of step] in
-   reducer/step_check.h), as a rank with no step; it carries the vote on
+   reducer/agreement/step_check.h), as a rank with no step; it carries the vote on
    later (continuous) rebuilds (Note [Gradient order prediction] in
-   reducer/gradient_order.h), where a rank that joined votes no, so no
+   reducer/layout/gradient_order.h), where a rank that joined votes no, so no
    continuous rebuild happens while a rank has joined,
 4. one reduction per bucket, of zeros, through the same communication hook,
    except the buckets of layers that LayerDrop dropped on every rank (the
    plans the peers drew are drawn here too; see Note [Layer dropping] in
-   reducer/layer_drop.h),
+   reducer/participation/layer_drop.h),
 5. the unused-parameter bitmap allreduce, with find_unused_parameters.
 
 When every rank has joined, `post_hook` broadcasts the final model from the
 last rank to join. See Note [Join and the divide factor] in
-reducer/averaging.h for how the ranks with data average.
+reducer/core/averaging.h for how the ranks with data average.
 """
 
 import torch

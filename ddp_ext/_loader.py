@@ -56,7 +56,7 @@ def _say(message: str) -> None:
     print(f"ddp_ext: {message}", file=sys.stderr, flush=True)
 
 
-def _jit_build(what: str, module_name: str, sources: list, binding_source: str, unit_name: str,
+def _jit_build(what: str, module_name: str, sources: list, binding_sources, unit_name: str,
                cflags=(), ldflags=(), verbose: bool = False):
     """Builds (or reuses from torch's extension cache) and loads `module_name`
     from `sources` (repository-relative), as two translation units."""
@@ -73,12 +73,12 @@ def _jit_build(what: str, module_name: str, sources: list, binding_source: str, 
         )
     build_dir = jit_build_directory(module_name)
     with build_lock(build_dir, timeout_s=BUILD_WAIT_S):
-        units = translation_units(_REPO_ROOT, sources, binding_source, build_dir, unit_name)
+        units = translation_units(_REPO_ROOT, sources, binding_sources, build_dir, unit_name)
         building = not _is_built(build_dir, module_name, sources)
         if building:
             _say(
                 f"compiling {what} now from the {len(paths)} C++ sources in {_REPO_ROOT} "
-                f"({binding_source}, and the others as one unit) with torch.utils.cpp_extension. "
+                "(the bindings as one unit, the others as another) with torch.utils.cpp_extension. "
                 f"A first build takes minutes; it is cached in {build_dir}."
             )
         started = time.monotonic()
@@ -106,7 +106,7 @@ def load_extension(verbose: bool = False):
     file changes. See ddp_ext/_build_lock.py for builds that were killed.
     """
     return _jit_build(
-        "the native core", JIT_MODULE_NAME, _build_info.SOURCES, _build_info.BINDING_SOURCE, CORE_UNIT_NAME,
+        "the native core", JIT_MODULE_NAME, _build_info.SOURCES, _build_info.BINDING_SOURCES, CORE_UNIT_NAME,
         verbose=verbose,
     )
 

@@ -108,7 +108,7 @@ def logging_data(ddp) -> Dict[str, Any]:
     if getattr(ddp, "_auto_buckets", None) is not None:
         # ddp_ext's own: bucket_cap_mb="auto", where its tuner stands (see
         # Note [Auto-tuned bucket caps]); bucket_cap_bytes is the cap in use.
-        data["bucket_cap_auto"] = ddp._auto_buckets.tuner.phase.value
+        data["bucket_cap_auto"] = ddp._auto_buckets.tuner.stage.value
     if ddp._comm_hooks:
         data["comm_hook"] = ddp._comm_hooks[-1][0]
     data.update(ddp.__dict__.get("_runtime_stats", {}).get("logged", {}))
@@ -141,7 +141,7 @@ def sample_runtime_stats(ddp) -> None:
     is. On a sampled iteration (`is_sampled`, counting this forward's
     predecessors) it sets `iteration` to that count and logs the last
     iteration's times, in nanoseconds, with torch's meaning (Note [Runtime
-    statistics] in reducer/runtime_times.h), and their running averages
+    statistics] in reducer/observation/runtime_times.h), and their running averages
     (avg_*). As torch does, every figure is first reset to 0 and a time whose
     end precedes its start (the iteration had no such phase, e.g. a forward
     without backward came in between) stays 0 and leaves its average alone;

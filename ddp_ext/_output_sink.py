@@ -1,5 +1,5 @@
 """Identity autograd function over a forward's outputs; see Note [Unused parameters]
-in reducer/usage.h.
+in reducer/participation/usage.h.
 
 When the loss ignores some outputs, autograd would never visit the parameters
 behind them, and their buckets would wait forever. Passing every output through
@@ -9,7 +9,7 @@ reducer's hooks mark those parameters ready without counting them as used.
 
 With static_graph, the sink's backward also tells the reducer when the
 learning iteration's backward has begun; see Note [Static graph] in
-reducer/static_graph.h.
+reducer/participation/static_graph.h.
 """
 
 import copy

@@ -2,7 +2,7 @@
 forward, the backward, each gradient, each bucket's communication and the end
 of the backward happened.
 
-The reducer records raw events (reducer/timeline.h, Note [Communication
+The reducer records raw events (reducer/observation/timeline.h, Note [Communication
 timeline]); this module turns them into Chrome's trace event format and
 writes the file, only when asked to (stop(), the end of a `with` block, after
 `iterations` backward passes, or at exit). Open the file in
@@ -21,7 +21,7 @@ ENV_VAR = "DDP_EXT_TIMELINE"
 # DDP_EXT_TIMELINE records (default: every one until exit).
 ITERATIONS_ENV_VAR = "DDP_EXT_TIMELINE_ITERATIONS"
 
-# reducer/timeline.h, TimelineEvent::Kind.
+# reducer/observation/timeline.h, TimelineEvent::Kind.
 BACKWARD_BEGIN, GRADIENT_READY, BUCKET_LAUNCH, BUCKET_DONE, COMM_HOOK = 0, 1, 2, 3, 4
 WAIT_FOR_BUCKETS, FINALIZE, STEP_CHECK_LAUNCH, STEP_CHECK_WAIT, REBUILD = 5, 6, 7, 8, 9
 

@@ -1,9 +1,10 @@
-"""Translation units: the binding file alone, every other source in one
-generated unit that #includes them.
+"""Translation units: the binding files in one unit, every other source in
+another, each a generated file that #includes them (a lone binding file is
+its own unit).
 
 Every source includes the same heavy torch headers, and parsing them is most
 of a file's compile time; compiling the sources as one unit parses them once.
-The binding file stays separate (it alone includes pybind11 and Python), so
+The binding files stay apart (they alone include pybind11 and Python), so
 the two units compile in parallel on two cores.
 
 Like _build_info, this file imports nothing from ddp_ext, so setup.py can run
@@ -17,7 +18,7 @@ CORE_UNIT_NAME = "ddp_ext_core_unit.cpp"
 MPI_UNIT_NAME = "ddp_ext_mpi_unit.cpp"
 
 
-def _core_unit_text(root: str, members: list) -> str:
+def _unit_text(root: str, members: list) -> str:
     # The digest changes whenever a member does, so torch's JIT loader (which
     # hashes the files it is given) sees the change too.
     digest = hashlib.sha1()
@@ -32,18 +33,10 @@ def _core_unit_text(root: str, members: list) -> str:
     return "\n".join(lines) + "\n"
 
 
-def translation_units(
-    root: str, sources: list, binding_source: str, out_dir: str, unit_name: str = CORE_UNIT_NAME
-) -> list:
-    """[binding source, generated unit `unit_name`], as absolute paths.
-
-    `sources` are paths relative to `root` (which must be on the include
-    path); the core unit is written to `out_dir`, and only when its text
-    changes, so an unchanged checkout does not recompile.
-    """
-    assert binding_source in sources, f"{binding_source} is not in the source list"
-    members = [s for s in sources if s != binding_source]
-    text = _core_unit_text(root, members)
+def _write_unit(root: str, members: list, out_dir: str, unit_name: str) -> str:
+    # Written only when its text changes, so an unchanged checkout does not
+    # recompile.
+    text = _unit_text(root, members)
     os.makedirs(out_dir, exist_ok=True)
     unit = os.path.join(out_dir, unit_name)
     try:
@@ -54,4 +47,30 @@ def translation_units(
     if not unchanged:
         with open(unit, "w") as f:
             f.write(text)
-    return [os.path.join(root, binding_source), unit]
+    return unit
+
+
+def bindings_unit_name(unit_name: str) -> str:
+    """The name of the bindings' generated unit beside core unit `unit_name`."""
+    return unit_name.replace(".cpp", "_bindings.cpp")
+
+
+def translation_units(
+    root: str, sources: list, binding_sources, out_dir: str, unit_name: str = CORE_UNIT_NAME
+) -> list:
+    """[bindings unit, generated unit `unit_name`], as absolute paths.
+
+    `sources` are paths relative to `root` (which must be on the include
+    path); `binding_sources` (a path or a list of them) are among them. A
+    single binding file is its own unit; several are included by a unit
+    named bindings_unit_name(unit_name). Units are written to `out_dir`.
+    """
+    if isinstance(binding_sources, str):
+        binding_sources = [binding_sources]
+    for binding in binding_sources:
+        assert binding in sources, f"{binding} is not in the source list"
+    members = [s for s in sources if s not in binding_sources]
+    unit = _write_unit(root, members, out_dir, unit_name)
+    if len(binding_sources) == 1:
+        return [os.path.join(root, binding_sources[0]), unit]
+    return [_write_unit(root, list(binding_sources), out_dir, bindings_unit_name(unit_name)), unit]

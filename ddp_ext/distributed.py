@@ -324,7 +324,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
                 _logging_data.sample_runtime_stats(self)  # before prepare_for_forward, as torch's logger
                 if self._stragglers is not None:
                     self._stragglers.forward(self.reducer)
-            # See Note [Ranks out of step] in reducer/step_check.h.
+            # See Note [Ranks out of step] in reducer/agreement/step_check.h.
             try:
                 self.reducer.prepare_for_forward(training_step=self.require_backward_grad_sync and self.module.training)
             except RuntimeError as error:
@@ -337,7 +337,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
             self._lazy_init()
         if torch.is_grad_enabled():
             # The first rebuild, at torch's point: see Note [Agreeing on the
-            # bucket layout] in reducer/bucket_layout.h.
+            # bucket layout] in reducer/layout/bucket_layout.h.
             self.reducer._rebuild_buckets()
         if self._check_sync_bufs_pre_fwd():
             self.reducer._check_step_before_forward_collectives()
@@ -503,7 +503,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         if self.static_graph:
             warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
             return
-        self.reducer._set_static_graph()  # refuses a LayerDrop (reducer/static_graph.h)
+        self.reducer._set_static_graph()  # refuses a LayerDrop (reducer/participation/static_graph.h)
         self.static_graph = True
         self._static_graph_delay_allreduce_enqueued = False
         if self.find_unused_parameters:
@@ -589,7 +589,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
     @property
     def bucket_tuner(self):
         """ddp_ext only. With bucket_cap_mb="auto", the tuner's state: its
-        phase, the candidate in use (`current`, an index into
+        stage, the candidate in use (`current`, an index into
         `policy.candidates_mb`) and its `history` of trials and decisions.
         None with fixed caps."""
         return None if self._auto_buckets is None else self._auto_buckets.tuner

@@ -16,7 +16,7 @@ nn.ModuleList holding the same layers.
 Under ddp_ext's DistributedDataParallel the seed and the count are taken from
 rank 0 when the wrapper is built, and a layer dropped on every rank costs no
 communication: its gradients are neither copied nor sent (see Note [Layer
-dropping] in reducer/layer_drop.h). torch's DDP also trains such a model, with
+dropping] in reducer/participation/layer_drop.h). torch's DDP also trains such a model, with
 find_unused_parameters=True and a seed that all ranks share.
 """
 

@@ -2,7 +2,7 @@
 
 #include <ATen/ATen.h>
 
-#include "reducer/bucket_assignment.h"
+#include "reducer/layout/bucket_assignment.h"
 
 namespace ddp_ext::reducer {
 

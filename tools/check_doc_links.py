@@ -1,6 +1,6 @@
 """Checks the README and docs/*.md: every relative link resolves to a file
 (and its #anchor to a heading there), and every repository path written in
-backticks (`reducer/timeline.h`, `tests/support/spawn.py`) exists.
+backticks (`reducer/observation/timeline.h`, `tests/support/spawn.py`) exists.
 
     python tools/check_doc_links.py      # prints what is broken; exit status 1 if anything is
 """

@@ -16,7 +16,7 @@ from benchmarks.harness import stats
 from benchmarks.harness.interleave import merge_ranks, run_interleaved
 from benchmarks.harness.launcher import launch
 from benchmarks.harness.options import BenchOptions, effective_bucket_cap_mb
-from benchmarks.harness.product import TunerPhase, settled_caps_mb
+from benchmarks.harness.product import TuningStage, settled_caps_mb
 from benchmarks.reporting import figures, markdown
 from benchmarks.workloads.presets import Workload, input_seed
 from benchmarks.workloads.replicas import LABELS, OURS, TORCH, make_replica
@@ -63,7 +63,7 @@ def _settle(step: TrainingStep, ddp) -> dict:
     on every rank: its decisions are agreed)."""
     started = time.perf_counter()
     iterations = 0
-    while ddp.bucket_tuner.phase is not TunerPhase.SETTLED:
+    while ddp.bucket_tuner.stage is not TuningStage.SETTLED:
         if iterations == SETTLE_LIMIT:
             raise RuntimeError(f"bucket_cap_mb='auto' did not settle in {SETTLE_LIMIT} iterations")
         step()

@@ -10,7 +10,7 @@ this module takes, from where, and why:
   the adaptive-precision hook's codec step by step, which the public hook
   only runs as a whole, and the shipped `ddp_ext._C` binds only what the
   product uses.
-- `TunerPhase` from `ddp_ext._bucket_tuner`: the `bucket` experiment runs the
+- `TuningStage` from `ddp_ext._bucket_tuner`: the `bucket` experiment runs the
   `bucket_cap_mb="auto"` replica until its tuner has settled before timing it.
 - `settled_caps_mb(model)`, from the wrapper's `_auto_buckets`: the caps the
   tuner settled on, recorded with the `bucket` results.
@@ -25,14 +25,14 @@ import sys
 import torch
 
 from ddp_ext import _build_info
-from ddp_ext._bucket_tuner import TunerPhase
+from ddp_ext._bucket_tuner import TuningStage
 from ddp_ext._build_lock import build_lock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CODEC_SOURCES = ["benchmarks/native/codec_bindings.cpp", "comm_hooks/compression/int8_codec.cpp"]
 BUILD_WAIT_S = 1800  # a build by another process, under load on 2 cores
 
-__all__ = ["TunerPhase", "int8_decode_sum", "int8_encode", "settled_caps_mb"]
+__all__ = ["TuningStage", "int8_decode_sum", "int8_encode", "settled_caps_mb"]
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,7 +1,7 @@
 """Hang attribution's Python side: the handler the reducer calls when one of
 its waits passes `hang_timeout_s`, fails, or lasts another probe slice, or
 when a backward ends with buckets never launched (Note [Hang attribution] in
-reducer/stall_watch.h).
+reducer/observation/stall_watch.h).
 
 Each call but a probe publishes this rank's report through the store; a rank
 that stopped also reads the others' (waiting up to a short window for them)

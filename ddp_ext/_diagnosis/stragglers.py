@@ -1,5 +1,5 @@
 """Stragglers: which rank is persistently slower than the others, and in
-which phase (Note [Stragglers] in reducer/phase_recorder.h). The reducer exchanges
+which phase (Note [Stragglers] in reducer/observation/step_timings.h). The reducer exchanges
 every rank's mean phase lengths on the step check every `every` training
 steps; this module reads them, keeps `straggler_report()`, and warns when one
 rank exceeds the median of the other ranks by more than `margin` (relative) and

@@ -9,7 +9,7 @@ point, nothing passes through the coordinator):
   - the module's state_dict (parameters and buffers) and the optimizer's;
   - the committed step count;
   - ddp_ext's replicated state: the bucket caps in use and, with
-    bucket_cap_mb="auto", the bucket tuner (its phase, candidate and
+    bucket_cap_mb="auto", the bucket tuner (its stage, candidate and
     history); each LayerDrop's seed and plan count.
 The bucket order is not sent: at every new epoch each member, survivors
 included, wraps the module in a fresh DistributedDataParallel over the new

@@ -1,4 +1,4 @@
-// Bucket assignment (reducer/bucket_assignment.h): tables, invariants on
+// Bucket assignment (reducer/layout/bucket_assignment.h): tables, invariants on
 // random inputs, and agreement with torch's own bucketing.
 #include <gtest/gtest.h>
 
@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "tests/cpp/tensor_specs.h"
-#include "reducer/bucket_assignment.h"
+#include "reducer/layout/bucket_assignment.h"
 
 namespace ddp_ext::reducer {
 namespace {

@@ -26,9 +26,9 @@ SOURCES_UNDER_TEST = [
     "comm_hooks/compression/int8_exchange.cpp",
     "comm_hooks/compression/precision_policy.cpp",
     "process_groups/ordered_launches.cpp",
-    "reducer/bucket_assignment.cpp",
-    "reducer/gradient_order.cpp",
-    "reducer/step_slots.cpp",
+    "reducer/layout/bucket_assignment.cpp",
+    "reducer/layout/gradient_order.cpp",
+    "reducer/agreement/step_slots.cpp",
 ]
 
 GTEST_HEADER = "/usr/include/gtest/gtest.h"

@@ -1,4 +1,4 @@
-// Gradient order prediction, the pure pieces (reducer/gradient_order.h):
+// Gradient order prediction, the pure pieces (reducer/layout/gradient_order.h):
 // bucket assignment for an observed order, the overlap measure, the watch's
 // hysteresis and the consensus rule. See Note [Gradient order prediction].
 #include <gtest/gtest.h>
@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "tests/cpp/tensor_specs.h"
-#include "reducer/gradient_order.h"
+#include "reducer/layout/gradient_order.h"
 
 namespace ddp_ext::reducer {
 namespace {

@@ -1,4 +1,4 @@
-// The step check's slots (reducer/step_slots.h): each rank's entry, summed
+// The step check's slots (reducer/agreement/step_slots.h): each rank's entry, summed
 // as the allreduce sums them, read back by every rank. See Note [Ranks out
 // of step].
 #include <gtest/gtest.h>
@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "reducer/step_slots.h"
+#include "reducer/agreement/step_slots.h"
 
 namespace ddp_ext::reducer {
 namespace {
@@ -31,8 +31,8 @@ std::vector<StepReading> exchange(const std::vector<StepEntry>& entries) {
 }
 
 StepEntry backward(int64_t step, int64_t plan = 1, int64_t hooks = 1, int64_t rider = 0,
-                   const int64_t* phases = nullptr) {
-  return StepEntry{encode_position(CheckKind::kBackward, step), plan, hooks, rider, phases};
+                   const int64_t* timings = nullptr) {
+  return StepEntry{encode_position(CheckKind::kBackward, step), plan, hooks, rider, timings};
 }
 
 bool contains(const std::string& text, const std::string& part) {
@@ -40,8 +40,8 @@ bool contains(const std::string& text, const std::string& part) {
 }
 
 TEST(StepSlots, LayoutHoldsThreeSlotsPerRankTheRiderAndThePhases) {
-  EXPECT_EQ(StepSlots(1).size(), 3 + StepSlots::kPhases + 1);
-  EXPECT_EQ(StepSlots(4).size(), (3 + StepSlots::kPhases) * 4 + 1);
+  EXPECT_EQ(StepSlots(1).size(), 3 + StepSlots::kTimings + 1);
+  EXPECT_EQ(StepSlots(4).size(), (3 + StepSlots::kTimings) * 4 + 1);
   EXPECT_NE(encode_position(CheckKind::kBackward, 7), encode_position(CheckKind::kForward, 7));
   EXPECT_GT(encode_position(CheckKind::kBackward, 0), 0) << "0 is left to a rank that joined";
 }
@@ -51,7 +51,7 @@ TEST(StepSlots, RanksInStepAgreeAndSumTheRider) {
   for (const StepReading& reading : readings) {
     EXPECT_EQ(reading.error, "");
     EXPECT_EQ(reading.summed_rider, 2) << "two of three ranks voted";
-    EXPECT_TRUE(reading.phases.empty()) << "no rank published phases";
+    EXPECT_TRUE(reading.timings.empty()) << "no rank published timings";
   }
 }
 
@@ -96,10 +96,10 @@ TEST(StepSlots, ARankThatJoinedComparesNothingAndIsNotCompared) {
 }
 
 TEST(StepSlots, PhasesArriveRankMajor) {
-  const int64_t first[StepSlots::kPhases] = {11, 12, 13};
-  const int64_t second[StepSlots::kPhases] = {21, 22, 23};
+  const int64_t first[StepSlots::kTimings] = {11, 12, 13};
+  const int64_t second[StepSlots::kTimings] = {21, 22, 23};
   const auto readings = exchange({backward(1, 1, 1, 0, first), backward(1, 1, 1, 0, second)});
-  EXPECT_EQ(readings[1].phases, (std::vector<int64_t>{11, 12, 13, 21, 22, 23}));
+  EXPECT_EQ(readings[1].timings, (std::vector<int64_t>{11, 12, 13, 21, 22, 23}));
 }
 
 TEST(StepSlots, ManyRanksAreCountedNotListed) {

@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "reducer/bucket_assignment.h"
+#include "reducer/layout/bucket_assignment.h"
 
 namespace ddp_ext::reducer::testing {
 

@@ -1,6 +1,6 @@
 """Hang attribution: a collective of the reducer that waits hang_timeout_s
 makes every rank say who and what, through the store (Note [Hang
-attribution] in reducer/stall_watch.h, docs/DIAGNOSIS.md).
+attribution] in reducer/observation/stall_watch.h, docs/DIAGNOSIS.md).
 
 Multi-process over Gloo: a rank that skips a parameter without
 find_unused_parameters, a rank that is late (with a warning hook that reads

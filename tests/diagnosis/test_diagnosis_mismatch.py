@@ -140,7 +140,7 @@ def test_different_hooks_raise_the_same_message_at_the_first_forward(case, world
 # --- Hooks registered after the first forward ------------------------------------------
 # torch's DDP accepts them (once, at any time). Every backward's step check
 # compares the ranks' hook fingerprints (Note [Hooks registered after the
-# first forward] in reducer/step_check.h).
+# first forward] in reducer/agreement/step_check.h).
 
 LATE_HOOKS = {
     "hook_on_last_rank_only": (None, "fp16_compress_hook"),

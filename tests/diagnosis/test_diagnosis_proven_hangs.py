@@ -1,7 +1,7 @@
 """Proven hangs: when the reports prove that a wait can never end, every
 waiting rank raises within seconds, whatever hang_timeout_s is (Note [Proven
 hangs] in ddp_ext/_diagnosis/hang.py, Note [Hang attribution] in
-reducer/stall_watch.h).
+reducer/observation/stall_watch.h).
 
 Every run here keeps the default settings (hang_timeout_s=60, on_hang="auto")
 on the ranks that wait, so a rank that raised after the timeout, as before,

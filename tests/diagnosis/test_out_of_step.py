@@ -2,7 +2,7 @@
 its peers ran pairs its gradient allreduces with another iteration's. Both
 DDPs would train on silently; ddp_ext raises on every rank at the end of
 that backward, naming each rank's step (see Note [Ranks out of step] in
-reducer/step_check.h). Programs whose ranks stay in step, including
+reducer/agreement/step_check.h). Programs whose ranks stay in step, including
 evaluation forwards that only one rank runs and uneven inputs under Join,
 raise nothing and train like local training."""
 

@@ -1,6 +1,6 @@
 """Stragglers: a rank persistently slower in data loading, forward or
 backward is named, with the phase, from figures the ranks exchange on the
-step check (Note [Stragglers] in reducer/phase_recorder.h); balanced ranks are not
+step check (Note [Stragglers] in reducer/observation/step_timings.h); balanced ranks are not
 (no false alarms under this machine's noise)."""
 
 import time

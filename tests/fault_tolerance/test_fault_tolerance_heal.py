@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ddp_ext import LayerDrop
-from ddp_ext._bucket_tuner import TunerPhase
+from ddp_ext._bucket_tuner import TuningStage
 from ddp_ext._auto_buckets import AutoBuckets
 from ddp_ext.fault_tolerance import _wire, heal
 
@@ -31,12 +31,12 @@ def test_the_state_round_trips_into_a_fresh_replica():
     joiner_opt = torch.optim.Adam(joiner.parameters(), lr=0.1)
     _train(source, source_opt, 3)
     tuner = AutoBuckets()
-    tuner.tuner.phase = TunerPhase.SETTLED
+    tuner.tuner.stage = TuningStage.SETTLED
     tuner.tuner.current = 4
     blob = heal.capture(source, source_opt, 17, [1 << 20, 25 << 20], tuner)
     state = heal.restore(blob, joiner, joiner_opt)
     assert state["step"] == 17 and state["caps"] == [1 << 20, 25 << 20]
-    assert (state["auto_buckets"].tuner.phase, state["auto_buckets"].tuner.current) == (TunerPhase.SETTLED, 4)
+    assert (state["auto_buckets"].tuner.stage, state["auto_buckets"].tuner.current) == (TuningStage.SETTLED, 4)
     for a, b in zip(list(source.state_dict().values()), list(joiner.state_dict().values())):
         assert torch.equal(a, b)
     assert heal.layer_drop_counters(joiner) == heal.layer_drop_counters(source) == [(1, 3)]

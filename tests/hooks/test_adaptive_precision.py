@@ -366,7 +366,7 @@ def _with_auto_buckets(rank, world_size, _):
 
     trace = reference.train_ddp(make, c, rank, world_size, on_step=on_step)
     tuner = tuners[0]
-    return dict(trace=trace, layouts=layouts, phase=tuner.phase.value, tried={e.candidate for e in tuner.history},
+    return dict(trace=trace, layouts=layouts, phase=tuner.stage.value, tried={e.candidate for e in tuner.history},
                 current=tuner.current)
 
 

@@ -12,7 +12,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import ddp_ext
 from ddp_ext import _C
-from ddp_ext._bucket_tuner import TunerPhase
+from ddp_ext._bucket_tuner import TuningStage
 
 
 def test_each_hook_says_whether_it_keeps_state_per_bucket(single_process_group):
@@ -38,7 +38,7 @@ def test_only_a_hook_that_keeps_state_per_bucket_stops_the_tuner(single_process_
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         register(ddp)
-    assert (ddp.bucket_tuner.phase is TunerPhase.FROZEN) == stops
+    assert (ddp.bucket_tuner.stage is TuningStage.FROZEN) == stops
     stopped = [w for w in caught if "stops tuning" in str(w.message)]
     assert len(stopped) == int(stops), [str(w.message) for w in caught]
     assert all(w.filename == __file__ for w in stopped), "the warning should name the registering line"

@@ -2,7 +2,7 @@
 every reading method and property returns (or raises a clear error) instead
 of blocking, and a change from inside the hook raises. The same hook trains
 to the same parameters as under torch's DDP. See Note [Windows without the
-lock] in reducer/state_lock.cpp."""
+lock] in reducer/core/state_lock.cpp."""
 
 import weakref
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ddp_ext._arguments import resolve_bucket_caps
 from ddp_ext._auto_buckets import AutoBuckets, caps_bytes
-from ddp_ext._bucket_tuner import BucketTuner, TunerPhase, TunerPolicy
+from ddp_ext._bucket_tuner import BucketTuner, TuningStage, TunerPolicy
 from tests.support import models, reference
 from tests.support.harness import CaseTable, assert_states_close, same_bits
 
@@ -103,7 +103,7 @@ def test_policy_decisions(row):
     assert events(tuner) == row.expected, tuner.history
     if row.trials is not None:
         assert trials(tuner) == row.trials, tuner.history
-    assert tuner.phase is TunerPhase.SETTLED
+    assert tuner.stage is TuningStage.SETTLED
 
 
 def test_policy_timeline():
@@ -120,13 +120,24 @@ def test_policy_timeline():
 
 def test_freeze_and_restart():
     tuner = simulate(SMALL, 6, lambda c, k: 1.0)
-    assert tuner.phase is TunerPhase.TUNING and tuner.current == 1
+    assert tuner.stage is TuningStage.TUNING and tuner.current == 1
     tuner.restart()
-    assert tuner.phase is TunerPhase.WARMUP and tuner.current == 1  # keeps the caps in use
+    assert tuner.stage is TuningStage.WARMUP and tuner.current == 1  # keeps the caps in use
     tuner.freeze()
     assert not any(tuner.record(1.0) for _ in range(50))
     tuner.restart()
-    assert tuner.phase is TunerPhase.FROZEN
+    assert tuner.stage is TuningStage.FROZEN
+
+
+def test_former_names_still_work():
+    """TunerPhase and BucketTuner.phase were the names of TuningStage and
+    BucketTuner.stage; callers that use them keep working."""
+    from ddp_ext._bucket_tuner import TunerPhase
+
+    tuner = simulate(SMALL, 6, lambda c, k: 1.0)
+    assert TunerPhase is TuningStage and tuner.phase is tuner.stage is TuningStage.TUNING
+    tuner.phase = TunerPhase.FROZEN
+    assert tuner.stage is TuningStage.FROZEN
 
 
 @pytest.mark.parametrize("bad", [dict(candidates_mb=()), dict(candidates_mb=((1, 0),)), dict(trial=0),
@@ -356,7 +367,7 @@ def _hook(rank, world_size):
         models.MODELS["stack_reversed"].loss(ddp(*args), target).backward()
         clock.now += cost_on(rank, step, len(ddp.bucket_indices()))
         counts.append(len(ddp.bucket_indices()))
-    return dict(warnings=[str(w.message) for w in caught], counts=counts, phase=ddp.bucket_tuner.phase.value,
+    return dict(warnings=[str(w.message) for w in caught], counts=counts, phase=ddp.bucket_tuner.stage.value,
                 history=[(e.iteration, e.kind) for e in ddp.bucket_tuner.history],
                 logged=ddp._get_ddp_logging_data()["bucket_cap_auto"])
 
@@ -377,7 +388,7 @@ def _copy(rank, world_size):
     kept = dict(current=(ddp.bucket_tuner.current, twin.bucket_tuner.current),
                 cap=(ddp.bucket_bytes_cap, twin.bucket_bytes_cap),
                 buckets=(len(ddp.bucket_indices()), len(twin.bucket_indices())),
-                twin_phase=twin.bucket_tuner.phase.value)
+                twin_phase=twin.bucket_tuner.stage.value)
     before = len(twin.bucket_tuner.history)
     _steps(twin, rank, world_size, 30)
     return dict(kept, twin_history=[(e.kind, e.candidate) for e in twin.bucket_tuner.history[before:]])

@@ -3,7 +3,7 @@ keyword, and one rank observing the order and rebuilding. The pure pieces
 (bucket assignment for an observed order, the overlap measure, the watch's
 hysteresis, the consensus rule) are tested in C++
 (tests/cpp/gradient_order_test.cpp). See Note [Gradient order prediction] in
-reducer/gradient_order.h."""
+reducer/layout/gradient_order.h."""
 
 import inspect
 

@@ -1,5 +1,5 @@
 """Layer dropping (ddp_ext.LayerDrop; Note [Layer dropping] in
-reducer/layer_drop.h).
+reducer/participation/layer_drop.h).
 
 Single process: the module's plans, its arguments, and the bucket rule that
 keeps each layer's parameters apart. Multi-process (Gloo, 2 and 3 ranks):

@@ -7,7 +7,7 @@ communication hooks and shared parameters. After every step's backward, on
 every rank: the gradients and parameters equal local training's (up to float
 rounding) and are bitwise equal across ranks, every rank has the same bucket
 layout, and the number of rebuilds is the one the watch's rules give (see
-Note [Gradient order prediction] in reducer/gradient_order.h). With
+Note [Gradient order prediction] in reducer/layout/gradient_order.h). With
 gradient_as_bucket_view, each .grad stays a view into its bucket as buckets
 move.
 """

@@ -1,7 +1,7 @@
 """torch's runtime statistics in `_get_ddp_logging_data()`: forward and
 backward compute time, backward communication time and their overlap, in
 nanoseconds, on the iterations `_set_ddp_runtime_logging_sample_rate`
-samples (Note [Runtime statistics] in reducer/runtime_times.h).
+samples (Note [Runtime statistics] in reducer/observation/runtime_times.h).
 
 The invariants are the ones torch's own distributed tests assert, checked on
 ddp_ext's and torch's DDP over the same loop: every time >= 1 ns on a

@@ -1,6 +1,6 @@
 """A world of one rank: gradients stay where autograd put them (no copies, no
 collectives), training equals local training bitwise, and errors still fire.
-See Note [A world of one rank] in reducer/reducer.cpp."""
+See Note [A world of one rank] in reducer/core/reducer.cpp."""
 
 import pytest
 import torch

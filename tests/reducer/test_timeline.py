@@ -1,5 +1,5 @@
 """The communication timeline (DistributedDataParallel.record_timeline,
-DDP_EXT_TIMELINE; Note [Communication timeline] in reducer/timeline.h).
+DDP_EXT_TIMELINE; Note [Communication timeline] in reducer/observation/timeline.h).
 
 Multi-process (2 ranks over Gloo): one Chrome trace per rank, valid, holding
 for one iteration one backward, each parameter's ready instant once, each

@@ -286,7 +286,7 @@ def main(argv=None):
              members=list(m.members), attempts=result.attempts, hash=params_hash(net),
              heal_bytes=replica.last_heal_bytes, heal_s=replica.last_heal_s, wrap_s=replica.last_wrap_s,
              time=time.time(), caps=list(replica.ddp._bucket_caps_bytes),
-             tuner=None if replica.ddp.bucket_tuner is None else replica.ddp.bucket_tuner.phase.value,
+             tuner=None if replica.ddp.bucket_tuner is None else replica.ddp.bucket_tuner.stage.value,
              draws=[m.draws for m in net.modules() if hasattr(m, "draws")],
              formats=list(hooks[0].formats) if hooks else None,
              threads=len(os.listdir("/proc/self/task")), fds=len(os.listdir("/proc/self/fd")),

@@ -1,0 +1,153 @@
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "reducer/observation/stall_watch.h"
+#include "reducer/agreement/step_slots.h"
+
+namespace ddp_ext::reducer {
+
+// Note [Ranks out of step]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// Collectives pair up by their order on each rank, not by iteration. A rank
+// that skips a synchronising forward or backward its peers ran (it caught an
+// exception raised inside its forward and went on, or skipped a backward)
+// pairs its gradient allreduces with another iteration's on the other ranks,
+// and the replicas train on with gradients of different steps averaged.
+//
+// So each rank counts its training steps: the synchronising forwards it has
+// begun with the module in training mode (an evaluation forward that only
+// some ranks run is not a step). Every synchronising backward starts, as its
+// first gradient arrives, with a step check: one small allreduce of an int64
+// per rank, where each rank writes where it is into its own slot, zeros
+// elsewhere (a rank that joined, in Join's shadow loop, writes nothing). It
+// runs while autograd computes the rest of the backward and is awaited at its
+// end, before the buckets; then every rank sees every rank's position. If
+// the ranks with data disagree, each of them raises from backward with the
+// same message, naming the positions, before any averaged gradient reaches
+// .grad, and drops its bucket allreduces rather than wait for partners that
+// may never come.
+//
+// A forward that broadcasts buffers issues a collective of its own, so a
+// rank that dropped out of an iteration after that broadcast would pair its
+// next broadcast with its peers' backward. Such forwards run a step check
+// too, awaited just before the broadcast: its partner is then a peer's
+// backward check, the same allreduce, and both see the mismatch. A slot says
+// which kind of check wrote it: a backward check writes the training step; a
+// forward check writes how many synchronising backwards the rank has begun,
+// so a broadcast that only one rank runs (its first evaluation forward under
+// torch.no_grad()) pairs with its peers' next broadcast as it does in torch's
+// DDP, and raises nothing.
+//
+// A backward check also carries a rider: one more int64 slot that every rank
+// adds a value to (0 for forward checks and ranks that joined), summed by the
+// same allreduce at no extra cost. The reducer's vote on rebuilding buckets
+// rides there (Note [Agreeing on the bucket layout] in
+// reducer/layout/bucket_layout.h). And each rank writes, in a
+// second slot of its own, the fingerprint of the layers it dropped (Note
+// [Layer dropping]): ranks at the same step that dropped different layers
+// raise as ranks out of step do.
+//
+// A third slot of each rank holds the fingerprint of its communication
+// hooks (Note [Hooks registered after the first forward]).
+//
+// Every rank also writes, in kTimings slots of its own, its mean step
+// timings over the last few steps when the reducer asks it to (zeros
+// otherwise): the straggler figures of ddp_ext/_diagnosis/stragglers.py
+// ride on the same allreduce (Note [Stragglers] in reducer/observation/step_timings.h).
+//
+// The cost: one latency-bound collective of ((3 + kTimings) * world_size + 1) * 8 bytes
+// per iteration, overlapped with the backward, and with buffer broadcasting
+// one more, awaited, before the broadcast.
+
+// Note [Hooks registered after the first forward]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// torch's DDP accepts register_comm_hook at any time (once), also after
+// training began. The ranks' hooks are compared by name at the first
+// forward (ddp_ext/_comm_hooks.py); one registered later is known only to
+// the ranks that registered it, and the others would not know to take part
+// in a comparison. So each rank writes the fingerprint of its hooks (1 for
+// none, a hash of their names otherwise) into a slot of its own in every
+// backward's step check, which every rank runs anyway, and ranks at the
+// same step whose fingerprints differ raise the same message, naming which
+// ranks have which hooks.
+//
+// The step in which the difference is found: a rank that registered a hook
+// after the first forward launches no bucket in its next backward before
+// the step check agrees (as with Note [Layer dropping]), so its hook's
+// collectives never meet the other ranks' allreduces; those ranks' bucket
+// allreduces are dropped without partner. Every rank raises from that
+// backward, no gradient of that step is averaged, and the process group
+// may hold the dropped allreduces: fix the code and restart.
+class StepCheck {
+ public:
+  static constexpr int kTimings = StepSlots::kTimings;
+  StepCheck(int rank, int world_size, c10::Device device);
+
+  // Starts the check of a backward at training step `step`; this rank adds
+  // `rider` to the rider slot. `plan`: the fingerprint of the layers this
+  // rank dropped (DropPlan::fingerprint, positive).
+  // `hooks`: the fingerprint of this rank's communication hooks (positive).
+  // `timings`: kTimings values this rank publishes, or null.
+  void launch_backward(
+      c10d::ProcessGroup& group, int64_t step, int64_t rider, int64_t plan,
+      int64_t hooks, const int64_t* timings = nullptr);
+
+  // Every rank's step timings (rank-major) from the last check waited for,
+  // if any rank wrote some; empty otherwise.
+  const std::vector<int64_t>& timings() const {
+    return timings_;
+  }
+
+  // Starts the check of a forward's buffer broadcast, after `backwards`
+  // synchronising backward passes.
+  void launch_forward(c10d::ProcessGroup& group, int64_t backwards);
+
+  // Takes part in a check without a position: for a rank that joined.
+  void launch_as_joined(c10d::ProcessGroup& group);
+
+  bool launched() const;
+
+  // Waits for the check in flight. Returns an empty string when every rank
+  // with data wrote what this rank wrote, else the error message (the same on
+  // every rank).
+  // With a `watch`, waits through it (Note [Hang attribution]).
+  std::string wait(StallWatch* watch = nullptr);
+
+  // Forgets a check in flight without waiting for it.
+  void drop();
+
+  // A whole forward check (any check left over from an unfinished iteration
+  // dropped): its message, as wait() gives it.
+  std::string check_forward(
+      c10d::ProcessGroup& group, int64_t backwards, StallWatch* watch = nullptr);
+  // A whole check as a rank that joined.
+  void match_as_joined(c10d::ProcessGroup& group);
+
+  // The rider slot summed over every rank by the last check waited for.
+  int64_t summed_rider() const {
+    return summed_rider_;
+  }
+
+ private:
+  void start(c10d::ProcessGroup& group, const StepEntry& entry);
+
+  int rank_;
+  StepSlots layout_;
+  int64_t summed_rider_ = 0;
+  int64_t written_ = 0; // this rank's slot in the check in flight
+  std::vector<int64_t> timings_;
+  // The slots (StepSlots's layout), on the CPU.
+  at::Tensor host_;
+  at::Tensor slots_; // the same on the parameters' device (host_ on CPU)
+  c10::intrusive_ptr<c10d::Work> work_;
+};
+
+} // namespace ddp_ext::reducer

@@ -1,0 +1,822 @@
+#include "reducer/core/reducer.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/engine.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "reducer/core/averaging.h"
+#include "reducer/core/cuda_streams.h"
+#include "reducer/core/errors.h"
+#include "reducer/core/gradient_copy.h"
+#include "reducer/agreement/step_check.h"
+#include "reducer/participation/usage.h"
+
+namespace ddp_ext::reducer {
+
+// Note [A world of one rank]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// With a single rank the average of each gradient is the gradient itself,
+// so the reducer leaves gradients where autograd put them, unless .grad must
+// be a bucket view, a communication hook must see them, or they must be
+// rounded to a reduce dtype: hooks keep their bookkeeping (so every error is
+// raised as with more ranks) but copy nothing, no collective is launched, and
+// nothing is written back. Parameters that got no gradient keep their .grad,
+// which is what "used by no rank" means in a world of one. Only over torch's
+// own backends (Gloo, NCCL, UCC, MPI, XCCL), where skipping a collective
+// cannot be seen: any other group, such as one written in Python, is user
+// code whose collectives may do more than reduce (count steps, coordinate
+// replicas), so it gets every collective torch's DDP would call, alone too.
+
+static_assert(StepCheck::kTimings == StepTimings::kTimings, "Note [Stragglers]");
+
+namespace {
+
+// Checks what the reducer is given before anything is laid out.
+std::vector<at::Tensor> checked_params(
+    std::vector<at::Tensor> params, const std::vector<std::string>& names) {
+  TORCH_CHECK(!params.empty(), "Reducer needs at least one parameter");
+  TORCH_CHECK(
+      names.size() == params.size(), "Reducer got ", params.size(),
+      " parameters but ", names.size(), " names");
+  return params;
+}
+
+// See Note [A world of one rank].
+bool torch_backend(const c10d::ProcessGroup& group) {
+  using Type = c10d::ProcessGroup::BackendType;
+  switch (group.getBackendType()) {
+    case Type::GLOO:
+    case Type::NCCL:
+    case Type::UCC:
+    case Type::MPI:
+    case Type::XCCL:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// The Work's future, or null if it has none (c10d's default getFuture raises).
+c10::intrusive_ptr<c10::ivalue::Future> future_of(c10d::Work& work) {
+  try {
+    return work.getFuture();
+  } catch (const c10::Error&) {
+    return nullptr;
+  }
+}
+
+bool any_droppable(const std::vector<int64_t>& units) {
+  return std::any_of(units.begin(), units.end(), [](int64_t unit) { return unit >= 0; });
+}
+
+} // namespace
+
+const char* phase_name(Phase phase) {
+  switch (phase) {
+    case Phase::kIdle:
+      return "idle";
+    case Phase::kAccumulating:
+      return "accumulating";
+    case Phase::kExpectingGradients:
+      return "expecting gradients";
+    case Phase::kReducing:
+      return "reducing";
+  }
+  return "unknown";
+}
+
+Reducer::Reducer(
+    std::vector<at::Tensor> params,
+    std::vector<std::string> param_names,
+    c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+    ReducerOptions options,
+    const std::vector<bool>& sparse_gradients)
+    : params_(checked_params(std::move(params), param_names)),
+      param_names_(std::move(param_names)),
+      sparse_gradients_(sparse_gradients),
+      process_group_(std::move(process_group)),
+      options_(options),
+      gradients_stay_local_(false),
+      layout_(params_, param_names_, sparse_gradients_, options_),
+      averaging_(process_group_ ? process_group_->getSize() : 1),
+      static_graph_(params_.size(), any_droppable(options_.layer_units)),
+      usage_(params_.size(), params_.front().device(), options_.find_unused_parameters),
+      drop_plan_(params_.size()),
+      drops_layers_(any_droppable(options_.layer_units)) {
+  const size_t n = params_.size();
+  TORCH_CHECK(process_group_, "Reducer needs a process group");
+  gradients_stay_local_ = stays_local();
+  reset_step_check();
+  layout_.order().set_first_rebuild(!options_.find_unused_parameters);
+  if (options_.static_graph) {
+    set_static_graph();
+  }
+  ready_.assign(n, false);
+  observers_.add(&timings_); // See Note [Reducer observers].
+  observers_.add(&timeline_);
+  // See Note [Windows without the lock]: every wait lets the lock go.
+  stall_.set_window([this](bool open) {
+    if (open) {
+      open_window("a wait for one of its collectives or a hook's future");
+    } else {
+      close_window();
+    }
+  });
+  hooks_.install(params_, param_names_, [this](size_t index, bool arrived) {
+    on_gradient_ready(index, arrived);
+  });
+}
+
+Reducer::~Reducer() {
+  remove_autograd_hooks(); // See Note [Reducer lifetime].
+}
+
+void Reducer::remove_autograd_hooks() {
+  const auto lock = lock_state(Access::kChange);
+  hooks_.remove();
+}
+
+void Reducer::abandon_iteration() {
+  for (auto& bucket : layout_.buckets()) {
+    bucket.work.reset();
+    bucket.future.reset();
+  }
+  usage_.drop(/*clear=*/false);
+  static_graph_.abandon();
+}
+
+int64_t Reducer::training_steps() const {
+  const auto lock = lock_state(Access::kRead);
+  return training_steps_;
+}
+
+void Reducer::enter(Phase from, Phase to) {
+  TORCH_INTERNAL_ASSERT(
+      phase_ == from, "reducer moving to phase '", phase_name(to),
+      "' expected to be in '", phase_name(from), "' but is in '",
+      phase_name(phase_), "'");
+  phase_ = to;
+}
+
+Phase Reducer::phase() const {
+  const auto lock = lock_state(Access::kRead);
+  return phase_;
+}
+
+int64_t Reducer::iterations() const {
+  const auto lock = lock_state(Access::kRead);
+  return iterations_;
+}
+
+bool Reducer::unused_parameters_stable() const {
+  const auto lock = lock_state(Access::kRead);
+  return usage_.stable();
+}
+
+void Reducer::set_overlap_with_backward(bool overlap) {
+  const auto lock = lock_state(Access::kChange);
+  TORCH_CHECK(
+      phase_ != Phase::kReducing,
+      "overlap_with_backward cannot change while gradients are being reduced");
+  options_.overlap_with_backward = overlap;
+}
+
+void Reducer::set_static_graph() {
+  const auto lock = lock_state(Access::kChange);
+  static_graph_.enable(iterations_);
+  layout_.order().set_first_rebuild(true);
+}
+
+void Reducer::register_comm_hook(std::shared_ptr<comm_hooks::CommHook> hook) {
+  const auto lock = lock_state(Access::kChange);
+  TORCH_CHECK(hook, "register_comm_hook needs a hook");
+  TORCH_CHECK(
+      comm_hook_ == nullptr,
+      "register_comm_hook or register_builtin_comm_hook can only be called once.");
+  TORCH_CHECK(
+      phase_ != Phase::kReducing,
+      "a communication hook cannot be registered while gradients are being "
+      "reduced; register it between iterations");
+  comm_hook_ = std::move(hook); // sparse buckets too: see Note [Sparse gradients]
+  gradients_stay_local_ = stays_local();
+  if (comm_hook_->keeps_per_bucket_state()) {
+    layout_.order().allow_continuous(false);
+  }
+}
+
+bool Reducer::stays_local() const {
+  // See Note [A world of one rank].
+  return process_group_->getSize() == 1 && torch_backend(*process_group_) &&
+      !options_.gradient_as_bucket_view &&
+      !options_.reduce_dtype && comm_hook_ == nullptr;
+}
+
+bool Reducer::learning_static_graph() const {
+  const auto lock = lock_state(Access::kRead);
+  return static_graph_.learning();
+}
+
+bool Reducer::tracks_usage() const {
+  return usage_.searches() || (static_graph_.on() && !static_graph_.learned());
+}
+
+bool Reducer::may_be_globally_unused(size_t index) const {
+  if (drop_plan_.dropped(index)) {
+    return true; // and is: every rank dropped it
+  }
+  if (static_graph_.learned()) {
+    return !static_graph_.used_globally()[index];
+  }
+  return tracks_usage() && !usage_.used_locally(index);
+}
+
+void Reducer::prepare_for_forward(bool training_step) {
+  const auto lock = lock_state(Access::kChange);
+  observers_.notify(&ReducerObserver::on_forward); // See Note [Reducer observers].
+  if (training_step) {
+    ++training_steps_; // See Note [Ranks out of step].
+  }
+  if (phase_ == Phase::kReducing) {
+    raise_unfinished_reduction();
+  }
+}
+
+bool Reducer::rebuild_buckets() {
+  const auto lock = lock_state(Access::kChange);
+  TORCH_CHECK(phase_ != Phase::kReducing, unfinished_reduction_message());
+  if (phase_ == Phase::kIdle && layout_.order().first_rebuild_due()) {
+    // Room for the rebuild's timeline range: a forward drained it.
+    observers_.notify(
+        &ReducerObserver::on_iteration_ahead, params_.size(), layout_.buckets().size());
+  }
+  const auto first = layout_.rebuild_first(*process_group_, timeline_, &stall_);
+  if (first.changed) {
+    next_bucket_ = 0;
+    if (phase_ == Phase::kExpectingGradients) {
+      arm_buckets(); // a forward already armed the old buckets
+    }
+  }
+  return first.done;
+}
+
+void Reducer::shadowed_backward() {
+  const auto lock = lock_state(Access::kChange);
+  layout_.order().shadowed_backward();
+}
+
+void Reducer::check_finalized() const {
+  const auto lock = lock_state(Access::kRead);
+  TORCH_CHECK(phase_ != Phase::kReducing, unfinished_reduction_message());
+}
+
+void Reducer::prepare_for_backward(
+    const std::vector<at::Tensor>& outputs,
+    const std::vector<size_t>& dropped,
+    const std::vector<size_t>& accumulated_only) {
+  const auto lock = lock_state(Access::kChange);
+  if (phase_ == Phase::kReducing) {
+    raise_unfinished_reduction(); // a framework prepared a backward itself
+  }
+  drop_plan_.set(dropped); // checks the indices
+  for (size_t index : accumulated_only) {
+    TORCH_CHECK(index < params_.size() && !drop_plan_.dropped(index),
+                "parameter index ", index, " cannot be accumulated-only");
+  }
+  enter(phase_, Phase::kExpectingGradients);
+  ++iterations_;
+  observers_.notify(&ReducerObserver::on_backward_armed);
+  wait_for_launched_buckets(); // left over from an unfinished iteration
+  if (step_check_) {
+    step_check_->drop();
+  }
+  layout_.forget_vote();
+  layout_.order().begin_iteration();
+  std::fill(ready_.begin(), ready_.end(), false);
+  next_bucket_ = 0;
+  accumulated_only_ = accumulated_only;
+  // See Note [Layer dropping] and Note [Hooks registered after the first forward].
+  plan_confirmed_ = !drops_layers_ && !hook_unconfirmed_;
+  observers_.notify(
+      &ReducerObserver::on_iteration_ahead, params_.size(), layout_.buckets().size());
+  arm_buckets();
+  usage_.drop(/*clear=*/false);
+  static_graph_.arm();
+  std::vector<size_t> unused;
+  if (static_graph_.on()) {
+    unused = static_graph_.unused_locally();
+  } else if (usage_.searches()) {
+    unused = find_unreached_accumulators(outputs, hooks_.accumulators());
+  }
+  usage_.set_unused(std::move(unused), /*compare=*/iterations_ > 1);
+}
+
+void Reducer::arm_buckets() {
+  for (auto& bucket : layout_.buckets()) {
+    bucket.pending = bucket.param_indices.size();
+    bucket.dropped = drop_plan_.drops_all(bucket.param_indices);
+    bucket.filled_on.reset();
+  }
+}
+
+void Reducer::prepare_for_local_backward() {
+  const auto lock = lock_state(Access::kChange);
+  TORCH_INTERNAL_ASSERT(
+      phase_ != Phase::kReducing,
+      "prepare_for_forward must run before prepare_for_local_backward");
+  enter(phase_, Phase::kAccumulating);
+}
+
+void Reducer::allow_local_accumulation() {
+  const auto lock = lock_state(Access::kChange);
+  if (phase_ == Phase::kIdle) {
+    enter(Phase::kIdle, Phase::kAccumulating);
+  }
+}
+
+void Reducer::set_forward_pass_work(
+    c10::intrusive_ptr<c10d::Work> work, bool divide_by_initial_world_size) {
+  const auto lock = lock_state(Access::kChange);
+  averaging_.set_forward_pass_work(std::move(work), divide_by_initial_world_size);
+}
+
+void Reducer::start_reducing() {
+  enter(Phase::kExpectingGradients, Phase::kReducing);
+  observers_.notify(&ReducerObserver::on_backward_begin);
+  backward_step_ = training_steps_;
+  reported_unfinished_ = false;
+  if (stall_.on() && step_check_ && !static_graph_.learning()) {
+    watch_backward_end(); // queued before finalize_backward, so it runs first
+  }
+  const int64_t order_vote = layout_.cast_vote();
+  if (step_check_) {
+    ++backwards_begun_;
+    // See Note [Stragglers]: every rank is at the same step, so all publish.
+    step_check_->launch_backward(
+        *process_group_, training_steps_, order_vote, drop_plan_.fingerprint(),
+        hook_fingerprint_, timings_.to_publish(training_steps_));
+    observers_.notify(&ReducerObserver::on_step_check_launched);
+  }
+  averaging_.take(process_group_->getSize()); // See Note [Join and the divide factor].
+  // See Note [Layer dropping].
+  for (size_t dropped : drop_plan_.indices()) {
+    mark_ready(dropped, /*arrived=*/false);
+  }
+  for (size_t index : accumulated_only_) {
+    if (!ready_[index]) {
+      mark_ready(index, /*arrived=*/false);
+    }
+  }
+  for (size_t unused : usage_.unused()) {
+    if (!ready_[unused]) {
+      mark_ready(unused);
+    }
+  }
+}
+
+void Reducer::on_gradient_ready(size_t index, bool gradient_arrived) {
+  const auto lock = lock_state(Access::kChange);
+  if (gradient_arrived && tracks_usage()) {
+    usage_.mark_used(index);
+  }
+  switch (phase_) {
+    case Phase::kAccumulating:
+      return; // See Note [Reducer phases]: no_sync.
+    case Phase::kIdle:
+      return; // See Note [Unprepared backward]: left in .grad, as torch's DDP.
+    case Phase::kExpectingGradients:
+      start_reducing();
+      break;
+    case Phase::kReducing:
+      break;
+  }
+  if (drop_plan_.dropped(index)) {
+    TORCH_CHECK(
+        !gradient_arrived,
+        dropped_gradient_message(process_group_->getRank(), param_names_[index]));
+    return; // marked ready when the backward started
+  }
+  if (static_graph_.learning()) {
+    static_graph_.count_firing(index); // See Note [Static graph]: marked at the end.
+    layout_.order().record(index); // the last firing counts
+    return;
+  }
+  if (static_graph_.on() &&
+      !static_graph_.ready_after_firing(
+          index, usage_.unused_locally(index), gradient_arrived,
+          process_group_->getRank(), param_names_[index])) {
+    return;
+  }
+  mark_ready(index);
+}
+
+void Reducer::mark_ready(size_t index, bool arrived) {
+  TORCH_CHECK(
+      !ready_[index],
+      marked_twice_message(process_group_->getRank(), param_names_[index]));
+  ready_[index] = true;
+  // The timeline flags a dropped parameter (only one that did not arrive can be).
+  timeline_.instant(
+      TimelineEvent::kGradientReady, index, !arrived && drop_plan_.dropped(index));
+  // See Note [Gradient order prediction]: one with no gradient in this
+  // backward keeps its place.
+  if (!arrived) {
+    layout_.order().record_dropped(index);
+  } else if (!static_graph_.learning()) {
+    layout_.order().record(index);
+  }
+  Bucket& bucket = layout_.bucket_of(index);
+  if (!bucket.dropped) { // See Note [Layer dropping]: it does not travel.
+    note_fill_stream(bucket.filled_on, params_[index].device());
+    if (!options_.batched_grad_copy) {
+      copy_into_bucket(index, /*scale=*/comm_hook_ == nullptr);
+    }
+  }
+  if (--bucket.pending == 0) {
+    launch_ready_buckets();
+  }
+}
+
+void Reducer::copy_into_bucket(size_t index, bool scale) {
+  if (gradients_stay_local_) {
+    return; // See Note [A world of one rank].
+  }
+  Bucket& bucket = layout_.bucket_of(index);
+  const at::Tensor& grad = params_[index].grad();
+  at::NoGradGuard no_grad;
+  if (bucket.sparse) {
+    // See Note [Sparse gradients]: a hook gets it undivided, as a dense one.
+    bucket.sparse_grad = sparse_contribution(
+        params_[index], grad, scale ? averaging_.ranks() : 1, param_names_[index]);
+    return;
+  }
+  const at::Tensor& view = bucket.views[layout_.slot_of(index)];
+  if (grad.defined() && !grad.is_sparse() && is_bucket_view(grad, view) &&
+      may_be_globally_unused(index)) {
+    usage_.stash(index, grad);
+  }
+  copy_into_view(
+      grad, view, scale ? &averaging_.factor() : nullptr, param_names_[index]);
+}
+
+void Reducer::launch_ready_buckets() {
+  const auto& buckets = layout_.buckets();
+  while (next_bucket_ < buckets.size() && buckets[next_bucket_].pending == 0) {
+    if (options_.overlap_with_backward && !static_graph_.learning()) {
+      launch(next_bucket_);
+    }
+    ++next_bucket_;
+  }
+  if (next_bucket_ < buckets.size() || static_graph_.learning()) {
+    return; // See Note [Static graph] for who finishes a learning iteration.
+  }
+  if (usage_.searches() && !static_graph_.on() && !gradients_stay_local_) {
+    usage_.launch_allreduce(*process_group_); // a world of one: local is global
+  }
+  queue_at_end_of_backward(&Reducer::finalize_backward);
+}
+
+c10d::GradBucket Reducer::grad_bucket(size_t bucket_index, at::Tensor buffer) const {
+  const Bucket& bucket = layout_.buckets()[bucket_index];
+  return c10d::GradBucket(
+      bucket_index, layout_.buckets().size(), std::move(buffer), bucket.offsets,
+      bucket.lengths, bucket.sizes, bucket.params, std::nullopt);
+}
+
+void Reducer::launch(size_t bucket_index) {
+  observers_.notify(&ReducerObserver::on_bucket_launch, bucket_index);
+  if (gradients_stay_local_) {
+    return; // See Note [A world of one rank].
+  }
+  Bucket& bucket = layout_.buckets()[bucket_index];
+  if (bucket.dropped) {
+    return; // See Note [Layer dropping].
+  }
+  if (!plan_confirmed_) {
+    // See Note [Layer dropping]: no bucket leaves before the ranks agree.
+    plan_confirmed_ = true;
+    raise_if_out_of_step();
+  }
+  TimelineRange range(timeline_, TimelineEvent::kBucketLaunch, bucket_index);
+  // See Note [CUDA streams]: after every stream that filled the bucket.
+  note_fill_stream(bucket.filled_on, bucket.params.front().device());
+  if (options_.batched_grad_copy) {
+    for (size_t index : bucket.param_indices) {
+      copy_into_bucket(index, /*scale=*/bucket.sparse && comm_hook_ == nullptr);
+    }
+    if (comm_hook_ == nullptr && !bucket.sparse) {
+      at::NoGradGuard no_grad;
+      bucket.flat.mul_(averaging_.factor());
+    }
+  }
+  if (options_.skip_all_reduce_unused_params &&
+      std::all_of(
+          bucket.param_indices.begin(), bucket.param_indices.end(),
+          [this](size_t index) { return usage_.unused_locally(index); })) {
+    return; // Unused on every rank too, by the option's contract.
+  }
+  if (comm_hook_ != nullptr) {
+    // See Note [Sparse gradients]: a sparse bucket's buffer is its gradient.
+    const at::Tensor& buffer = bucket.sparse ? bucket.sparse_grad : bucket.flat;
+    c10d::GradBucket handed = grad_bucket(bucket_index, buffer);
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+    {
+      TimelineRange hook_range(timeline_, TimelineEvent::kCommHook, bucket_index);
+      // See Note [Windows without the lock]: the hook may read the wrapper,
+      // and a later bucket waits until this one has been launched.
+      WithoutLock window(*this, "its communication hook");
+      future = comm_hook_->runHook(handed);
+    }
+    bucket.future = std::move(future);
+    if (timeline_.on() && bucket.future) {
+      range.set_value(buffer.is_sparse() ? buffer._values().nbytes() : buffer.nbytes());
+      timeline_.on_completion(bucket.future, bucket_index);
+    }
+    return;
+  }
+  std::vector<at::Tensor> tensors{bucket.sparse ? bucket.sparse_grad : bucket.flat};
+  bucket.work = process_group_->allreduce(tensors);
+  if (timeline_.on()) {
+    range.set_value(tensors.front().is_sparse()
+        ? tensors.front()._values().nbytes() : tensors.front().nbytes());
+    timeline_.on_completion(*bucket.work, bucket_index);
+  }
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> Reducer::run_comm_hook(
+    c10d::GradBucket& bucket) {
+  std::shared_ptr<comm_hooks::CommHook> hook;
+  {
+    const auto lock = lock_state(Access::kRead);
+    hook = comm_hook_;
+  }
+  if (hook != nullptr) {
+    return hook->runHook(bucket); // without the lock: Note [Windows without the lock]
+  }
+  return run_allreduce(bucket);
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> Reducer::run_allreduce(
+    c10d::GradBucket& bucket) {
+  const auto lock = lock_state(Access::kRead);
+  std::vector<at::Tensor> tensors{bucket.getBufferRef()};
+  return process_group_->allreduce(tensors)->getFuture();
+}
+
+std::vector<c10d::GradBucket> Reducer::zeros_like_grad_buckets() const {
+  const auto lock = lock_state(Access::kRead);
+  const auto& buckets = layout_.buckets();
+  std::vector<c10d::GradBucket> result;
+  result.reserve(buckets.size());
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    const Bucket& bucket = buckets[b];
+    const at::Tensor& param = bucket.params.front();
+    at::Tensor zeros = bucket.sparse
+        ? empty_sparse_like(param)
+        : at::zeros_like(bucket.flat);
+    result.push_back(grad_bucket(b, std::move(zeros)));
+  }
+  return result;
+}
+
+at::Tensor Reducer::local_used_map() {
+  const auto lock = lock_state(Access::kRead);
+  return usage_.bitmap_copy();
+}
+
+void Reducer::launch_all_buckets() {
+  for (size_t b = 0; b < layout_.buckets().size(); ++b) {
+    launch(b);
+  }
+}
+
+void Reducer::wait_for_launched_buckets() {
+  for (size_t b = 0; b < next_bucket_; ++b) {
+    Bucket& bucket = layout_.buckets()[b];
+    if (bucket.work) {
+      // Over a group not built into torch (one written in Python), as
+      // torch's reducer: through the Work's future, all such a Work must
+      // provide. Over torch's own, and for a Work without a future, the
+      // Work itself (the process group's timeout applies).
+      const auto done = torch_backend(*process_group_) ? nullptr : future_of(*bucket.work);
+      if (done) {
+        stall_.wait(*done, "bucket", static_cast<int64_t>(b));
+      } else {
+        stall_.wait(*bucket.work, "bucket", static_cast<int64_t>(b));
+      }
+      timeline_.awaited(b);
+      if (bucket.sparse) {
+        bucket.sparse_grad = done ? done->value().toTensorVector().front()
+                                  : bucket.work->result().front();
+      }
+      bucket.work.reset();
+    }
+    if (bucket.future) {
+      // See Note [Communication hooks] in comm_hooks/comm_hook.h. The
+      // future's value may be a Python object: read and released without
+      // the lock (Note [Windows without the lock]).
+      auto future = std::move(bucket.future);
+      bucket.future.reset();
+      at::Tensor reduced;
+      {
+        WithoutLock window(*this, "a wait for its communication hook's future");
+        stall_.wait(*future, "bucket", static_cast<int64_t>(b));
+        reduced = comm_hook_->parseHookResult(future->value());
+        future.reset();
+      }
+      if (bucket.sparse) {
+        // See Note [Sparse gradients]: the hook's result becomes the .grad.
+        TORCH_CHECK(
+            reduced.is_sparse() && reduced.sizes() == bucket.params.front().sizes(),
+            "the communication hook's future for bucket ", b, " holds a ",
+            reduced.is_sparse() ? "sparse" : "dense", " tensor of shape ",
+            reduced.sizes(), ", but the bucket holds the sparse gradient of ",
+            param_names_[bucket.param_indices.front()], " (shape ",
+            bucket.params.front().sizes(), "): return the reduced bucket.buffer()");
+        bucket.sparse_grad = reduced;
+      } else if (!reduced.is_same(bucket.flat)) {
+        TORCH_CHECK(
+            reduced.numel() == bucket.flat.numel(),
+            "the communication hook's future for bucket ", b, " holds ",
+            reduced.numel(), " elements, but the bucket has ",
+            bucket.flat.numel(), ": return the reduced bucket.buffer()");
+        at::NoGradGuard no_grad;
+        bucket.flat.copy_(reduced.reshape({-1}));
+      }
+    }
+  }
+}
+
+void Reducer::finalize_backward() {
+  const auto lock = lock_state(Access::kChange);
+  TORCH_INTERNAL_ASSERT(phase_ == Phase::kReducing && !static_graph_.learning());
+  TORCH_INTERNAL_ASSERT(next_bucket_ == layout_.buckets().size());
+  TimelineRange range(timeline_, TimelineEvent::kFinalize);
+  observers_.notify(&ReducerObserver::on_gradients_done);
+  if (!options_.overlap_with_backward) {
+    launch_all_buckets();
+  }
+  raise_if_out_of_step();
+  {
+    TimelineRange wait_range(timeline_, TimelineEvent::kWaitForBuckets);
+    wait_for_launched_buckets();
+  }
+  observers_.notify(&ReducerObserver::on_collectives_done);
+  std::vector<bool> globally_used; // empty: every parameter counts as used
+  if (static_graph_.on()) {
+    globally_used = static_graph_.used_globally();
+  } else if (usage_.searches()) {
+    globally_used = usage_.wait(gradients_stay_local_, &stall_);
+  }
+  write_back_gradients(globally_used);
+  conclude_layout(/*launched_at_end=*/!options_.overlap_with_backward);
+  enter(Phase::kReducing, Phase::kIdle);
+  if (reported_unfinished_) {
+    reported_unfinished_ = false; // a second backward completed it after all
+    stall_.report(StallEvent::kResolved);
+  }
+}
+
+void Reducer::queue_at_end_of_backward(void (Reducer::*step)()) {
+  // See Note [Reducer lifetime].
+  const int rank = process_group_->getRank();
+  torch::autograd::Engine::get_default_engine().queue_callback(
+      [weak = weak_from_this(), step, rank] {
+        const std::shared_ptr<Reducer> self = weak.lock();
+        TORCH_CHECK(
+            self, "DistributedDataParallel on rank ", rank,
+            " was destroyed during its backward pass, so this iteration's "
+            "gradients were not averaged across ranks. Keep the wrapper alive "
+            "until backward returns.");
+        ((*self).*step)();
+      });
+}
+
+void Reducer::queue_finish_learning_iteration() {
+  {
+    const auto lock = lock_state(Access::kRead);
+    if (!static_graph_.learning()) {
+      return;
+    }
+  }
+  queue_at_end_of_backward(&Reducer::finish_learning_iteration);
+}
+
+void Reducer::finish_learning_iteration() {
+  const auto lock = lock_state(Access::kChange);
+  if (!static_graph_.learning()) {
+    return; // Another output sink of the same iteration finished it.
+  }
+  if (phase_ == Phase::kExpectingGradients) {
+    start_reducing();
+  }
+  TORCH_INTERNAL_ASSERT(phase_ == Phase::kReducing);
+  TimelineRange range(timeline_, TimelineEvent::kFinalize);
+  observers_.notify(&ReducerObserver::on_gradients_done);
+  const std::vector<bool> used_locally = usage_.used_locally();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!ready_[i]) {
+      mark_ready(i);
+    }
+  }
+  launch_all_buckets();
+  if (!gradients_stay_local_) {
+    usage_.launch_allreduce(*process_group_);
+  }
+  raise_if_out_of_step();
+  {
+    TimelineRange wait_range(timeline_, TimelineEvent::kWaitForBuckets);
+    wait_for_launched_buckets();
+  }
+  observers_.notify(&ReducerObserver::on_collectives_done);
+  static_graph_.learned_from(used_locally, usage_.wait(gradients_stay_local_, &stall_));
+  write_back_gradients(static_graph_.used_globally());
+  conclude_layout(/*launched_at_end=*/true);
+  enter(Phase::kReducing, Phase::kIdle);
+}
+
+void Reducer::conclude_layout(bool launched_at_end) {
+  // See Note [Agreeing on the bucket layout]: the step check was awaited
+  // before the buckets (a world of one has none).
+  std::optional<int64_t> votes;
+  if (step_check_) {
+    votes = step_check_->summed_rider();
+  }
+  if (layout_.conclude(launched_at_end, votes, *process_group_, timeline_, &stall_)) {
+    next_bucket_ = 0;
+  }
+}
+
+bool Reducer::set_bucket_caps(const std::vector<int64_t>& caps) {
+  const auto lock = lock_state(Access::kChange);
+  TORCH_CHECK(
+      phase_ != Phase::kReducing,
+      "DistributedDataParallel on rank ", process_group_->getRank(),
+      " cannot change its bucket caps while gradients are being reduced; "
+      "change them between iterations");
+  // Safe for the reasons a rebuild is: nothing is in flight, and .grad views
+  // move with the buckets.
+  if (!layout_.set_caps(caps, timeline_)) {
+    return false;
+  }
+  next_bucket_ = 0;
+  if (phase_ == Phase::kExpectingGradients) {
+    arm_buckets(); // a forward already armed the old buckets
+  }
+  return true;
+}
+
+void Reducer::update_process_group(
+    c10::intrusive_ptr<c10d::ProcessGroup> process_group) {
+  const auto lock = lock_state(Access::kChange);
+  TORCH_CHECK(process_group, "update_process_group needs a process group");
+  // Work on the old group is dropped, not awaited: it may never complete.
+  abandon_iteration();
+  averaging_.forget_forward_pass_work();
+  layout_.forget_vote();
+  layout_.order().restart();
+  std::fill(ready_.begin(), ready_.end(), false);
+  next_bucket_ = 0;
+  drop_plan_.clear();
+  phase_ = Phase::kIdle;
+  process_group_ = std::move(process_group);
+  gradients_stay_local_ = stays_local();
+  averaging_.set_ranks(process_group_->getSize());
+  reset_step_check(); // drops a check in flight on the old group
+}
+
+void Reducer::write_back_gradients(const std::vector<bool>& globally_used) {
+  if (gradients_stay_local_) {
+    return; // See Note [A world of one rank].
+  }
+  at::NoGradGuard no_grad;
+  const auto used_by_no_rank = [&](size_t index) {
+    return drop_plan_.dropped(index) ||
+        (!globally_used.empty() && !globally_used[index]);
+  };
+  usage_.restore_stashed(params_, used_by_no_rank);
+  for (auto& bucket : layout_.buckets()) {
+    if (bucket.dropped) {
+      continue; // See Note [Layer dropping].
+    }
+    for (size_t slot = 0; slot < bucket.param_indices.size(); ++slot) {
+      const size_t index = bucket.param_indices[slot];
+      if (used_by_no_rank(index)) {
+        continue; // No rank used it: .grad stays as the user left it.
+      }
+      if (bucket.sparse) {
+        params_[index].mutable_grad() = std::move(bucket.sparse_grad);
+        bucket.sparse_grad = at::Tensor();
+        continue;
+      }
+      write_back_view(
+          bucket.views[slot], params_[index], params_[index].mutable_grad(),
+          options_.gradient_as_bucket_view);
+    }
+  }
+}
+
+
+} // namespace ddp_ext::reducer

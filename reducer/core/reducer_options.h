@@ -1,0 +1,73 @@
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "reducer/layout/gradient_order.h"
+
+namespace ddp_ext::reducer {
+
+// Knobs of one Reducer: the caps its bucket layout starts from, and what
+// happens during each iteration.
+struct ReducerOptions {
+  // Search the autograd graph after each synchronising forward for parameters
+  // that will get no gradient, and allreduce a per-parameter "used" bitmap so
+  // that parameters no rank used keep their .grad untouched.
+  // See Note [Unused parameters]. Default: false.
+  bool find_unused_parameters = false;
+
+  // The set of parameters used is the same in every iteration. The first
+  // synchronising backward learns it (see Note [Static graph]); later ones
+  // skip the graph search and the bitmap allreduce, and accept gradients that
+  // arrive from nested (reentrant) backward passes. Takes precedence over
+  // find_unused_parameters. Default: false.
+  bool static_graph = false;
+
+  // Make each parameter's .grad a view into its bucket, so no copy is needed
+  // on the way in or out. Default: false (.grad is a tensor of its own).
+  bool gradient_as_bucket_view = false;
+
+  // Launch each bucket's allreduce as soon as its last gradient arrives
+  // (true), or hold every allreduce until the backward pass has finished
+  // (false; only useful to measure what overlap buys). Can be changed between
+  // iterations with Reducer::set_overlap_with_backward.
+  // See Note [Overlap and bucket order]. Default: true.
+  bool overlap_with_backward = true;
+
+  // With find_unused_parameters, do not allreduce a bucket whose parameters
+  // all went unused on this rank. Only correct when every rank leaves the
+  // same parameters unused in every iteration (torch's
+  // skip_all_reduce_unused_params). Default: false.
+  bool skip_all_reduce_unused_params = false;
+
+  // Copy gradients into their bucket only when the bucket's last gradient
+  // has arrived (one pass over the bucket, then one scaling of the whole
+  // bucket) instead of one fused copy-and-scale per gradient (torch's
+  // batched_grad_copy). Same values either way. Default: false.
+  bool batched_grad_copy = false;
+
+  // dtype of the buckets, and so of the reduction (mixed precision's
+  // reduce_dtype); gradients are cast on their way in and out. Unset: each
+  // bucket has its parameters' dtype. Default: unset.
+  std::optional<c10::ScalarType> reduce_dtype;
+
+  // When to lay the buckets out again in the order gradients arrive; see
+  // Note [Gradient order prediction]. Default: kNever (the Python wrapper's
+  // default is continuous).
+  BucketRebuild rebuild_buckets = BucketRebuild::kNever;
+
+  // The caps buckets are cut with, first layout and rebuilds alike (the k-th
+  // bucket of each kind capped at bucket_caps[k], the last repeating; see
+  // assign_buckets). Required. See Note [Agreeing on the bucket layout].
+  std::vector<int64_t> bucket_caps;
+
+  // Per parameter, the droppable layer it belongs to, -1 for none: rebuilds
+  // keep each layer's parameters in buckets of their own. See Note [Layer
+  // dropping] in reducer/participation/layer_drop.h. Empty: no droppable layers.
+  std::vector<int64_t> layer_units;
+};
+
+} // namespace ddp_ext::reducer
