@@ -2,6 +2,7 @@
 bucket_cap_mb="auto", the tuner that changes them (ddp_ext/_auto_buckets.py,
 Note [Auto-tuned bucket caps])."""
 
+import dataclasses
 from typing import List, Optional
 
 from ddp_ext._arguments import BucketCaps
@@ -16,11 +17,15 @@ class CapTuning(Bound):
 
     def __init__(self, reducer, group, device, requested: BucketCaps):
         self.device = device
-        self.requested = requested
+        self.requested = requested  # the caps a copy of the wrapper starts from
         self._auto: Optional[AutoBuckets] = None
         self.bind(reducer, group)
         if requested.auto and reducer is not None:
             self.auto = AutoBuckets()
+
+    def __getstate__(self) -> dict:
+        """A copy keeps the caps in use (a tuned cap included)."""
+        return {**super().__getstate__(), "requested": dataclasses.replace(self.requested, caps_bytes=self.caps_bytes)}
 
     @property
     def auto(self) -> Optional[AutoBuckets]:

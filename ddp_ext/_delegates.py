@@ -1,10 +1,10 @@
 """One-line delegates: how the wrapper keeps torch's DDP method and attribute
 names while its collaborators own the code and the state.
 
-    _sync_buffers = delegate("_buffer_sync", "sync_for_forward")
+    _sync_module_states = delegate("_buffer_sync", "sync_module_states")
     modules_buffers = field("_buffer_sync", "modules_buffers")
 
-`ddp._sync_buffers` is then `ddp._buffer_sync.sync_for_forward`, the
+`ddp._sync_module_states` is then `ddp._buffer_sync.sync_module_states`, the
 collaborator's bound method itself (its signature and docstring included).
 """
 

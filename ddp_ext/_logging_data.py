@@ -59,13 +59,11 @@ RUNTIME_INSTANTS = ("forward_compute_time_start", "backward_compute_time_start",
                     "backward_comm_time_start", "backward_comm_time_end")
 
 
-
 def is_sampled(iteration: int, sample_rate: int) -> bool:
     """torch's Reducer::should_collect_runtime_stats: the first ten
     iterations, then every `sample_rate`-th (iteration 0, the first forward,
     has nothing to report yet)."""
     return iteration > 0 and (iteration <= 10 or iteration % sample_rate == 0)
-
 
 
 class LoggingData(Bound):

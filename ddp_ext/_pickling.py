@@ -32,9 +32,6 @@ def check_no_delayed_params(delayed_params) -> None:
         )
 
 
-def picklable(wrapper_state: dict, settings) -> dict:
-    """The wrapper's __dict__ as pickled; `settings` with the caps in use,
-    which the copy's reducer starts from."""
-    state = {k: v for k, v in wrapper_state.items() if k not in LEFT_OUT}
-    state["_settings"] = settings
-    return state
+def picklable(wrapper_state: dict) -> dict:
+    """The wrapper's __dict__ as pickled."""
+    return {k: v for k, v in wrapper_state.items() if k not in LEFT_OUT}

@@ -4,10 +4,10 @@ from ddp_ext import _C
 from ddp_ext._arguments import backend_name
 
 
-def build_reducer(named_params, sparse_ids: set, settings, process_group, reducer_group, layer_units):
+def build_reducer(named_params, sparse_ids: set, settings, caps_bytes, process_group, reducer_group, layer_units):
     """A Reducer over `named_params` (name, parameter) that reduces over
-    `reducer_group`; `sparse_ids`: ids of the parameters with sparse
-    gradients."""
+    `reducer_group`, cutting buckets with `caps_bytes`; `sparse_ids`: ids of
+    the parameters with sparse gradients."""
     params = [p for _, p in named_params]
     sparse = [id(p) in sparse_ids for p in params]
     if any(sparse) and backend_name(process_group) == "nccl":
@@ -15,5 +15,5 @@ def build_reducer(named_params, sparse_ids: set, settings, process_group, reduce
             "NCCL cannot reduce sparse gradients, and this module has an Embedding or "
             "EmbeddingBag with sparse=True: use sparse=False, or a Gloo process group."
         )
-    options = settings.reducer_options(layer_units)
+    options = settings.reducer_options(caps_bytes, layer_units)
     return _C.Reducer(params, [n for n, _ in named_params], reducer_group, options, sparse)

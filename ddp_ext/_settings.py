@@ -23,6 +23,10 @@ from ddp_ext._arguments import (
 from ddp_ext._diagnosis import HangSettings
 
 
+# The boolean arguments kept as passed (torch keeps the value, not its truth).
+SWITCHES = ("find_unused_parameters", "gradient_as_bucket_view", "skip_all_reduce_unused_params", "batched_grad_copy")
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     dim: int  # the batch dimension scatter and gather split along
@@ -42,9 +46,6 @@ class Settings:
     def placed(self, placement: Placement) -> "Settings":
         return dataclasses.replace(self, placement=placement)
 
-    def with_caps(self, caps_bytes) -> "Settings":
-        return dataclasses.replace(self, caps=dataclasses.replace(self.caps, caps_bytes=list(caps_bytes)))
-
     @property
     def device(self) -> torch.device:
         return next(iter(self.placement.devices))
@@ -62,7 +63,7 @@ class Settings:
             "hierarchical_allreduce": self.hierarchical_allreduce,
         }
 
-    def reducer_options(self, layer_units) -> "_C.ReducerOptions":
+    def reducer_options(self, caps_bytes, layer_units) -> "_C.ReducerOptions":
         options = _C.ReducerOptions()
         mp = self.mixed_precision
         options.reduce_dtype = None if mp is None else _mixed_precision.reduce_dtype_of(mp)
@@ -71,7 +72,7 @@ class Settings:
         options.skip_all_reduce_unused_params = self.skip_all_reduce_unused_params
         options.batched_grad_copy = self.batched_grad_copy
         options.rebuild_buckets = getattr(_C.BucketRebuild, self.rebuild_buckets)
-        options.bucket_caps = self.caps.caps_bytes  # the reducer's layout owns them from here
+        options.bucket_caps = caps_bytes  # the reducer's layout owns them from here
         options.layer_units = layer_units
         return options
 
@@ -84,7 +85,7 @@ def resolve(module: nn.Module, *, delay_all_reduce_named_params, param_to_hook_a
     """(settings without placement, process group, delayed (name, param)
     pairs), checked in torch's order."""
     delayed = check_arguments(module, delay_all_reduce_named_params, param_to_hook_all_reduce, check_reduction)
-    check_flags(
+    flags = dict(
         broadcast_buffers=broadcast_buffers,
         find_unused_parameters=find_unused_parameters,
         gradient_as_bucket_view=gradient_as_bucket_view,
@@ -93,6 +94,7 @@ def resolve(module: nn.Module, *, delay_all_reduce_named_params, param_to_hook_a
         batched_grad_copy=batched_grad_copy,
         forward_sync_buffers=forward_sync_buffers,
     )
+    check_flags(**flags)
     check_types(device_ids, mixed_precision, param_to_hook_all_reduce)
     group = resolve_process_group(process_group, device_mesh)
     buffer_sync = resolve_buffer_sync(broadcast_buffers, forward_sync_buffers)
@@ -108,18 +110,8 @@ def resolve(module: nn.Module, *, delay_all_reduce_named_params, param_to_hook_a
         )
     ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
     ignored.update(name for name, _ in delayed)
-    settings = Settings(
-        dim=dim,
-        buffer_sync=buffer_sync,
-        caps=caps,
-        find_unused_parameters=find_unused_parameters,
-        gradient_as_bucket_view=gradient_as_bucket_view,
-        skip_all_reduce_unused_params=skip_all_reduce_unused_params,
-        batched_grad_copy=batched_grad_copy,
-        rebuild_buckets=rebuild_mode,
-        hierarchical_allreduce=hierarchical_allreduce,
-        mixed_precision=mixed_precision,
-        hang=hang,
-        parameters_to_ignore=frozenset(ignored),
-    )
+    switches = {name: flags[name] for name in SWITCHES}
+    settings = Settings(dim=dim, buffer_sync=buffer_sync, caps=caps, rebuild_buckets=rebuild_mode,
+                        hierarchical_allreduce=hierarchical_allreduce, mixed_precision=mixed_precision, hang=hang,
+                        parameters_to_ignore=frozenset(ignored), **switches)
     return settings, group, delayed

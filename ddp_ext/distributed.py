@@ -28,7 +28,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 from torch.nn.parallel.distributed import DistributedDataParallel as TorchDistributedDataParallel
 
 from ddp_ext import _diagnosis, _exit, _mixed_precision, _parameters, _pickling, _settings
-from ddp_ext._arguments import check_initialized, resolve_placement
+from ddp_ext._arguments import BucketCaps, check_initialized, resolve_placement
 from ddp_ext._buffer_sync import BROADCAST_CHUNK_BYTES, BufferSync
 from ddp_ext._cap_tuning import CapTuning
 from ddp_ext._comm_hooks import CommHooks
@@ -183,7 +183,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
         self._dropped_layers = DroppedLayers(module, [p for _, p in named_params])
         if self._dropped_layers and init_sync:
             self._dropped_layers.agree_with_rank_0(self._broadcast_from_rank_0)
-        self.reducer = None if self._delay_all_reduce_all_params else self._build_reducer()
+        self.reducer = None if self._delay_all_reduce_all_params else self._build_reducer(settings.caps)
         self._compose(_diagnosis.store_key(process_group, agreed_number))
         if static_graph:
             self._set_static_graph()
@@ -219,9 +219,9 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
         self._hooks.store_key = self._store_key  # set by attach
         self._stragglers = _stragglers.attach(self)
 
-    def _build_reducer(self):
+    def _build_reducer(self, caps: BucketCaps):
         return build_reducer(self._params.named(self.module), self._params.with_sparse_gradients(), self._settings,
-                             self.process_group, self.reducer_group, self._dropped_layers.units)
+                             caps.caps_bytes, self.process_group, self.reducer_group, self._dropped_layers.units)
 
     # Note [torch.compile]
     # As with torch's DDP, the wrapper's forward runs eagerly and only the
@@ -403,13 +403,13 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
     def __getstate__(self) -> dict:
         self._check_default_group()
         _pickling.check_no_delayed_params(self._delay_all_reduce_params)
-        return _pickling.picklable(self.__dict__, self._settings.with_caps(self._tuning.caps_bytes))
+        return _pickling.picklable(self.__dict__)
 
     def __setstate__(self, state: dict) -> None:
         self.process_group = dist.distributed_c10d._get_default_group()
         nn.Module.__setstate__(self, state)
         self._delayed = None
-        self.reducer = None if self._delay_all_reduce_all_params else self._build_reducer()
+        self.reducer = None if self._delay_all_reduce_all_params else self._build_reducer(self._tuning.requested)
         self._bind()
         self._tuning.restart()  # the copy times its own iterations
         self._attach_watchers()
