@@ -13,7 +13,9 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel.scatter_gather import gather as _gather, scatter_kwargs as _scatter_kwargs
 
 from ddp_ext import _parameters, _pickling, hierarchy
+from ddp_ext._buffer_sync import BROADCAST_CHUNK_BYTES
 from ddp_ext._comm_hooks import register_fused_optim
+from ddp_ext._delayed_all_reduce import DelayedAllReduce
 from ddp_ext._delegates import delegate, field
 from ddp_ext._diagnosis import stragglers as _stragglers
 from ddp_ext._output_sink import _map_tensors
@@ -138,6 +140,10 @@ class DelegatedNames:
         register_fused_optim(self, optim, *args, optim_params=optim_params, **kwargs)
 
     # --- delay_all_reduce_named_params: ddp_ext/_delayed_all_reduce.py ------
+
+    def _register_delay_all_reduce_hook(self, bucket_cap_mb, param_to_hook_all_reduce, device_ids) -> None:
+        self._delayed = DelayedAllReduce(self._delay_all_reduce_params, param_to_hook_all_reduce, self.process_group,
+                                         BROADCAST_CHUNK_BYTES)
 
     _delayed_all_reduce_hook = delegate("_delayed", "start")
 

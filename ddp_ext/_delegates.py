@@ -6,10 +6,10 @@ names while its collaborators own the code and the state.
 
 `ddp._sync_module_states` is then `ddp._buffer_sync.sync_module_states`, the
 collaborator's bound method itself (its signature and docstring included).
+`part` may be dotted ("_settings.placement").
 """
 
 from operator import attrgetter
-from typing import Optional
 
 
 class delegate:  # noqa: N801 - used like `property`
@@ -17,24 +17,29 @@ class delegate:  # noqa: N801 - used like `property`
     descriptor: an instance may still shadow it, as a plain method)."""
 
     def __init__(self, part: str, name: str):
-        self.part = attrgetter(part)
+        self.part = part
         self.name = name
+        self._owner = attrgetter(part)
 
     def __get__(self, wrapper, owner=None):
         if wrapper is None:
             return self
-        return getattr(self.part(wrapper), self.name)
+        return getattr(self._owner(wrapper), self.name)
 
 
-def field(part: str, name: str, settable: bool = False, doc: Optional[str] = None) -> property:
+class field(property):  # noqa: N801 - used like `property`
     """An attribute of the wrapper that reads (and, if `settable`, writes)
-    `<part>.<name>`; `part` may be dotted ("_settings.placement")."""
-    owner = attrgetter(part)
+    `<part>.<name>`."""
 
-    def get(wrapper):
-        return getattr(owner(wrapper), name)
+    def __init__(self, part: str, name: str, settable: bool = False):
+        owner = attrgetter(part)
 
-    def set_(wrapper, value):
-        setattr(owner(wrapper), name, value)
+        def get(wrapper):
+            return getattr(owner(wrapper), name)
 
-    return property(get, set_ if settable else None, doc=doc or f"torch's attribute, kept by {part}.{name}")
+        def set_(wrapper, value):
+            setattr(owner(wrapper), name, value)
+
+        super().__init__(get, set_ if settable else None, doc=f"torch's attribute, kept by {part}.{name}")
+        self.part = part
+        self.name = name

@@ -29,10 +29,9 @@ from torch.nn.parallel.distributed import DistributedDataParallel as TorchDistri
 
 from ddp_ext import _diagnosis, _exit, _mixed_precision, _parameters, _pickling, _settings
 from ddp_ext._arguments import BucketCaps, check_initialized, resolve_placement
-from ddp_ext._buffer_sync import BROADCAST_CHUNK_BYTES, BufferSync
+from ddp_ext._buffer_sync import BufferSync
 from ddp_ext._cap_tuning import CapTuning
 from ddp_ext._comm_hooks import CommHooks
-from ddp_ext._delayed_all_reduce import DelayedAllReduce
 from ddp_ext._delegated_names import DelegatedNames
 from ddp_ext._diagnosis import stragglers as _stragglers
 from ddp_ext._dropped_layers import DroppedLayers
@@ -345,12 +344,6 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
                                   clone=self._ddp_sink_clone)
         self._clear_grad_buffer()
         return output
-
-    # --- delay_all_reduce_named_params: see ddp_ext/_delayed_all_reduce.py ---
-
-    def _register_delay_all_reduce_hook(self, bucket_cap_mb, param_to_hook_all_reduce, device_ids) -> None:
-        self._delayed = DelayedAllReduce(self._delay_all_reduce_params, param_to_hook_all_reduce, self.process_group,
-                                         BROADCAST_CHUNK_BYTES)
 
     def train(self, mode: bool = True):
         nn.Module.train(self, mode)
