@@ -2,9 +2,9 @@
 JoinShadow, the wrapper's Join side (under torch's DDP names there).
 
 A rank that runs out of data leaves its training loop and enters the Join
-context's shadow loop, which calls `main_hook` once for every iteration that
-the other ranks still run. The hook issues, in the same order, every
-collective those ranks' forward and backward issue:
+context's shadow loop, which calls `main_hook` (JoinShadow.shadow_iteration)
+once for every iteration that the other ranks still run. It issues, in the
+same order, every collective those ranks' forward and backward issue:
 
 1. the buffer broadcast of a synchronising forward (after agreeing on the
    rank to broadcast from),
@@ -37,26 +37,14 @@ from ddp_ext._bound import Bound
 
 
 class DistributedDataParallelJoinHook(JoinHook):
+    """torch's JoinHook interface over the wrapper's JoinShadow."""
+
     def __init__(self, shadow: "JoinShadow", divide_by_initial_world_size: bool):
         self.shadow = shadow
         shadow.divide_by_initial_world_size = divide_by_initial_world_size
 
     def main_hook(self) -> None:
-        shadow = self.shadow
-        if not shadow.hooks.first_forward_done:  # the peers' first forward checks their hooks
-            shadow.hooks.first_forward()
-        # The peers' forward draws LayerDrop plans; draw the same ones.
-        shadow.dropped_layers.simulate_forward()
-        shadow.check_and_sync_module_buffers()
-        should_sync = shadow.check_global_requires_backward_grad_sync(is_joined_rank=True)
-        # The next forward syncs buffers only after a synchronising one.
-        shadow.flags.forward_buffers = should_sync
-        shadow.tuning.forward(synchronising=should_sync and shadow.module.training)
-        if not should_sync:
-            return
-        shadow.match_all_reduce_for_bwd_pass()
-        if shadow.find_unused_parameters and not shadow.flags.static_graph:
-            shadow.match_unused_params_allreduce()
+        self.shadow.shadow_iteration()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         self.shadow.sync_final_model(is_last_joiner)
@@ -83,6 +71,23 @@ class JoinShadow(Bound):
 
     def hook(self, **kwargs) -> DistributedDataParallelJoinHook:
         return DistributedDataParallelJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    def shadow_iteration(self) -> None:
+        """One iteration of the peers, on a rank that joined (points 1 to 5)."""
+        if not self.hooks.first_forward_done:  # the peers' first forward checks their hooks
+            self.hooks.first_forward()
+        # The peers' forward draws LayerDrop plans; draw the same ones.
+        self.dropped_layers.simulate_forward()
+        self.check_and_sync_module_buffers()
+        should_sync = self.check_global_requires_backward_grad_sync(is_joined_rank=True)
+        # The next forward syncs buffers only after a synchronising one.
+        self.flags.forward_buffers = should_sync
+        self.tuning.forward(synchronising=should_sync and self.module.training)
+        if not should_sync:
+            return
+        self.match_all_reduce_for_bwd_pass()
+        if self.find_unused_parameters and not self.flags.static_graph:
+            self.match_unused_params_allreduce()
 
     @property
     def rank(self) -> int:
