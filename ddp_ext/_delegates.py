@@ -6,10 +6,16 @@ names while its collaborators own the code and the state.
 
 `ddp._sync_module_states` is then `ddp._buffer_sync.sync_module_states`, the
 collaborator's bound method itself (its signature and docstring included).
-`part` may be dotted ("_settings.placement").
+`part` may be dotted ("_settings.placement"). Plain getattr calls, which
+dynamo traces: a field read inside the forward's frames breaks no graph
+(Note [torch.compile] in ddp_ext/distributed.py).
 """
 
-from operator import attrgetter
+
+def _owner(wrapper, path):
+    for name in path:
+        wrapper = getattr(wrapper, name)
+    return wrapper
 
 
 class delegate:  # noqa: N801 - used like `property`
@@ -19,12 +25,12 @@ class delegate:  # noqa: N801 - used like `property`
     def __init__(self, part: str, name: str):
         self.part = part
         self.name = name
-        self._owner = attrgetter(part)
+        self._path = tuple(part.split("."))
 
     def __get__(self, wrapper, owner=None):
         if wrapper is None:
             return self
-        return getattr(self._owner(wrapper), self.name)
+        return getattr(_owner(wrapper, self._path), self.name)
 
 
 class field(property):  # noqa: N801 - used like `property`
@@ -32,13 +38,13 @@ class field(property):  # noqa: N801 - used like `property`
     `<part>.<name>`."""
 
     def __init__(self, part: str, name: str, settable: bool = False):
-        owner = attrgetter(part)
+        path = tuple(part.split("."))
 
         def get(wrapper):
-            return getattr(owner(wrapper), name)
+            return getattr(_owner(wrapper, path), name)
 
         def set_(wrapper, value):
-            setattr(owner(wrapper), name, value)
+            setattr(_owner(wrapper, path), name, value)
 
         super().__init__(get, set_ if settable else None, doc=f"torch's attribute, kept by {part}.{name}")
         self.part = part

@@ -232,13 +232,18 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
     # bucket_bytes_cap. _pre_forward and _post_forward, with everything they
     # call (reducer, Join, buffer broadcasts, the output sink), are never
     # traced: traced, each reducer call broke the graph, and guards on the
-    # sink's outputs recompiled every step. torch._disable_dynamo is the lazy
-    # torch.compiler.disable torch's DDP uses: dynamo is imported at the first
-    # forward, not at `import ddp_ext`. tests/frameworks/test_compile.py checks graph,
-    # graph-break and recompile counts against torch's DDP.
+    # sink's outputs recompiled every step. forward and _run_ddp_forward read
+    # plain attributes only: a property's getter is a frame dynamo would
+    # compile. torch._disable_dynamo is the lazy torch.compiler.disable
+    # torch's DDP uses: dynamo is imported at the first forward, not at
+    # `import ddp_ext`. tests/frameworks/test_compile.py checks graph,
+    # graph-break and recompile counts against torch's DDP, and that no frame
+    # of ddp_ext is compiled.
     @torch._disable_dynamo(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        timeline = self._timeline
+        timeline = self._recording  # plain attributes only here: see the Note
+        if timeline is not None and not timeline.recording:
+            timeline = None
         if timeline is not None:
             timeline.forward_begin()
         with torch.autograd.profiler.record_function("DistributedDataParallel.forward"):
@@ -289,10 +294,11 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
 
     @torch._disable_dynamo(recursive=False)
     def _run_ddp_forward(self, *inputs, **kwargs):
+        settings = self._settings  # not the properties of torch's names: see the Note
         with self._inside_ddp_forward():
-            if self.mixed_precision is not None:
+            if settings.mixed_precision is not None:
                 return _mixed_precision.run_forward(
-                    self.mixed_precision, self.module, self.parameters_to_ignore, inputs, kwargs
+                    settings.mixed_precision, self.module, settings.parameters_to_ignore, inputs, kwargs
                 )
             return self.module(*inputs, **kwargs)
 
