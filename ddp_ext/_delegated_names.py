@@ -1,8 +1,9 @@
 """The wrapper's names that belong to one of its collaborators: torch's DDP
 method and attribute names (which frameworks, torch's hooks, Join and ZeRO
 call on a DDP), and ddp_ext's own. Each is a one-line delegate to the
-collaborator that owns it; the collaborators are listed in
-ddp_ext/distributed.py. A mixin of DistributedDataParallel only."""
+collaborator that owns it (listed in ddp_ext/distributed.py), or one of
+torch's few methods that need no state of their own (scatter, gather,
+train). A mixin of DistributedDataParallel only."""
 
 from typing import List, Optional
 
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join
+from torch.nn.parallel.distributed import DistributedDataParallel as TorchDistributedDataParallel
 from torch.nn.parallel.scatter_gather import gather as _gather, scatter_kwargs as _scatter_kwargs
 
 from ddp_ext import _parameters, _pickling, hierarchy
@@ -52,7 +54,7 @@ class DelegatedNames:
             if isinstance(layer, nn.SyncBatchNorm) and self.device_type == "cpu":
                 raise ValueError("SyncBatchNorm layers only work with GPU modules")
 
-    # --- inputs and outputs -----------------------------------------------
+    # --- the forward's helpers ---------------------------------------------
 
     def scatter(self, inputs, kwargs, device_ids):
         return _scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
@@ -64,6 +66,16 @@ class DelegatedNames:
 
     def gather(self, outputs, output_device):
         return _gather(outputs, output_device, dim=self.dim)
+
+    def train(self, mode: bool = True):
+        nn.Module.train(self, mode)
+        return self
+
+    @classmethod
+    def _get_active_ddp_module(cls):
+        """The DDP module whose forward is running (torch.compile's DDPOptimizer
+        reads it; torch's class attribute, shared with torch's DDP)."""
+        return TorchDistributedDataParallel._active_ddp_module
 
     def _set_ddp_sink_clone(self, val: bool) -> None:
         """Whether outputs routed through the output sink are cloned (True by

@@ -302,12 +302,6 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
                 )
             return self.module(*inputs, **kwargs)
 
-    @classmethod
-    def _get_active_ddp_module(cls):
-        """The DDP module whose forward is running (torch.compile's DDPOptimizer
-        reads it; torch's class attribute, shared with torch's DDP)."""
-        return TorchDistributedDataParallel._active_ddp_module
-
     @contextlib.contextmanager
     @torch._disable_dynamo(recursive=False)
     def _inside_ddp_forward(self):
@@ -350,10 +344,6 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
                                   clone=self._ddp_sink_clone)
         self._clear_grad_buffer()
         return output
-
-    def train(self, mode: bool = True):
-        nn.Module.train(self, mode)
-        return self
 
     @contextlib.contextmanager
     def no_sync(self):
