@@ -1,6 +1,7 @@
-"""Resolution of torch 2.13's DistributedDataParallel constructor arguments
-that need more than a line: the process group, buffer synchronisation, and
-the bucket caps."""
+"""Checks and resolution of torch 2.13's DistributedDataParallel constructor
+arguments that need more than a line: the process group, buffer
+synchronisation, placement and the bucket caps. ddp_ext/_settings.py
+gathers them into the wrapper's Settings."""
 
 import math
 import numbers
@@ -130,7 +131,7 @@ def check_arguments(module, delay_all_reduce_named_params, param_to_hook_all_red
             "The `check_reduction` argument in `DistributedDataParallel` module is deprecated. "
             "Please avoid using it.",
             FutureWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
     return [] if delay_all_reduce_named_params is None else named_pairs(delay_all_reduce_named_params)
 
@@ -194,12 +195,12 @@ def resolve_placement(params, delayed_params, device_ids, output_device) -> Plac
 
 
 @dataclass(frozen=True)
-class BufferSync:
+class BufferSyncMode:
     forward: bool  # broadcast buffers before each synchronising forward
     at_init: bool  # broadcast buffers at construction
 
 
-def resolve_buffer_sync(broadcast_buffers: Optional[bool], forward_sync_buffers: Optional[bool]) -> BufferSync:
+def resolve_buffer_sync(broadcast_buffers: Optional[bool], forward_sync_buffers: Optional[bool]) -> BufferSyncMode:
     """torch 2.13's rules: `forward_sync_buffers` wins and always syncs at
     construction; the deprecated `broadcast_buffers` governs both."""
     if broadcast_buffers is not None:
@@ -216,11 +217,11 @@ def resolve_buffer_sync(broadcast_buffers: Optional[bool], forward_sync_buffers:
                 "still syncs buffers at init. If you rely on buffers NOT being synced at "
                 "init (e.g. rank-local buffers), keep using `broadcast_buffers=False`."
             )
-        warnings.warn(message, FutureWarning, stacklevel=3)
+        warnings.warn(message, FutureWarning, stacklevel=4)
     if forward_sync_buffers is not None:
-        return BufferSync(forward=bool(forward_sync_buffers), at_init=True)
+        return BufferSyncMode(forward=bool(forward_sync_buffers), at_init=True)
     effective = True if broadcast_buffers is None else bool(broadcast_buffers)
-    return BufferSync(forward=effective, at_init=effective)
+    return BufferSyncMode(forward=effective, at_init=effective)
 
 
 def _cap_bytes(name: str, value) -> int:
@@ -228,13 +229,13 @@ def _cap_bytes(name: str, value) -> int:
     rounds to no bytes) puts every parameter in a bucket of its own;
     negatives and bools, which torch also accepts, do so with a warning."""
     if isinstance(value, bool):
-        warnings.warn(f"{name}={value!r} is a bool; read as {int(value)} MiB, as torch's DDP does", stacklevel=4)
+        warnings.warn(f"{name}={value!r} is a bool; read as {int(value)} MiB, as torch's DDP does", stacklevel=5)
         value = int(value)
     if not isinstance(value, numbers.Real) or math.isnan(value) or math.isinf(value):
         raise ValueError(f"{name} must be a finite number of MiB, got {value!r}")
     if value < 0:
         warnings.warn(
-            f"{name}={value!r} is negative; every parameter gets a bucket of its own, as with 0", stacklevel=4
+            f"{name}={value!r} is negative; every parameter gets a bucket of its own, as with 0", stacklevel=5
         )
     return max(1, int(value * MIB))
 
@@ -297,17 +298,3 @@ def resolve_rebuild_buckets(value) -> str:
     if value not in REBUILD_BUCKETS_MODES:
         raise ValueError(f"rebuild_buckets must be one of {', '.join(map(repr, REBUILD_BUCKETS_MODES))}, got {value!r}")
     return value
-
-
-def settings_to_agree(caps: BucketCaps, find_unused_parameters, static_graph, rebuild_buckets, skip_unused,
-                      hierarchical_allreduce="auto") -> dict:
-    """The arguments every rank must pass alike: they decide which collectives
-    run and how buckets are cut (ddp_ext/_model_check.py compares them)."""
-    return {
-        "bucket_cap_mb": "auto" if caps.auto else [round(c / 2**20, 6) for c in caps.caps_bytes],
-        "find_unused_parameters": bool(find_unused_parameters),
-        "static_graph": bool(static_graph),
-        "rebuild_buckets": rebuild_buckets,
-        "skip_all_reduce_unused_params": bool(skip_unused),
-        "hierarchical_allreduce": hierarchical_allreduce,
-    }

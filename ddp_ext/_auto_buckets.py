@@ -61,7 +61,6 @@ machine (paper section 5.2), so "auto" measures instead of guessing.
    there is still one layout policy, in C++ (reducer/layout/bucket_assignment.h).
 """
 
-import dataclasses
 import time
 import warnings
 from typing import Callable, List, Optional, Sequence
@@ -70,6 +69,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_ext._arguments import MIB
+from ddp_ext._bound import Bound
 from ddp_ext._bucket_tuner import BucketTuner, TuningStage, TunerPolicy
 
 
@@ -77,11 +77,13 @@ def caps_bytes(caps_mb: Sequence[float]) -> List[int]:
     return [max(1, int(cap * MIB)) for cap in caps_mb]
 
 
-class AutoBuckets:
+class AutoBuckets(Bound):
     """Times one wrapper's iterations, agrees on decisions, and re-lays its
-    buckets; see the Note."""
+    buckets; see the Note. The wrapper binds it to its reducer, process
+    group and device (ddp_ext/_cap_tuning.py)."""
 
     def __init__(self, policy: TunerPolicy = TunerPolicy(), clock: Callable[[], float] = time.perf_counter):
+        self.device = torch.device("cpu")  # where the agreement's tensor lives
         self.tuner = BucketTuner(policy)
         self._clock = clock  # seconds; tests give a fake one
         self._candidates = [caps_bytes(c) for c in policy.candidates_mb]
@@ -96,7 +98,7 @@ class AutoBuckets:
     def caps_mb(self, candidate: Optional[int] = None) -> tuple:
         return self.policy.candidates_mb[self.tuner.current if candidate is None else candidate]
 
-    def forward(self, ddp, synchronising: bool) -> None:
+    def forward(self, synchronising: bool) -> None:
         """At the start of every forward with gradients enabled (and of every
         iteration a joined rank shadows), after Join's collectives;
         `synchronising`: it is a training step."""
@@ -107,19 +109,20 @@ class AutoBuckets:
         self._opened = now if synchronising else None
         if synchronising and self._due:
             self._due = False
-            agreed = self._agree(ddp, self.tuner.figure())
-            candidate = self.tuner.decide(agreed, lambda: self._distinct(ddp))
+            agreed = self._agree(self.tuner.figure())
+            candidate = self.tuner.decide(agreed, self._distinct)
             if candidate is not None:
-                self._apply(ddp, candidate)
+                # The wrapper's cap attributes read them back, and a copy of it is built with them.
+                self.reducer._set_bucket_caps(self._candidates[candidate])
             # Deciding and re-laying are not the iteration's own time.
             self._opened = self._clock()
 
-    def _agree(self, ddp, figure: float) -> float:
-        group = ddp.process_group
+    def _agree(self, figure: float) -> float:
+        group = self.process_group
         if group.size() == 1:
             return figure
         count = float(self._counted)
-        values = torch.tensor([figure, count, -count], dtype=torch.float64, device=ddp.device)
+        values = torch.tensor([figure, count, -count], dtype=torch.float64, device=self.device)
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
         agreed, most, fewest = values.tolist()
         if most != -fewest:
@@ -132,32 +135,26 @@ class AutoBuckets:
             )
         return agreed
 
-    def _distinct(self, ddp) -> List[int]:
+    def _distinct(self) -> List[int]:
         """Candidates whose caps lay the buckets out differently, each layout
         once (its first candidate)."""
         seen = set()
         distinct = []
         for index, caps in enumerate(self._candidates):
-            layout = tuple(map(tuple, ddp.reducer._layout_for_caps(caps)))
+            layout = tuple(map(tuple, self.reducer._layout_for_caps(caps)))
             if layout not in seen:
                 seen.add(layout)
                 distinct.append(index)
         return distinct
 
-    def _apply(self, ddp, candidate: int) -> None:
-        caps = self._candidates[candidate]
-        ddp.reducer._set_bucket_caps(caps)  # the wrapper's cap attributes read them back
-        # A copy of the wrapper builds its reducer from the requested caps: it keeps these.
-        ddp._requested_caps = dataclasses.replace(ddp._requested_caps, caps_bytes=caps)
-
-    def freeze(self, why: str) -> None:
+    def freeze(self, why: str, stacklevel: int = 3) -> None:
         if self.tuner.stage is TuningStage.FROZEN:
             return
         self.tuner.freeze()
         warnings.warn(
             f"bucket_cap_mb='auto' stops tuning: {why}. The buckets keep their current caps "
             f"({', '.join(f'{c:g}' for c in self.caps_mb())} MiB).",
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
 
     def restart(self) -> None:

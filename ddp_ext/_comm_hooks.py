@@ -5,11 +5,13 @@ Note [Communication hooks] in comm_hooks/comm_hook.h for how they run."""
 
 import hashlib
 import inspect
+from typing import List
 
 import torch
 import torch.distributed as dist
 
 from ddp_ext import _C, _model_check
+from ddp_ext._bound import Bound
 from ddp_ext.compression import AdaptivePrecision, adaptive_precision_hook
 
 
@@ -35,88 +37,117 @@ def hook_name(hook) -> str:
     return getattr(hook, "__qualname__", None) or type(hook).__qualname__
 
 
-def register_comm_hook(ddp, state: object, hook) -> None:
-    """Reduce each bucket with `hook(state, bucket) -> torch.futures.Future`
-    instead of the default averaging allreduce (torch's contract: the bucket
-    holds gradients not yet divided by the world size; the future's value
-    is the reduced buffer). Once only, between iterations."""
-    ddp._check_comm_hook(hook)  # records the error in the logging data, as torch's
-    native = _native_hook(ddp, state, hook)
-    _install(ddp, native, hook_name(hook), state)
-    if _stops_tuning(ddp, native):  # here, so that the warning names the caller's line
-        ddp._auto_buckets.freeze(f"the communication hook {hook_name(hook)} may keep state per bucket")
+class CommHooks(Bound):
+    """The hooks registered on one wrapper (torch's `_comm_hooks`: (name,
+    state) pairs), installed into its reducer; and the checks every rank
+    runs at its first forward. A copy starts with none (the default
+    reduction): hooks hold process groups and state that do not travel."""
 
+    def __init__(self, reducer, group, device, module_parameters, logging, tuning):
+        self.device = device
+        self.module_parameters = module_parameters
+        self.logging = logging  # LoggingData: errors are recorded there, as torch's
+        self.tuning = tuning  # CapTuning: a stateful hook stops it
+        self.registered: List[tuple] = []
+        self.first_forward_done = False  # torch's _lazy_init_ran
+        self.store_key = None  # where the peers meet in the store (ddp_ext/_diagnosis)
+        self.bind(reducer, group)
 
-def register_builtin_comm_hook(ddp, comm_hook_type) -> None:
-    """A C++ hook that runs without the GIL: ALLREDUCE or FP16_COMPRESS."""
-    native = _C.builtin_comm_hook(comm_hook_type, ddp.process_group)
-    _install(ddp, native, str(comm_hook_type), None)
-    if _stops_tuning(ddp, native):
-        ddp._auto_buckets.freeze(f"the communication hook {comm_hook_type} may keep state per bucket")
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "registered": []}
 
+    def check(self, hook) -> None:
+        try:
+            check_comm_hook(hook)
+        except (TypeError, ValueError) as error:
+            self.logging.record_error(f"{type(error)}: {error}")  # as torch's _log_and_throw
+            raise
 
-def agree_on_hooks(ddp) -> None:
-    """Raises the same RuntimeError on every rank when the ranks registered
-    different communication hooks (or a hook on some ranks only): their
-    buckets would run different collectives, which pair wrongly or wait for
-    each other. Run once, at the first forward, before any gradient is
-    averaged; two small allgathers. Hooks are compared by name: their states
-    may differ in type (None or the group a hook defaults to). A hook
-    registered later is compared by every backward's step check (Note [Hooks
-    registered after the first forward] in reducer/agreement/step_check.h)."""
-    mine = _hooks_text(ddp)
-    every_rank = [b.decode() for b in _model_check.allgather_bytes(ddp.process_group, mine.encode(), ddp.device)]
-    if len(set(every_rank)) == 1:
-        return
-    described = "; ".join(f"rank {rank}: {hooks}" for rank, hooks in enumerate(every_rank))
-    raise RuntimeError(
-        f"DistributedDataParallel: the ranks registered different communication hooks ({described}). "
-        "Each rank's buckets would run different collectives, which pair wrong gradients or wait for each other "
-        "until the process group's timeout: register the same hook on every rank "
-        "before the first forward."
-    )
+    def register(self, state: object, hook) -> None:
+        """Reduce each bucket with `hook(state, bucket) -> torch.futures.Future`
+        instead of the default averaging allreduce (torch's contract: the
+        bucket holds gradients not yet divided by the world size; the
+        future's value is the reduced buffer). Once only, between iterations."""
+        self.check(hook)
+        self._install(self._native_hook(state, hook), hook_name(hook), state)
 
+    def register_builtin(self, comm_hook_type) -> None:
+        """A C++ hook that runs without the GIL: ALLREDUCE or FP16_COMPRESS."""
+        self._install(_C.builtin_comm_hook(comm_hook_type, self.process_group), str(comm_hook_type), None)
 
-def _native_hook(ddp, state, hook):
-    if hook is adaptive_precision_hook:
-        # The same hook, run in C++ without the GIL.
-        if not isinstance(state, AdaptivePrecision):
-            raise TypeError(
-                f"adaptive_precision_hook needs a ddp_ext.AdaptivePrecision as its state, got {type(state).__name__}"
+    def _native_hook(self, state, hook):
+        if hook is adaptive_precision_hook:
+            # The same hook, run in C++ without the GIL.
+            if not isinstance(state, AdaptivePrecision):
+                raise TypeError(
+                    f"adaptive_precision_hook needs a ddp_ext.AdaptivePrecision as its state, got {type(state).__name__}"
+                )
+            return _C.adaptive_precision_comm_hook(state._bind(self.process_group, meeting=self.store_key))
+        return _C.python_comm_hook(state, hook)
+
+    def _install(self, native, name: str, state) -> None:
+        self.reducer._register_comm_hook(native)
+        self.registered.append((name, state))
+        # See Note [Hooks registered after the first forward] in reducer/agreement/step_check.h.
+        self.reducer._set_comm_hook_fingerprint(self.fingerprint(), confirm=self.first_forward_done)
+        if native.keeps_per_bucket_state:
+            # stacklevel: the warning names the line that registered the hook.
+            self.tuning.freeze(f"the communication hook {name} may keep state per bucket", stacklevel=5)
+
+    def first_forward(self) -> None:
+        """At the first forward, which every rank runs (a rank that joins
+        before it runs it from its Join hook)."""
+        self.check_no_optimizer_in_backward()
+        self.agree()
+        self.first_forward_done = True
+
+    def check_no_optimizer_in_backward(self) -> None:
+        if any(hasattr(p, "_in_backward_optimizers") for p in self.module_parameters):
+            raise NotImplementedError(
+                "ddp_ext.DistributedDataParallel does not support optimizers applied in backward "
+                "(torch.distributed.optim._apply_optimizer_in_backward); step the optimizer after "
+                "backward, or use _register_fused_optim."
             )
-        return _C.adaptive_precision_comm_hook(state._bind(ddp.process_group, meeting=ddp._store_key))
-    return _C.python_comm_hook(state, hook)
 
+    def agree(self) -> None:
+        """Raises the same RuntimeError on every rank when the ranks
+        registered different communication hooks (or a hook on some ranks
+        only): their buckets would run different collectives, which pair
+        wrongly or wait for each other. Run once, at the first forward,
+        before any gradient is averaged; two small allgathers. Hooks are
+        compared by name: their states may differ in type (None or the group
+        a hook defaults to). A hook registered later is compared by every
+        backward's step check (Note [Hooks registered after the first
+        forward] in reducer/agreement/step_check.h)."""
+        mine = self.text()
+        group = self.process_group
+        every_rank = [b.decode() for b in _model_check.allgather_bytes(group, mine.encode(), self.device)]
+        if len(set(every_rank)) == 1:
+            return
+        described = "; ".join(f"rank {rank}: {hooks}" for rank, hooks in enumerate(every_rank))
+        raise RuntimeError(
+            f"DistributedDataParallel: the ranks registered different communication hooks ({described}). "
+            "Each rank's buckets would run different collectives, which pair wrong gradients or wait for each other "
+            "until the process group's timeout: register the same hook on every rank "
+            "before the first forward."
+        )
 
-def _install(ddp, native, name: str, state) -> None:
-    ddp.reducer._register_comm_hook(native)
-    ddp._comm_hooks.append((name, state))
-    # See Note [Hooks registered after the first forward] in reducer/agreement/step_check.h.
-    ddp.reducer._set_comm_hook_fingerprint(hooks_fingerprint(ddp), confirm=ddp._lazy_init_ran)
+    def text(self) -> str:
+        return "; ".join(name for name, _ in self.registered) or "none"
 
-
-def _hooks_text(ddp) -> str:
-    return "; ".join(name for name, _ in ddp._comm_hooks) or "none"
-
-
-def hooks_fingerprint(ddp) -> int:
-    """1 without a hook; else a positive 62-bit hash of the hooks' names, the
-    same on every rank for the same names."""
-    text = _hooks_text(ddp)
-    if text == "none":
-        return 1
-    return 2 + int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") % (2**62)
-
-
-def _stops_tuning(ddp, native) -> bool:
-    """See Note [Auto-tuned bucket caps], point 5: a layout change would hand
-    the state of a hook that keeps some per bucket to other parameters."""
-    return ddp._auto_buckets is not None and native.keeps_per_bucket_state
+    def fingerprint(self) -> int:
+        """1 without a hook; else a positive 62-bit hash of the hooks' names,
+        the same on every rank for the same names."""
+        text = self.text()
+        if text == "none":
+            return 1
+        return 2 + int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") % (2**62)
 
 
 def register_fused_optim(ddp, optim: type, *args, optim_params=None, **kwargs) -> None:
     """Steps `optim` on each bucket as soon as it is reduced, through a
-    communication hook (torch's overlapped optimizers)."""
+    communication hook that it registers on the wrapper `ddp` (torch's
+    overlapped optimizers)."""
     from torch.distributed.algorithms._optimizer_overlap import _as_overlapped_optim
 
     overlapped = _as_overlapped_optim(optim, optim_params, *args, **kwargs)

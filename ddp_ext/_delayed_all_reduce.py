@@ -15,7 +15,6 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from ddp_ext import _C, _collectives
-from ddp_ext._buffers import BROADCAST_CHUNK_BYTES
 
 
 class DelayedAllReduce:
@@ -56,21 +55,3 @@ class DelayedAllReduce:
                     view.zero_()
         if all_none:
             self.buffer.zero_()
-
-
-# The wrapper's methods, under torch's DDP names there.
-
-
-def register_delay_all_reduce_hook(ddp, bucket_cap_mb, param_to_hook_all_reduce, device_ids) -> None:
-    ddp._delayed = DelayedAllReduce(
-        ddp._delay_all_reduce_params, param_to_hook_all_reduce, ddp.process_group, BROADCAST_CHUNK_BYTES
-    )
-
-
-def delayed_all_reduce_hook(ddp, grad):
-    return ddp._delayed.start(grad)
-
-
-def clear_grad_buffer(ddp) -> None:
-    if ddp._delayed is not None:
-        ddp._delayed.point_grads_at_buffer()

@@ -121,3 +121,11 @@ class DroppedLayers:
                 continue
             window = self._window[c]
             self._window[c] = list(kept) if window is None else [a or b for a, b in zip(window, kept)]
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy (of a pickled wrapper) starts with no forward counted, as a
+        new DroppedLayers does."""
+        self.__dict__.update(state)
+        self._window = [None] * len(self.containers)
+        self._last_kept = [None] * len(self.containers)
+        self._last_draws = [1] * len(self.containers)

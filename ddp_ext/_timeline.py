@@ -13,7 +13,6 @@ import json
 import multiprocessing.util
 import os
 import time
-import weakref
 from typing import List, Optional
 
 ENV_VAR = "DDP_EXT_TIMELINE"
@@ -62,15 +61,14 @@ class Timeline:
     synchronising backward passes (at the forward that follows the last), or
     at interpreter exit."""
 
-    def __init__(self, ddp, directory: str, iterations: Optional[int] = None):
+    def __init__(self, rank: int, reducer, names: List[str], directory: str, iterations: Optional[int] = None):
         if iterations is not None and iterations < 1:
             raise ValueError(f"record_timeline: iterations must be at least 1, got {iterations}")
-        self.rank = ddp.process_group.rank()
+        self.rank = rank
         self.path = os.path.join(os.fspath(directory), file_name(self.rank))
         self.iterations = iterations
-        self._ddp = weakref.ref(ddp)
-        self._reducer = ddp.reducer
-        self._names = [n for n, _ in ddp._named_params_for_reducer(ddp.module)]
+        self._reducer = reducer
+        self._names = names  # of the reducer's parameters, by index
         self._events: List[tuple] = []
         self._forwards: List[tuple] = []
         self._forward_begin = None
@@ -110,9 +108,6 @@ class Timeline:
         if self._reducer is not None:
             self._reducer._set_timeline(False)
         self._drain(wait_ms=COMPLETION_WAIT_MS)
-        ddp = self._ddp()
-        if ddp is not None and ddp._timeline is self:
-            ddp._timeline = None
         directory = os.path.dirname(self.path)
         if directory:
             os.makedirs(directory, exist_ok=True)
@@ -222,20 +217,20 @@ class Timeline:
             print(f"ddp_ext: could not write the timeline {self.path}: {error}")
 
 
-def record_timeline(ddp, directory: str, iterations: Optional[int] = None) -> Timeline:
-    """ddp_ext only. Records the communication timeline from now on: the
-    forward, the backward, each gradient's ready time, each bucket's launch
-    and completion, the wait at the end of the backward, communication
-    hook time and bucket rebuilds. Writes a Chrome trace,
-    DIRECTORY/timeline-rank{rank}.json, when the returned Timeline is
-    stopped (stop(), the end of a `with` block), after `iterations`
-    synchronising backward passes, or at exit. The environment variable
-    DDP_EXT_TIMELINE=DIRECTORY does the same for every wrapper built
-    (DDP_EXT_TIMELINE_ITERATIONS=N: for N iterations)."""
-    if ddp._timeline is not None and ddp._timeline.recording:
+def record_timeline(current: Optional[Timeline], rank: int, reducer, names: List[str], directory: str,
+                    iterations: Optional[int] = None) -> Timeline:
+    """ddp_ext only (DistributedDataParallel.record_timeline). Records the
+    communication timeline from now on: the forward, the backward, each
+    gradient's ready time, each bucket's launch and completion, the wait at
+    the end of the backward, communication hook time and bucket rebuilds.
+    Writes a Chrome trace, DIRECTORY/timeline-rank{rank}.json, when the
+    returned Timeline is stopped (stop(), the end of a `with` block), after
+    `iterations` synchronising backward passes, or at exit. The environment
+    variable DDP_EXT_TIMELINE=DIRECTORY does the same for every wrapper built
+    (DDP_EXT_TIMELINE_ITERATIONS=N: for N iterations). `current`: the
+    wrapper's recording timeline, if any."""
+    if current is not None and current.recording:
         raise RuntimeError(
-            f"record_timeline: this wrapper is already recording a timeline to {ddp._timeline.path}; "
-            "stop() it first"
+            f"record_timeline: this wrapper is already recording a timeline to {current.path}; stop() it first"
         )
-    ddp._timeline = Timeline(ddp, directory, iterations)
-    return ddp._timeline
+    return Timeline(rank, reducer, names, directory, iterations)

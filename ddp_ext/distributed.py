@@ -1,42 +1,52 @@
-"""DistributedDataParallel: torch's DDP contract over ddp_ext's C++ Reducer."""
+"""DistributedDataParallel: torch's DDP contract over ddp_ext's C++ Reducer.
+
+The wrapper runs the forward and composes collaborators that own the rest,
+each given what it needs (the reducer, the process group, the module, the
+settings). torch's DDP names for their methods and state are one-line
+delegates, gathered in ddp_ext/_delegated_names.py.
+
+    _settings       Settings: the constructor arguments, resolved once
+    _flags          SyncFlags: require_backward_grad_sync and the like
+    _buffer_sync    BufferSync: parameter and buffer broadcasts
+    _params         ReducedParameters: which parameters are reduced
+    _dropped_layers DroppedLayers: LayerDrop's dropped parameters
+    _tuning         CapTuning: the bucket caps and their tuner
+    _hooks          CommHooks: communication hooks, the first forward's checks
+    _logging        LoggingData: _get_ddp_logging_data and runtime statistics
+    _join           JoinShadow: uneven inputs (Join)
+    _delayed        DelayedAllReduce: delay_all_reduce_named_params
+"""
 
 import contextlib
 import warnings
-from typing import Any, Callable, List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.nn.parallel.distributed import DistributedDataParallel as TorchDistributedDataParallel
-from torch.nn.parallel.scatter_gather import gather as _gather, scatter_kwargs as _scatter_kwargs
 
-from ddp_ext import _C, _arguments, _buffers, _comm_hooks, _delayed_all_reduce, _diagnosis, _join, _logging_data
-from ddp_ext import _exit, _parameters, _pickling, _timeline, hierarchy
+from ddp_ext import _diagnosis, _exit, _mixed_precision, _parameters, _pickling, _settings
+from ddp_ext._arguments import BucketCaps, check_initialized, resolve_placement
+from ddp_ext._buffer_sync import BufferSync
+from ddp_ext._cap_tuning import CapTuning
+from ddp_ext._comm_hooks import CommHooks
+from ddp_ext._delegated_names import DelegatedNames
 from ddp_ext._diagnosis import stragglers as _stragglers
-from ddp_ext._arguments import (
-    backend_name,
-    check_arguments,
-    check_flags,
-    check_initialized,
-    check_types,
-    resolve_bucket_caps,
-    resolve_buffer_sync,
-    resolve_placement,
-    resolve_process_group,
-    resolve_rebuild_buckets,
-)
-from ddp_ext._auto_buckets import AutoBuckets
-from ddp_ext._buffers import BROADCAST_CHUNK_BYTES
 from ddp_ext._dropped_layers import DroppedLayers
-from ddp_ext import _mixed_precision as mixed_precision_forward
+from ddp_ext._join import JoinShadow
+from ddp_ext._logging_data import LoggingData
 from ddp_ext._model_check import verify_module
 from ddp_ext._output_sink import _map_tensors, at_backward_start, find_tensors, sink_outputs
 from ddp_ext._parameter_watch import ParameterWatch
+from ddp_ext._reducer_factory import build_reducer
+from ddp_ext._sync_flags import SyncFlags
+from ddp_ext._timeline import from_environment as timeline_from_environment
 from ddp_ext._unsupported import UnsupportedTorchInternals
 
 
-class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataParallel):
+class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDistributedDataParallel):
     """Data-parallel training across processes; a drop-in replacement for
     ``torch.nn.parallel.DistributedDataParallel`` (and an instance of it).
 
@@ -114,93 +124,56 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         # torch's reducer. See ddp_ext/_unsupported.py.
         nn.Module.__init__(self)
         Joinable.__init__(self)
-        delay_all_reduce_named_params = check_arguments(
-            module, delay_all_reduce_named_params, param_to_hook_all_reduce, check_reduction
+        settings, process_group, delayed_named = _settings.resolve(
+            module, delay_all_reduce_named_params=delay_all_reduce_named_params,
+            param_to_hook_all_reduce=param_to_hook_all_reduce, check_reduction=check_reduction,
+            broadcast_buffers=broadcast_buffers, forward_sync_buffers=forward_sync_buffers,
+            find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph, skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+            batched_grad_copy=batched_grad_copy, device_ids=device_ids, mixed_precision=mixed_precision,
+            process_group=process_group, device_mesh=device_mesh, bucket_cap_mb=bucket_cap_mb,
+            bucket_cap_mb_list=bucket_cap_mb_list, rebuild_buckets=rebuild_buckets, hang_timeout_s=hang_timeout_s,
+            on_hang=on_hang, hierarchical_allreduce=hierarchical_allreduce, dim=dim,
         )
-        check_flags(
-            broadcast_buffers=broadcast_buffers,
-            find_unused_parameters=find_unused_parameters,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            static_graph=static_graph,
-            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
-            batched_grad_copy=batched_grad_copy,
-            forward_sync_buffers=forward_sync_buffers,
-        )
-        check_types(device_ids, mixed_precision, param_to_hook_all_reduce)
-        process_group = resolve_process_group(process_group, device_mesh)
         if device_mesh is not None:
             self.device_mesh = device_mesh
-        buffer_sync = resolve_buffer_sync(broadcast_buffers, forward_sync_buffers)
-        caps = resolve_bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
-        rebuild_mode = resolve_rebuild_buckets(rebuild_buckets)
-        hang_settings = _diagnosis.resolve_hang_settings(hang_timeout_s, on_hang)
-        hierarchy.check_setting(hierarchical_allreduce)
-        if caps.auto and rebuild_mode == "never":
-            raise ValueError(
-                "bucket_cap_mb='auto' re-lays the buckets as it tunes their caps, and "
-                "rebuild_buckets='never' keeps the construction layout: use 'auto' with "
-                "rebuild_buckets='once' or 'continuous' (the default), or a fixed bucket_cap_mb with 'never'"
-            )
-
-        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-        self.parameters_to_ignore.update(name for name, _ in delay_all_reduce_named_params)
-        delayed_params = [param for _, param in delay_all_reduce_named_params]
-        self._module_parameters = [p for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
-        named_params = self._named_params_for_reducer(module)
+        ignored = settings.parameters_to_ignore
+        delayed_params = [param for _, param in delayed_named]
+        self._module_parameters = [p for n, p in module.named_parameters() if n not in ignored]
+        self._params = _parameters.ReducedParameters(module, ignored)
+        named_params = self._params.named(module)
         check_initialized(named_params)
         agreed_number = None  # see _diagnosis.store_key
         if init_sync:
             # First of all, so that a rank with a different model (even one with
             # nothing to train) makes every rank raise the same error.
             agreed_number = verify_module(
-                process_group, module, named_params, self.parameters_to_ignore, buffer_sync.at_init,
-                _arguments.settings_to_agree(caps, find_unused_parameters, static_graph, rebuild_mode,
-                                             skip_all_reduce_unused_params, hierarchical_allreduce),
-                number=_diagnosis.proposed_number(process_group),
+                process_group, module, named_params, ignored, settings.buffer_sync.at_init,
+                settings.to_agree(static_graph), number=_diagnosis.proposed_number(process_group),
             )
         if not named_params and not delayed_params:
             raise RuntimeError(
                 "DistributedDataParallel is not needed when a module doesn't have any "
                 "parameter that requires a gradient."
             )
-        placement = resolve_placement(self._module_parameters, delayed_params, device_ids, output_device)
-        self.device_type = placement.device_type
+        settings = settings.placed(resolve_placement(self._module_parameters, delayed_params, device_ids,
+                                                     output_device))
+        self._settings = settings
         self._passing_sync_batchnorm_handle(module)
 
         self.module = module
         self.process_group = process_group
         _exit.track(process_group)  # Note [Exit after training]
-        self.device_ids = placement.device_ids
-        self.output_device = placement.output_device
-        self.device = next(iter(placement.devices))
-        self.is_multi_device_module = len(placement.devices) > 1
-        self.dim = dim
-        self.forward_sync_buffers = buffer_sync.forward
-        self.find_unused_parameters = find_unused_parameters
-        self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
-        self.batched_grad_copy = batched_grad_copy
-        self.rebuild_buckets = rebuild_mode
-        self.hierarchical_allreduce = hierarchical_allreduce  # ddp_ext/hierarchy.py
-        self.mixed_precision = mixed_precision
-        self.static_graph = False
-        self.require_backward_grad_sync = True
-        self.require_forward_param_sync = True
-        self.broadcast_bucket_size = BROADCAST_CHUNK_BYTES
-        self._requested_caps = caps  # what the reducer starts from; in use: the bucket_bytes_cap properties
+        self._flags = SyncFlags()
         self._use_python_reducer = False
-        self._lazy_init_ran = False
         self._static_graph_delay_allreduce_enqueued = False
         self._ddp_sink_clone = True
-        self._divide_by_initial_world_size = True
-        self._comm_hooks: List[tuple] = []
-        self._runtime_logging_sample_rate = 100
-        self._assign_modules_buffers()
-
+        self._buffer_sync = BufferSync(module, ignored, self.device, self._flags, settings.buffer_sync.forward,
+                                       process_group)
         if init_sync:
-            self._sync_module_states(authoritative_rank=0, include_buffers=buffer_sync.at_init)
+            self._sync_module_states(authoritative_rank=0, include_buffers=settings.buffer_sync.at_init)
         if mixed_precision is not None:
-            mixed_precision_forward.cast_buffers(mixed_precision, module, self.parameters_to_ignore)
+            _mixed_precision.cast_buffers(mixed_precision, module, ignored)
         self._delay_all_reduce_params = delayed_params
         self._delayed = None
         if delayed_params:
@@ -209,57 +182,45 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         self._dropped_layers = DroppedLayers(module, [p for _, p in named_params])
         if self._dropped_layers and init_sync:
             self._dropped_layers.agree_with_rank_0(self._broadcast_from_rank_0)
-        self.reducer = None if self._delay_all_reduce_all_params else self._build_reducer()
-        self._hang_settings = hang_settings
-        self._hang_diagnosis = _diagnosis.attach(
-            self, settings=hang_settings, key=_diagnosis.store_key(process_group, agreed_number)
-        )
-        self._stragglers = _stragglers.attach(self)
-        # See Note [Auto-tuned bucket caps]; None: fixed caps.
-        self._auto_buckets = AutoBuckets() if caps.auto and self.reducer is not None else None
-        self._parameter_watch = ParameterWatch(module, self.parameters_to_ignore)
+        self.reducer = None if self._delay_all_reduce_all_params else self._build_reducer(settings.caps)
+        self._compose(_diagnosis.store_key(process_group, agreed_number))
         if static_graph:
             self._set_static_graph()
-        self._timeline = None
-        timeline = _timeline.from_environment()
+        timeline = timeline_from_environment()
         if timeline is not None:
             self.record_timeline(*timeline)
 
     # --- construction -----------------------------------------------------
 
-    _named_params_for_reducer = _parameters.named_params_for_reducer
-    _build_params_for_reducer = _parameters.build_params_for_reducer
-    _parameters_with_sparse_gradients = _parameters.parameters_with_sparse_gradients
-    _build_debug_param_to_name_mapping = _parameters.build_debug_param_to_name_mapping
-    _get_parameters = _parameters.get_parameters
-    _get_data_parallel_params = staticmethod(_parameters.get_data_parallel_params)
-    _set_params_and_buffers_to_ignore_for_model = staticmethod(_parameters.set_params_and_buffers_to_ignore_for_model)
+    def _compose(self, store_key: Optional[str]) -> None:
+        """The collaborators that use the reducer (see the module docstring)."""
+        reducer, group, device, settings = self.reducer, self.process_group, self.device, self._settings
+        self._tuning = CapTuning(reducer, group, device, settings.caps)
+        self._logging = LoggingData(reducer, group, self.module, self._module_parameters, settings, self._flags,
+                                    self._buffer_sync, self._tuning)
+        self._hooks = CommHooks(reducer, group, device, self._module_parameters, self._logging, self._tuning)
+        self._logging.see_hooks(self._hooks)
+        self._join = JoinShadow(reducer, group, self.module, device, self._flags, self._buffer_sync,
+                                self._dropped_layers, self._hooks, self._tuning, settings.find_unused_parameters)
+        self._attach_watchers(store_key)
+        self._parameter_watch = ParameterWatch(self.module, self.parameters_to_ignore)
+        self._recording = None  # a Timeline, see record_timeline
 
-    def _build_reducer(self):
-        named_params = self._named_params_for_reducer(self.module)
-        params = [p for _, p in named_params]
-        sparse_ids = self._parameters_with_sparse_gradients()
-        sparse = [id(p) in sparse_ids for p in params]
-        if any(sparse) and backend_name(self.process_group) == "nccl":
-            raise ValueError(
-                "NCCL cannot reduce sparse gradients, and this module has an Embedding or "
-                "EmbeddingBag with sparse=True: use sparse=False, or a Gloo process group."
-            )
-        reduce_dtype = None
-        if self.mixed_precision is not None:
-            reduce_dtype = mixed_precision_forward.reduce_dtype_of(self.mixed_precision)
-        options = _C.ReducerOptions()
-        options.reduce_dtype = reduce_dtype
-        options.find_unused_parameters = self.find_unused_parameters
-        options.gradient_as_bucket_view = self.gradient_as_bucket_view
-        options.skip_all_reduce_unused_params = self.skip_all_reduce_unused_params
-        options.batched_grad_copy = self.batched_grad_copy
-        options.rebuild_buckets = getattr(_C.BucketRebuild, self.rebuild_buckets)
-        options.bucket_caps = self._requested_caps.caps_bytes  # the reducer's layout owns them from here
-        options.layer_units = self._dropped_layers.units
-        return _C.Reducer(params, [n for n, _ in named_params], self.reducer_group, options, sparse)
+    def _bind(self) -> None:
+        """Points every collaborator at the reducer and process group in use."""
+        for part in (self._buffer_sync, self._tuning, self._logging, self._hooks, self._join):
+            part.bind(self.reducer, self.process_group)
 
-    # --- forward ----------------------------------------------------------
+    def _attach_watchers(self, store_key: Optional[str] = None) -> None:
+        """Hang diagnosis and straggler reports over the group in use (a new
+        store key without `store_key`)."""
+        self._hang_diagnosis = _diagnosis.attach(self, settings=self._settings.hang, key=store_key)
+        self._hooks.store_key = self._store_key  # set by attach
+        self._stragglers = _stragglers.attach(self)
+
+    def _build_reducer(self, caps: BucketCaps):
+        return build_reducer(self._params.named(self.module), self._params.with_sparse_gradients(), self._settings,
+                             caps.caps_bytes, self.process_group, self.reducer_group, self._dropped_layers.units)
 
     # Note [torch.compile]
     # As with torch's DDP, the wrapper's forward runs eagerly and only the
@@ -271,13 +232,18 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
     # bucket_bytes_cap. _pre_forward and _post_forward, with everything they
     # call (reducer, Join, buffer broadcasts, the output sink), are never
     # traced: traced, each reducer call broke the graph, and guards on the
-    # sink's outputs recompiled every step. torch._disable_dynamo is the lazy
-    # torch.compiler.disable torch's DDP uses: dynamo is imported at the first
-    # forward, not at `import ddp_ext`. tests/frameworks/test_compile.py checks graph,
-    # graph-break and recompile counts against torch's DDP.
+    # sink's outputs recompiled every step. forward and _run_ddp_forward read
+    # plain attributes only: a property's getter is a frame dynamo would
+    # compile. torch._disable_dynamo is the lazy torch.compiler.disable
+    # torch's DDP uses: dynamo is imported at the first forward, not at
+    # `import ddp_ext`. tests/frameworks/test_compile.py checks graph,
+    # graph-break and recompile counts against torch's DDP, and that no frame
+    # of ddp_ext is compiled.
     @torch._disable_dynamo(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        timeline = self._timeline
+        timeline = self._recording  # plain attributes only here: see the Note
+        if timeline is not None and not timeline.recording:
+            timeline = None
         if timeline is not None:
             timeline.forward_begin()
         with torch.autograd.profiler.record_function("DistributedDataParallel.forward"):
@@ -291,28 +257,11 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
             timeline.forward_end()
         return output
 
-    def _lazy_init(self) -> None:
-        """At the first forward, which every rank runs (a rank that joins
-        before it runs it from its Join hook), after Join's notification:
-        the hook agreement is a collective, which a joined rank runs after
-        the notification's allreduce."""
-        self._setup_in_backward_optimizers()
-        _comm_hooks.agree_on_hooks(self)
-        self._lazy_init_ran = True
-
-    def _setup_in_backward_optimizers(self) -> None:
-        if any(hasattr(p, "_in_backward_optimizers") for p in self._module_parameters):
-            raise NotImplementedError(
-                "ddp_ext.DistributedDataParallel does not support optimizers applied in backward "
-                "(torch.distributed.optim._apply_optimizer_in_backward); step the optimizer after "
-                "backward, or use _register_fused_optim."
-            )
-
     @torch._disable_dynamo
     def _pre_forward(self, *inputs, **kwargs):
         first = not self._lazy_init_ran and not torch.compiler.is_compiling()
         if first:
-            self._setup_in_backward_optimizers()  # refuses before anything is armed
+            self._hooks.check_no_optimizer_in_backward()  # refuses before anything is armed
         if self._delay_all_reduce_all_params:
             if first:
                 self._lazy_init()
@@ -321,19 +270,21 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
             self._parameter_watch.check(self.module, self.process_group)
             self._dropped_layers.begin_forward()
             if self.require_backward_grad_sync:
-                _logging_data.sample_runtime_stats(self)  # before prepare_for_forward, as torch's logger
+                self._logging.sample()  # before prepare_for_forward, as torch's logger
                 if self._stragglers is not None:
                     self._stragglers.forward(self.reducer)
             # See Note [Ranks out of step] in reducer/agreement/step_check.h.
             try:
                 self.reducer.prepare_for_forward(training_step=self.require_backward_grad_sync and self.module.training)
             except RuntimeError as error:
-                _logging_data.record_error(self, str(error))  # torch's reducer logs its checks' errors
+                self._logging.record_error(str(error))  # torch's reducer logs its checks' errors
                 raise
         work = Join.notify_join_context(self)
         if work:
             self.reducer._set_forward_pass_work_handle(work, self._divide_by_initial_world_size)
         if first:
+            # The hook agreement is a collective: after Join's notification,
+            # where a joined rank's Join hook runs it.
             self._lazy_init()
         if torch.is_grad_enabled():
             # The first rebuild, at torch's point: see Note [Agreeing on the
@@ -344,9 +295,9 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
             self._sync_buffers()
         if self._join_config.enable:
             self._check_global_requires_backward_grad_sync(is_joined_rank=False)
-        if self._auto_buckets is not None and torch.is_grad_enabled():
+        if torch.is_grad_enabled():
             # Training steps only, as the step check counts them (Note [Ranks out of step]).
-            self._auto_buckets.forward(self, synchronising=self.require_backward_grad_sync and self.module.training)
+            self._tuning.forward(synchronising=self.require_backward_grad_sync and self.module.training)
         if self.device_ids:
             device = torch.device(self.device_type, self.device_ids[0])
             inputs, kwargs = _map_tensors((inputs, kwargs), lambda t: t.to(device, non_blocking=True))
@@ -354,18 +305,13 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
 
     @torch._disable_dynamo(recursive=False)
     def _run_ddp_forward(self, *inputs, **kwargs):
+        settings = self._settings  # not the properties of torch's names: see the Note
         with self._inside_ddp_forward():
-            if self.mixed_precision is not None:
-                return mixed_precision_forward.run_forward(
-                    self.mixed_precision, self.module, self.parameters_to_ignore, inputs, kwargs
+            if settings.mixed_precision is not None:
+                return _mixed_precision.run_forward(
+                    settings.mixed_precision, self.module, settings.parameters_to_ignore, inputs, kwargs
                 )
             return self.module(*inputs, **kwargs)
-
-    @classmethod
-    def _get_active_ddp_module(cls):
-        """The DDP module whose forward is running (torch.compile's DDPOptimizer
-        reads it; torch's class attribute, shared with torch's DDP)."""
-        return TorchDistributedDataParallel._active_ddp_module
 
     @contextlib.contextmanager
     @torch._disable_dynamo(recursive=False)
@@ -405,31 +351,10 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         if learning:
             self._static_graph_delay_allreduce_enqueued = True
         if learning or (search_unused and grad_enabled):
-            output = sink_outputs(output, on_backward=self._at_backward_start(learning), clone=self._ddp_sink_clone)
+            output = sink_outputs(output, on_backward=at_backward_start(self.reducer, self.process_group, learning),
+                                  clone=self._ddp_sink_clone)
         self._clear_grad_buffer()
         return output
-
-    _register_delay_all_reduce_hook = _delayed_all_reduce.register_delay_all_reduce_hook
-    _delayed_all_reduce_hook = _delayed_all_reduce.delayed_all_reduce_hook
-    _clear_grad_buffer = _delayed_all_reduce.clear_grad_buffer
-
-    def _at_backward_start(self, learning: bool) -> Callable[[], None]:
-        return at_backward_start(self.reducer, self.process_group, learning)
-
-    def scatter(self, inputs, kwargs, device_ids):
-        return _scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
-
-    def to_kwargs(self, inputs, kwargs, device_id):
-        device = torch.device(self.device_type, device_id)
-        moved = _map_tensors((inputs, kwargs), lambda t: t.to(device, non_blocking=True))
-        return (moved[0],), (moved[1],)
-
-    def gather(self, outputs, output_device):
-        return _gather(outputs, output_device, dim=self.dim)
-
-    def train(self, mode: bool = True):
-        nn.Module.train(self, mode)
-        return self
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -444,59 +369,6 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         finally:
             self.require_backward_grad_sync = previous
 
-    # --- buffers: see ddp_ext/_buffers.py ------------------------------------
-
-    broadcast_buffers = property(_buffers.get_broadcast_buffers, _buffers.set_broadcast_buffers)
-    _assign_modules_buffers = _buffers.assign_modules_buffers
-    will_sync_module_buffers = _buffers.will_sync_module_buffers
-    _check_sync_bufs_pre_fwd = _buffers.check_sync_bufs_pre_fwd
-    _check_sync_bufs_post_fwd = _buffers.check_sync_bufs_post_fwd
-    _sync_buffers = _buffers.sync_buffers
-    _sync_module_buffers = _buffers.sync_module_buffers
-    _default_broadcast_coalesced = _buffers.default_broadcast_coalesced
-    _distributed_broadcast_coalesced = _buffers.distributed_broadcast_coalesced
-    _broadcast_from_rank_0 = _buffers.broadcast_from_rank_0
-    _sync_module_states = _buffers.sync_module_states
-
-    def _passing_sync_batchnorm_handle(self, module) -> None:
-        for layer in module.modules():
-            if isinstance(layer, nn.SyncBatchNorm) and self.device_type == "cpu":
-                raise ValueError("SyncBatchNorm layers only work with GPU modules")
-
-    # --- Join: see ddp_ext/_join.py -----------------------------------------
-
-    join = _join.join
-    join_hook = _join.join_hook
-    join_device = property(_join.join_device)
-    join_process_group = property(_join.join_process_group)
-    _distributed_rank = property(_join.distributed_rank)
-    _find_common_rank = _join.find_common_rank
-    _check_global_requires_backward_grad_sync = _join.check_global_requires_backward_grad_sync
-    _check_and_sync_module_buffers = _join.check_and_sync_module_buffers
-    _sync_final_model = _join.sync_final_model
-    _match_all_reduce_for_bwd_pass = _join.match_all_reduce_for_bwd_pass
-    _match_unused_params_allreduce = _join.match_unused_params_allreduce
-
-    # --- communication hooks: see ddp_ext/_comm_hooks.py --------------------
-
-    register_comm_hook = _comm_hooks.register_comm_hook
-    _register_builtin_comm_hook = _comm_hooks.register_builtin_comm_hook
-
-    _register_fused_optim = _comm_hooks.register_fused_optim
-
-    def _check_comm_hook(self, hook) -> None:
-        try:
-            _comm_hooks.check_comm_hook(hook)
-        except (TypeError, ValueError) as error:
-            _logging_data.record_error(self, f"{type(error)}: {error}")  # as _log_and_throw
-            raise
-
-    def _log_and_throw(self, err_type, err_msg):
-        """torch's: records the error in _get_ddp_logging_data() (`has_error`,
-        `error`), then raises it."""
-        _logging_data.record_error(self, f"{err_type}: {err_msg}")
-        raise err_type(err_msg)
-
     # --- state and configuration -----------------------------------------
 
     def _set_static_graph(self) -> None:
@@ -504,7 +376,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
             warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
             return
         self.reducer._set_static_graph()  # refuses a LayerDrop (reducer/participation/static_graph.h)
-        self.static_graph = True
+        self._flags.static_graph = True
         self._static_graph_delay_allreduce_enqueued = False
         if self.find_unused_parameters:
             warnings.warn(
@@ -515,20 +387,6 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
                 stacklevel=2,
             )
 
-    _get_ddp_logging_data = _logging_data.logging_data
-    _set_ddp_runtime_logging_sample_rate = _logging_data.set_runtime_logging_sample_rate
-
-    def _set_ddp_sink_clone(self, val: bool) -> None:
-        """Whether outputs routed through the output sink are cloned (True by
-        default; False saves memory when outputs are never modified in place)."""
-        self._ddp_sink_clone = bool(val)
-
-    def _remove_autograd_hooks(self) -> None:
-        self.reducer._remove_autograd_hooks()
-
-    def _check_reducer_finalized(self) -> None:
-        self.reducer._check_reducer_finalized()
-
     def _update_process_group(self, new_process_group) -> None:
         """Reduce over `new_process_group` from now on (shrinking or growing
         the world without re-wrapping). Communication hooks keep the groups
@@ -536,74 +394,26 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         if not dist.distributed_c10d._rank_not_in_group(new_process_group):
             self.process_group = new_process_group
             self.reducer._update_process_group(new_process_group)
-            self._hang_diagnosis = _diagnosis.attach(self, settings=self._hang_settings)
-            self._stragglers = _stragglers.attach(self)
-            if self._auto_buckets is not None:
-                self._auto_buckets.restart()
-
-    def set_overlap_with_backward(self, overlap: bool) -> None:
-        """ddp_ext only. With False, every allreduce waits until the backward pass
-        has finished instead of overlapping with it; for measuring what overlap
-        buys (paper Fig. 5). Call between iterations."""
-        self.reducer.set_overlap_with_backward(bool(overlap))
-
-    record_timeline = _timeline.record_timeline
-    straggler_report = _stragglers.report
-    watch_stragglers = _stragglers.configure
-
-    @property
-    def _bucket_caps_bytes(self) -> List[int]:
-        """Cap of the 1st, 2nd, ... bucket of each kind, the last repeating:
-        those the reducer's bucket layout cuts with now (tuning changes them)."""
-        reducer = self.__dict__.get("reducer")  # none while constructing, or with every parameter delayed
-        return self._requested_caps.caps_bytes if reducer is None else list(reducer.bucket_caps)
-
-    @property
-    def bucket_bytes_cap(self) -> int:
-        """torch's attribute: the largest bucket cap in use, in bytes."""
-        return max(self._bucket_caps_bytes)
-
-    @property
-    def bucket_bytes_cap_list(self) -> List[int]:
-        """torch's attribute: the caps of bucket_cap_mb_list in bytes, [] without one."""
-        return self._bucket_caps_bytes if self._requested_caps.custom_list else []
-
-    @property
-    def bucket_bytes_cap_default(self) -> bool:
-        """torch's attribute: neither bucket_cap_mb nor bucket_cap_mb_list was given."""
-        return self._requested_caps.default
-
-    @property
-    def reducer_group(self) -> dist.ProcessGroup:
-        """The group gradient buckets are reduced over without a hook:
-        process_group, or its hierarchical twin (ddp_ext/hierarchy.py)."""
-        device = self.__dict__.get("device", torch.device("cpu"))
-        return hierarchy.reducer_group(self.__dict__.get("hierarchical_allreduce", False), self.process_group,
-                                       device.type)
-
-    def bucket_indices(self) -> List[List[int]]:
-        """ddp_ext only. Parameter indices (among those that require grad and
-        are not ignored) per bucket, in launch order."""
-        return self.reducer.bucket_indices()
-
-    @property
-    def bucket_tuner(self):
-        """ddp_ext only. With bucket_cap_mb="auto", the tuner's state: its
-        stage, the candidate in use (`current`, an index into
-        `policy.candidates_mb`) and its `history` of trials and decisions.
-        None with fixed caps."""
-        return None if self._auto_buckets is None else self._auto_buckets.tuner
-
-    @property
-    def _has_rebuilt_buckets(self) -> bool:
-        """torch's flag (ZeRO's DDP hooks read it): whether the buckets were
-        rebuilt in the observed gradient order; true from the second
-        grad-enabled forward after the first synchronising backward on, as
-        with torch's DDP."""
-        return self.reducer is not None and self.reducer.has_rebuilt_buckets
+            self._bind()
+            self._attach_watchers()
+            self._tuning.restart()
 
     # --- pickling: see ddp_ext/_pickling.py ---------------------------------
 
-    _check_default_group = _pickling.check_default_group
-    __getstate__ = _pickling.getstate
-    __setstate__ = _pickling.setstate
+    def __getstate__(self) -> dict:
+        self._check_default_group()
+        _pickling.check_no_delayed_params(self._delay_all_reduce_params)
+        return _pickling.picklable(self.__dict__)
+
+    def __setstate__(self, state: dict) -> None:
+        self.process_group = dist.distributed_c10d._get_default_group()
+        nn.Module.__setstate__(self, state)
+        self._delayed = None
+        self.reducer = None if self._delay_all_reduce_all_params else self._build_reducer(self._tuning.requested)
+        self._bind()
+        self._tuning.restart()  # the copy times its own iterations
+        self._attach_watchers()
+        self._parameter_watch = ParameterWatch(self.module, self.parameters_to_ignore)
+        self._recording = None
+        if self.static_graph:
+            self.reducer._set_static_graph()

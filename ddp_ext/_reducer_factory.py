@@ -1,0 +1,19 @@
+"""Building the wrapper's C++ Reducer from its settings."""
+
+from ddp_ext import _C
+from ddp_ext._arguments import backend_name
+
+
+def build_reducer(named_params, sparse_ids: set, settings, caps_bytes, process_group, reducer_group, layer_units):
+    """A Reducer over `named_params` (name, parameter) that reduces over
+    `reducer_group`, cutting buckets with `caps_bytes`; `sparse_ids`: ids of
+    the parameters with sparse gradients."""
+    params = [p for _, p in named_params]
+    sparse = [id(p) in sparse_ids for p in params]
+    if any(sparse) and backend_name(process_group) == "nccl":
+        raise ValueError(
+            "NCCL cannot reduce sparse gradients, and this module has an Embedding or "
+            "EmbeddingBag with sparse=True: use sparse=False, or a Gloo process group."
+        )
+    options = settings.reducer_options(caps_bytes, layer_units)
+    return _C.Reducer(params, [n for n, _ in named_params], reducer_group, options, sparse)
