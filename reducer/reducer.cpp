@@ -365,10 +365,25 @@ void Reducer::start_reducing() {
   if (step_check_) {
     ++backwards_begun_;
     // See Note [Stragglers]: every rank is at the same step, so all publish.
-    step_check_->launch_backward(
-        *process_group_, training_steps_, order_vote, drop_plan_.fingerprint(),
-        hook_fingerprint_, phases_.to_publish(training_steps_));
-    timeline_.instant(TimelineEvent::kStepCheckLaunch, -1);
+    const int64_t* phases = phases_.to_publish(training_steps_);
+    if (!check_rides_on_bucket0()) {
+      step_check_->launch_backward(
+          *process_group_, training_steps_, order_vote, drop_plan_.fingerprint(),
+          hook_fingerprint_, phases);
+      timeline_.instant(TimelineEvent::kStepCheckLaunch, -1);
+    } else if (comm_hook_ == nullptr) {
+      // See Note [The step check on bucket 0]: launched with bucket 0.
+      step_check_->ride_on_bucket0(
+          training_steps_, order_vote, drop_plan_.fingerprint(), hook_fingerprint_,
+          phases, layout_.buckets().front().flat.scalar_type());
+    } else {
+      // A hook registered after the first forward: shaped like the bucket 0
+      // its peers may carry their checks on, awaited before any bucket.
+      step_check_->launch_backward_shaped_like(
+          *process_group_, layout_.buckets().front().flat, training_steps_,
+          order_vote, drop_plan_.fingerprint(), hook_fingerprint_, phases);
+      timeline_.instant(TimelineEvent::kStepCheckLaunch, -1);
+    }
   }
   averaging_.take(process_group_->getSize()); // See Note [Join and the divide factor].
   // See Note [Layer dropping].
@@ -548,7 +563,13 @@ void Reducer::launch(size_t bucket_index) {
     return;
   }
   std::vector<at::Tensor> tensors{bucket.sparse ? bucket.sparse_grad : bucket.flat};
-  bucket.work = process_group_->allreduce(tensors);
+  if (bucket_index == 0 && step_check_ && step_check_->riding()) {
+    // See Note [The step check on bucket 0].
+    tensors.push_back(step_check_->tail());
+    bucket.work = process_group_->allreduce_coalesced(tensors);
+  } else {
+    bucket.work = process_group_->allreduce(tensors);
+  }
   if (timeline_.on()) {
     range.set_value(tensors.front().is_sparse()
         ? tensors.front()._values().nbytes() : tensors.front().nbytes());

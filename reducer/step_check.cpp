@@ -17,7 +17,8 @@ StepCheck::StepCheck(int rank, int world_size, c10::Device device)
 }
 
 void StepCheck::start(c10d::ProcessGroup& group, const StepEntry& entry) {
-  TORCH_INTERNAL_ASSERT(!work_, "a step check is already in flight");
+  TORCH_INTERNAL_ASSERT(!work_ && !riding_, "a step check is already in flight");
+  in_tail_ = false;
   written_ = entry.position;
   summed_rider_ = 0;
   layout_.write(host_.data_ptr<int64_t>(), rank_, entry);
@@ -48,7 +49,66 @@ void StepCheck::launch_as_joined(c10d::ProcessGroup& group) {
 }
 
 bool StepCheck::launched() const {
-  return static_cast<bool>(work_);
+  return static_cast<bool>(work_) || riding_;
+}
+
+void StepCheck::write_tail(const StepEntry& entry, c10::ScalarType dtype) {
+  TORCH_INTERNAL_ASSERT(!work_ && !riding_, "a step check is already in flight");
+  TORCH_INTERNAL_ASSERT(
+      dtype == at::kFloat || dtype == at::kDouble, "a step check rides on float buckets only");
+  written_ = entry.position;
+  summed_rider_ = 0;
+  in_tail_ = true;
+  layout_.write(host_.data_ptr<int64_t>(), rank_, entry);
+  const int64_t numel = kPieces * layout_.size();
+  if (!tail_.defined() || tail_.scalar_type() != dtype) {
+    tail_ = at::empty({numel}, at::TensorOptions(dtype));
+  }
+  if (dtype == at::kFloat) {
+    encode_pieces(host_.data_ptr<int64_t>(), layout_.size(), tail_.data_ptr<float>());
+  } else {
+    encode_pieces(host_.data_ptr<int64_t>(), layout_.size(), tail_.data_ptr<double>());
+  }
+}
+
+void StepCheck::ride_on_bucket0(
+    int64_t step, int64_t rider, int64_t plan, int64_t hooks,
+    const int64_t* phases, c10::ScalarType dtype) {
+  TORCH_INTERNAL_ASSERT(plan > 0 && hooks > 0, "fingerprints are positive");
+  write_tail(
+      StepEntry{encode_position(CheckKind::kBackward, step), plan, hooks, rider, phases}, dtype);
+  riding_ = true;
+}
+
+std::string StepCheck::read_ridden() {
+  TORCH_INTERNAL_ASSERT(riding_, "no step check rides on bucket 0");
+  riding_ = false;
+  return read();
+}
+
+void StepCheck::start_shaped_like(
+    c10d::ProcessGroup& group, const at::Tensor& flat, const StepEntry& entry) {
+  TORCH_INTERNAL_ASSERT(flat.device().is_cpu(), "a step check rides on CPU buckets only");
+  write_tail(entry, flat.scalar_type());
+  std::vector<at::Tensor> tensors{at::zeros_like(flat), tail_};
+  work_ = group.allreduce_coalesced(tensors);
+}
+
+void StepCheck::launch_backward_shaped_like(
+    c10d::ProcessGroup& group, const at::Tensor& flat, int64_t step,
+    int64_t rider, int64_t plan, int64_t hooks, const int64_t* phases) {
+  TORCH_INTERNAL_ASSERT(plan > 0 && hooks > 0, "fingerprints are positive");
+  start_shaped_like(
+      group, flat,
+      StepEntry{encode_position(CheckKind::kBackward, step), plan, hooks, rider, phases});
+}
+
+std::string StepCheck::check_forward_shaped_like(
+    c10d::ProcessGroup& group, const at::Tensor& flat, int64_t backwards,
+    StallWatch* watch) {
+  drop();
+  start_shaped_like(group, flat, StepEntry{encode_position(CheckKind::kForward, backwards)});
+  return wait(watch);
 }
 
 std::string StepCheck::wait(StallWatch* watch) {
@@ -60,10 +120,22 @@ std::string StepCheck::wait(StallWatch* watch) {
   } else {
     work->wait();
   }
+  return read();
+}
+
+std::string StepCheck::read() {
   if (written_ == 0) {
     return std::string(); // A rank that joined has no position to compare.
   }
-  const at::Tensor slots = slots_.is_same(host_) ? host_ : slots_.cpu();
+  at::Tensor slots = slots_.is_same(host_) ? host_ : slots_.cpu();
+  if (in_tail_) { // See Note [The step check on bucket 0].
+    slots = host_;
+    if (tail_.scalar_type() == at::kFloat) {
+      decode_pieces(tail_.data_ptr<float>(), layout_.size(), host_.data_ptr<int64_t>());
+    } else {
+      decode_pieces(tail_.data_ptr<double>(), layout_.size(), host_.data_ptr<int64_t>());
+    }
+  }
   StepReading reading = layout_.read(slots.data_ptr<int64_t>(), rank_, written_);
   summed_rider_ = reading.summed_rider;
   phases_ = std::move(reading.phases);
@@ -75,7 +147,11 @@ void StepCheck::drop() {
     // See Note [CUDA streams], point 7: it may still be writing slots_.
     slots_ = at::empty_like(slots_);
   }
+  if ((work_ || riding_) && in_tail_) {
+    tail_ = at::Tensor(); // an abandoned allreduce may still be writing it
+  }
   work_.reset();
+  riding_ = false;
 }
 
 std::string StepCheck::check_forward(

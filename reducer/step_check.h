@@ -86,6 +86,54 @@ namespace ddp_ext::reducer {
 // allreduces are dropped without partner. Every rank raises from that
 // backward, no gradient of that step is averaged, and the process group
 // may hold the dropped allreduces: fix the code and restart.
+// Note [The step check on bucket 0]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The step check of Note [Ranks out of step] is a collective of its own, and
+// a latency-bound one: on a small model the backward is over before it
+// completes, and bucket 0's allreduce queues behind it, so every iteration
+// pays one more round trip than torch's DDP. Where every rank can tell, from
+// what they all agree on, that no communication hook runs, the check rides
+// on bucket 0's allreduce instead: the slots, as exact floating-point pieces
+// (StepSlots, encode_pieces), go in a tail that this rank's bucket 0 is
+// allreduced with (one allreduce_coalesced: one collective of bucket 0's
+// elements and the tail's). The divide-by-world-size never touches the tail:
+// gradients are divided as they are copied into the bucket, or the bucket's
+// own elements are, and the tail is written after.
+//
+// What it guarantees is what the separate check did, because collectives pair
+// by order and every collective that can be paired with a check is shaped
+// like the checks it can meet:
+//  1. Where it applies (Reducer::check_rides_on_bucket0: more than one rank,
+//     Gloo, bucket 0 dense on the CPU in float32 or float64, no layers
+//     dropped, no buffers broadcast before forwards, not under Join, and
+//     skip_all_reduce_unused_params off), every check of every rank has
+//     bucket 0's shape plus the tail: a backward's rides on bucket 0, which
+//     always travels first (buckets launch in index order, bucket 0 is never
+//     skipped there); a check with no bucket to ride on (a forward's, should
+//     one broadcast buffers after all; a rank's whose communication hook was
+//     registered after the first forward) is a coalesced allreduce of zeros
+//     shaped like bucket 0, and the tail. The conditions are the same on
+//     every rank: the layout, the options and the model are agreed, all
+//     ranks enter Join together, and a hook registered late still counts as
+//     none until a check confirmed it (its rank sends such a check).
+//  2. Ranks out of step therefore pair a check with a check, as before, and
+//     every rank reads every rank's slots when bucket 0 completes: before
+//     any bucket's gradient is written back, the ranks with data that
+//     disagree raise the same message and drop their other buckets. The
+//     gradients were summed, as the separate check's were launched while
+//     buckets flew, but none reaches .grad.
+//  3. The sums stay exact: every slot but the rider is written by one rank
+//     (zeros elsewhere), the rider sums votes of 0 or 1, and every piece
+//     has at most 22 bits, so float32 adds them without rounding;
+//     decode_pieces raises on a piece that is not a whole number below 2^24,
+//     as a bucket 0 of another layout could give.
+//  4. Elsewhere (a hook registered before the first forward, layer dropping,
+//     Join, buffers broadcast, NCCL, reduced precision) the separate check
+//     of Note [Ranks out of step] runs, on every rank alike.
+// The cost: bucket 0's allreduce is coalesced with the tail, which Gloo does
+// by copying bucket 0 into a buffer of both and back, on its own thread,
+// instead of one more latency-bound collective per iteration.
+
 class StepCheck {
  public:
   static constexpr int kPhases = StepSlots::kPhases;
@@ -115,6 +163,31 @@ class StepCheck {
 
   bool launched() const;
 
+  // See Note [The step check on bucket 0]. Writes a backward check into the
+  // tail (of `dtype`) that bucket 0's allreduce carries; no collective.
+  void ride_on_bucket0(
+      int64_t step, int64_t rider, int64_t plan, int64_t hooks,
+      const int64_t* phases, c10::ScalarType dtype);
+  // Whether the check of this backward rides on bucket 0 and was not read.
+  bool riding() const {
+    return riding_;
+  }
+  // The tail bucket 0 is allreduced with while riding().
+  const at::Tensor& tail() const {
+    return tail_;
+  }
+  // Reads the check after bucket 0's allreduce completed; as wait().
+  std::string read_ridden();
+  // A check shaped like a bucket 0 of `flat`'s dtype and size, and the tail:
+  // for a backward that has no bucket 0 to ride on (a communication hook
+  // registered after the first forward), and for forwards.
+  void launch_backward_shaped_like(
+      c10d::ProcessGroup& group, const at::Tensor& flat, int64_t step,
+      int64_t rider, int64_t plan, int64_t hooks, const int64_t* phases);
+  std::string check_forward_shaped_like(
+      c10d::ProcessGroup& group, const at::Tensor& flat, int64_t backwards,
+      StallWatch* watch);
+
   // Waits for the check in flight. Returns an empty string when every rank
   // with data wrote what this rank wrote, else the error message (the same on
   // every rank).
@@ -138,6 +211,11 @@ class StepCheck {
 
  private:
   void start(c10d::ProcessGroup& group, const StepEntry& entry);
+  // Writes `entry` into host_ and, as pieces, into a tail of `dtype`.
+  void write_tail(const StepEntry& entry, c10::ScalarType dtype);
+  void start_shaped_like(
+      c10d::ProcessGroup& group, const at::Tensor& flat, const StepEntry& entry);
+  std::string read();
 
   int rank_;
   StepSlots layout_;
@@ -148,6 +226,10 @@ class StepCheck {
   at::Tensor host_;
   at::Tensor slots_; // the same on the parameters' device (host_ on CPU)
   c10::intrusive_ptr<c10d::Work> work_;
+  // See Note [The step check on bucket 0].
+  at::Tensor tail_; // the slots as pieces, on the CPU
+  bool in_tail_ = false; // the check in flight (or riding) reads tail_
+  bool riding_ = false;
 };
 
 } // namespace ddp_ext::reducer
