@@ -7,6 +7,11 @@ DDP and local training run the same replica from the same seed in the same
 processes, alternating block by block (Note [Interleaved measurement]), and
 each iteration is timed per phase (forward with loss, backward with the
 allreduce waits, optimizer), so a difference shows where it lies.
+
+A fourth variant, "ddp_ext, separate step check", is ddp_ext with its step
+check on a collective of its own (as when buffers are broadcast), where it
+would ride on bucket 0 otherwise (Note [The step check on bucket 0] in
+reducer/step_check.h): what that note saves, measured in the same processes.
 """
 
 from typing import Dict
@@ -30,7 +35,9 @@ RUN_LENGTHS = {"warmup": 200, "blocks": 20, "block_iterations": 100, "discard_pe
 MODEL = "tinymlp"
 SIZES = (32, 64, 10)
 BATCH = 8
-KINDS = (OURS, TORCH, LOCAL)
+SEPARATE_CHECK = "ours_separate_check"
+KINDS = (OURS, TORCH, LOCAL, SEPARATE_CHECK)
+LABELS = {**LABELS, SEPARATE_CHECK: "ddp_ext, separate step check"}
 
 
 def build_mlp(seed: int) -> nn.Module:
@@ -44,11 +51,28 @@ def make(kind: str, seed: int) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from ddp_ext import DistributedDataParallel as OurDDP
+    from ddp_ext import _C
 
     model = build_mlp(seed)
     if kind == LOCAL:
         return model
-    return OurDDP(model) if kind == OURS else TorchDDP(model)
+    if kind == TORCH:
+        return TorchDDP(model)
+    if kind == OURS:
+        return OurDDP(model)
+    # Its reducer built as for a module whose buffers are broadcast: the step
+    # check on a collective of its own. Nothing else differs.
+    native = _C.Reducer
+
+    def separate_check(params, names, group, options, sparse):
+        options.buffers_broadcast = True
+        return native(params, names, group, options, sparse)
+
+    _C.Reducer = separate_check
+    try:
+        return OurDDP(model)
+    finally:
+        _C.Reducer = native
 
 
 def _measure(rank: int, world_size: int, job):
@@ -74,6 +98,8 @@ def run(options: BenchOptions, progress) -> dict:
         "summary": {kind: stats.summarize(merged[kind]) for kind in KINDS},
         "phases_ms": {kind: _phases(merged[kind]) for kind in KINDS},
         "ratio": stats.ratio(merged[OURS], merged[TORCH]),
+        "separate_check_over_torch": stats.ratio(merged[SEPARATE_CHECK], merged[TORCH]),
+        "ours_over_separate_check": stats.ratio(merged[OURS], merged[SEPARATE_CHECK]),
         "ours_over_local": stats.ratio(merged[OURS], merged[LOCAL]),
         "samples_ms": {kind: stats.values(merged[kind]) for kind in KINDS},
         "workload": f"MLP {' -> '.join(map(str, SIZES))}, batch {BATCH} per rank, SGD, cross-entropy",
@@ -90,7 +116,8 @@ def table(data: dict) -> str:
             phases = r["phases_ms"][kind]
             rows.append([model, LABELS[kind], markdown.ms_iqr(r["summary"][kind]),
                          *(markdown.ms(phases[p]) for p in PHASES),
-                         markdown.ratio_spread(r["ratio"]) if kind == OURS else ""])
+                         markdown.ratio_spread(r["ratio"]) if kind == OURS
+                         else markdown.ratio_spread(r["separate_check_over_torch"]) if kind == SEPARATE_CHECK else ""])
     return markdown.table(["model", "implementation", "ms per iteration (IQR)", *(f"{p} ms" for p in PHASES),
                            "ddp_ext / torch [block range]"], rows)
 
