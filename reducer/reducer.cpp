@@ -366,7 +366,12 @@ void Reducer::start_reducing() {
     ++backwards_begun_;
     // See Note [Stragglers]: every rank is at the same step, so all publish.
     const int64_t* phases = phases_.to_publish(training_steps_);
-    if (!check_rides_on_bucket0()) {
+    // See Note [The step check on bucket 0]; a hook registered late counts
+    // as none until a check confirmed it. The same on every rank.
+    const bool own_check = options_.buffers_broadcast || drops_layers_ ||
+        options_.skip_all_reduce_unused_params || averaging_.under_join() ||
+        (comm_hook_ != nullptr && !hook_unconfirmed_);
+    if (!rides_on_bucket0(layout_.buckets().front(), *process_group_, own_check)) {
       step_check_->launch_backward(
           *process_group_, training_steps_, order_vote, drop_plan_.fingerprint(),
           hook_fingerprint_, phases);

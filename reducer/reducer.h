@@ -274,8 +274,6 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // them, and what it stashed.
   void abandon_iteration();
   void raise_if_out_of_step();
-  // See Note [The step check on bucket 0] in reducer/step_check.h.
-  bool check_rides_on_bucket0() const;
   bool stays_local() const;
   c10d::GradBucket grad_bucket(size_t bucket_index, at::Tensor buffer) const;
   std::string unfinished_reduction_message() const;

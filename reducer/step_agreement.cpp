@@ -54,27 +54,16 @@ void Reducer::raise_if_out_of_step() {
   TORCH_CHECK(false, message);
 }
 
-bool Reducer::check_rides_on_bucket0() const {
-  // See Note [The step check on bucket 0]: what it reads is the same on every
-  // rank (a hook registered late counts as none until a check confirmed it).
-  if (!step_check_ || options_.buffers_broadcast || drops_layers_ ||
-      options_.skip_all_reduce_unused_params || averaging_.under_join() ||
-      (comm_hook_ != nullptr && !hook_unconfirmed_) ||
-      process_group_->getBackendType() != c10d::ProcessGroup::BackendType::GLOO ||
-      layout_.buckets().empty()) {
-    return false;
-  }
-  const Bucket& first = layout_.buckets().front();
-  return !first.sparse && first.flat.defined() && first.flat.device().is_cpu() &&
-      (first.flat.scalar_type() == at::kFloat || first.flat.scalar_type() == at::kDouble);
-}
-
 void Reducer::check_step_before_forward_collectives() {
   const auto lock = lock_state(Access::kChange);
   if (step_check_) {
     // See Note [The step check on bucket 0]: shaped like the checks a peer
     // out of step may run instead.
-    const std::string message = check_rides_on_bucket0()
+    // (A hook registered late counts as none until a check confirmed it.)
+    const bool own_check = options_.buffers_broadcast || drops_layers_ ||
+        options_.skip_all_reduce_unused_params || averaging_.under_join() ||
+        (comm_hook_ != nullptr && !hook_unconfirmed_);
+    const std::string message = rides_on_bucket0(layout_.buckets().front(), *process_group_, own_check)
         ? step_check_->check_forward_shaped_like(
               *process_group_, layout_.buckets().front().flat, backwards_begun_, &stall_)
         : step_check_->check_forward(*process_group_, backwards_begun_, &stall_);

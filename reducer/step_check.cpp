@@ -10,6 +10,12 @@
 
 namespace ddp_ext::reducer {
 
+bool rides_on_bucket0(const Bucket& first, const c10d::ProcessGroup& group, bool own_check) {
+  return !own_check && group.getBackendType() == c10d::ProcessGroup::BackendType::GLOO &&
+      !first.sparse && first.flat.defined() && first.flat.device().is_cpu() &&
+      (first.flat.scalar_type() == at::kFloat || first.flat.scalar_type() == at::kDouble);
+}
+
 StepCheck::StepCheck(int rank, int world_size, c10::Device device)
     : rank_(rank), layout_(world_size) {
   host_ = at::zeros({layout_.size()}, at::kLong);

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "reducer/bucket.h"
 #include "reducer/stall_watch.h"
 #include "reducer/step_slots.h"
 
@@ -104,8 +105,9 @@ namespace ddp_ext::reducer {
 // What it guarantees is what the separate check did, because collectives pair
 // by order and every collective that can be paired with a check is shaped
 // like the checks it can meet:
-//  1. Where it applies (Reducer::check_rides_on_bucket0: more than one rank,
-//     Gloo, bucket 0 dense on the CPU in float32 or float64, no layers
+//  1. Where it applies (rides_on_bucket0 and the reducer's own_check: more
+//     than one rank, Gloo, bucket 0 dense on the CPU in float32 or float64,
+//     no hook that every rank confirmed, no layers
 //     dropped, no buffers broadcast before forwards, not under Join, and
 //     skip_all_reduce_unused_params off), every check of every rank has
 //     bucket 0's shape plus the tail: a backward's rides on bucket 0, which
@@ -134,6 +136,13 @@ namespace ddp_ext::reducer {
 // The cost: bucket 0's allreduce is coalesced with the tail, which Gloo does
 // by copying bucket 0 into a buffer of both and back, on its own thread,
 // instead of one more latency-bound collective per iteration.
+
+// See Note [The step check on bucket 0]: whether a reducer's step checks
+// ride on (or are shaped like) its bucket 0 `first`, over `group`.
+// `own_check`: whether anything calls for a check of its own (a hook that
+// every rank confirmed, buffers broadcast, layers dropped, Join,
+// skip_all_reduce_unused_params).
+bool rides_on_bucket0(const Bucket& first, const c10d::ProcessGroup& group, bool own_check);
 
 class StepCheck {
  public:
