@@ -570,9 +570,9 @@ void Reducer::launch(size_t bucket_index) {
   std::vector<at::Tensor> tensors{bucket.sparse ? bucket.sparse_grad : bucket.flat};
   if (bucket_index == 0 && step_check_ && step_check_->riding()) {
     // See Note [The step check on bucket 0]: the check leaves now.
-    tensors.push_back(step_check_->tail());
+    std::vector<at::Tensor> carried{step_check_->carry(bucket.flat)};
     timeline_.instant(TimelineEvent::kStepCheckLaunch, -1);
-    bucket.work = process_group_->allreduce_coalesced(tensors);
+    bucket.work = process_group_->allreduce(carried);
   } else {
     bucket.work = process_group_->allreduce(tensors);
   }

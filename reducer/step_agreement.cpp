@@ -34,7 +34,7 @@ void Reducer::raise_if_out_of_step() {
       stall_.wait(*first.work, "bucket", 0);
       timeline_.awaited(0);
       first.work.reset();
-      message = step_check_->read_ridden();
+      message = step_check_->read_ridden(first.flat);
     } else {
       message = step_check_->wait(&stall_);
     }

@@ -86,9 +86,24 @@ void StepCheck::ride_on_bucket0(
   riding_ = true;
 }
 
-std::string StepCheck::read_ridden() {
+const at::Tensor& StepCheck::carry(const at::Tensor& flat) {
+  TORCH_INTERNAL_ASSERT(riding_ && tail_.scalar_type() == flat.scalar_type());
+  const int64_t n = flat.numel();
+  at::NoGradGuard no_grad;
+  if (!carrier_.defined() || carrier_.numel() != n + tail_.numel() ||
+      carrier_.scalar_type() != flat.scalar_type()) {
+    carrier_ = at::empty({n + tail_.numel()}, flat.options());
+  }
+  carrier_.narrow(0, 0, n).copy_(flat);
+  carrier_.narrow(0, n, tail_.numel()).copy_(tail_);
+  return carrier_;
+}
+
+std::string StepCheck::read_ridden(const at::Tensor& flat) {
   TORCH_INTERNAL_ASSERT(riding_, "no step check rides on bucket 0");
   riding_ = false;
+  at::NoGradGuard no_grad;
+  flat.copy_(carrier_.narrow(0, 0, flat.numel()));
   return read();
 }
 
@@ -96,8 +111,9 @@ void StepCheck::start_shaped_like(
     c10d::ProcessGroup& group, const at::Tensor& flat, const StepEntry& entry) {
   TORCH_INTERNAL_ASSERT(flat.device().is_cpu(), "a step check rides on CPU buckets only");
   write_tail(entry, flat.scalar_type());
-  std::vector<at::Tensor> tensors{at::zeros_like(flat), tail_};
-  work_ = group.allreduce_coalesced(tensors);
+  carrier_ = at::cat({at::zeros({flat.numel()}, flat.options()), tail_});
+  std::vector<at::Tensor> tensors{carrier_};
+  work_ = group.allreduce(tensors);
 }
 
 void StepCheck::launch_backward_shaped_like(
@@ -136,6 +152,7 @@ std::string StepCheck::read() {
   at::Tensor slots = slots_.is_same(host_) ? host_ : slots_.cpu();
   if (in_tail_) { // See Note [The step check on bucket 0].
     slots = host_;
+    tail_.copy_(carrier_.narrow(0, carrier_.numel() - tail_.numel(), tail_.numel()));
     if (tail_.scalar_type() == at::kFloat) {
       decode_pieces(tail_.data_ptr<float>(), layout_.size(), host_.data_ptr<int64_t>());
     } else {
@@ -154,7 +171,7 @@ void StepCheck::drop() {
     slots_ = at::empty_like(slots_);
   }
   if ((work_ || riding_) && in_tail_) {
-    tail_ = at::Tensor(); // an abandoned allreduce may still be writing it
+    carrier_ = at::Tensor(); // an abandoned allreduce may still be writing it
   }
   work_.reset();
   riding_ = false;
