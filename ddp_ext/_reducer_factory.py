@@ -4,10 +4,13 @@ from ddp_ext import _C
 from ddp_ext._arguments import backend_name
 
 
-def build_reducer(named_params, sparse_ids: set, settings, caps_bytes, process_group, reducer_group, layer_units):
+def build_reducer(named_params, sparse_ids: set, settings, caps_bytes, process_group, reducer_group, layer_units,
+                  buffers_broadcast: bool):
     """A Reducer over `named_params` (name, parameter) that reduces over
     `reducer_group`, cutting buckets with `caps_bytes`; `sparse_ids`: ids of
-    the parameters with sparse gradients."""
+    the parameters with sparse gradients; `buffers_broadcast`: whether the
+    forward broadcasts buffers (Note [The step check on bucket 0] in
+    reducer/agreement/step_check.h)."""
     params = [p for _, p in named_params]
     sparse = [id(p) in sparse_ids for p in params]
     if any(sparse) and backend_name(process_group) == "nccl":
@@ -16,4 +19,5 @@ def build_reducer(named_params, sparse_ids: set, settings, caps_bytes, process_g
             "EmbeddingBag with sparse=True: use sparse=False, or a Gloo process group."
         )
     options = settings.reducer_options(caps_bytes, layer_units)
+    options.buffers_broadcast = buffers_broadcast
     return _C.Reducer(params, [n for n, _ in named_params], reducer_group, options, sparse)

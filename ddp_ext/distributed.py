@@ -220,7 +220,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
 
     def _build_reducer(self, caps: BucketCaps):
         return build_reducer(self._params.named(self.module), self._params.with_sparse_gradients(), self._settings,
-                             caps.caps_bytes, self.process_group, self.reducer_group, self._dropped_layers.units)
+                             caps.caps_bytes, self.process_group, self.reducer_group, self._dropped_layers.units,
+                             buffers_broadcast=self._buffer_sync.forward and len(self._buffer_sync.modules_buffers) > 0)
 
     # Note [torch.compile]
     # As with torch's DDP, the wrapper's forward runs eagerly and only the
