@@ -46,7 +46,7 @@ struct ReducerOptions {
   // Whether the wrapper broadcasts buffers before forwards (each one behind a
   // step check of its own). Off, the backward's step check rides on bucket
   // 0's allreduce where it can: Note [The step check on bucket 0] in
-  // reducer/step_check.h. Default: true.
+  // reducer/agreement/step_check.h. Default: true.
   bool buffers_broadcast = true;
 
   // Copy gradients into their bucket only when the bucket's last gradient

@@ -138,7 +138,7 @@ std::vector<StepReading> exchange_as_pieces(const std::vector<StepEntry>& entrie
 
 TEST(StepSlotsAsPieces, LargeFingerprintsAndPhasesSurviveAFloat32Sum) {
   const int64_t big = (int64_t{1} << 62) + 12345; // a hash of 63 bits
-  const int64_t phases[StepSlots::kPhases] = {(int64_t{1} << 40) + 7, 3, 1};
+  const int64_t phases[StepSlots::kTimings] = {(int64_t{1} << 40) + 7, 3, 1};
   std::vector<StepEntry> entries;
   for (int r = 0; r < 5; ++r) {
     entries.push_back(backward(1000003, big, big - 1, /*rider=*/1, r == 2 ? phases : nullptr));
@@ -146,9 +146,9 @@ TEST(StepSlotsAsPieces, LargeFingerprintsAndPhasesSurviveAFloat32Sum) {
   for (const StepReading& reading : exchange_as_pieces<float>(entries)) {
     EXPECT_EQ(reading.error, "");
     EXPECT_EQ(reading.summed_rider, 5);
-    ASSERT_EQ(reading.phases.size(), 5u * StepSlots::kPhases);
-    EXPECT_EQ(reading.phases[2 * StepSlots::kPhases], phases[0]);
-    EXPECT_EQ(reading.phases[2 * StepSlots::kPhases + 1], 3);
+    ASSERT_EQ(reading.timings.size(), 5u * StepSlots::kTimings);
+    EXPECT_EQ(reading.timings[2 * StepSlots::kTimings], phases[0]);
+    EXPECT_EQ(reading.timings[2 * StepSlots::kTimings + 1], 3);
   }
 }
 
