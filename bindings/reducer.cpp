@@ -321,6 +321,7 @@ void bind_reducer(py::module& m) {
       .def_readwrite("skip_all_reduce_unused_params",
                      &ReducerOptions::skip_all_reduce_unused_params)
       .def_readwrite("batched_grad_copy", &ReducerOptions::batched_grad_copy)
+      .def_readwrite("buffers_broadcast", &ReducerOptions::buffers_broadcast)
       .def_readwrite("reduce_dtype", &ReducerOptions::reduce_dtype)
       .def_readwrite("rebuild_buckets", &ReducerOptions::rebuild_buckets)
       .def_readwrite("bucket_caps", &ReducerOptions::bucket_caps)

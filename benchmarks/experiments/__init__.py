@@ -10,14 +10,14 @@ differ from BenchOptions') and run_line(data) (how its run is described)."""
 
 from benchmarks.experiment_names import NAMES
 from benchmarks.experiments import (
-    allreduce, breakdown, bucket, compare, compression, faults, layerdrop, nosync, order, recovery, roundrobin, scale,
-    scaleout, timeline,
+    allreduce, breakdown, bucket, compare, compression, faults, fixedcost, layerdrop, nosync, order, recovery,
+    roundrobin, scale, scaleout, timeline,
 )
 
 # In the order of NAMES (the order docs/BENCHMARKS.md presents them).
 EXPERIMENTS = {
     module.NAME: module
     for module in (compare, allreduce, breakdown, bucket, scale, nosync, roundrobin, faults, order, layerdrop,
-                   timeline, compression, scaleout, recovery)
+                   timeline, compression, scaleout, recovery, fixedcost)
 }
 assert tuple(EXPERIMENTS) == NAMES, f"experiment_names.NAMES {NAMES} differs from the modules {tuple(EXPERIMENTS)}"

@@ -27,7 +27,17 @@ void Reducer::raise_if_out_of_step() {
   std::string message;
   {
     TimelineRange range(timeline_, TimelineEvent::kStepCheckWait);
-    message = step_check_->wait(&stall_);
+    if (step_check_->riding()) {
+      // See Note [The step check on bucket 0]: it arrives with bucket 0.
+      Bucket& first = layout_.buckets().front();
+      TORCH_INTERNAL_ASSERT(first.work, "the step check rides on bucket 0, which was not launched");
+      stall_.wait(*first.work, "bucket", 0);
+      timeline_.awaited(0);
+      first.work.reset();
+      message = step_check_->read_ridden(first.flat);
+    } else {
+      message = step_check_->wait(&stall_);
+    }
   }
   if (message.empty()) {
     hook_unconfirmed_ = false; // See Note [Hooks registered after the first forward].
@@ -47,8 +57,16 @@ void Reducer::raise_if_out_of_step() {
 void Reducer::check_step_before_forward_collectives() {
   const auto lock = lock_state(Access::kChange);
   if (step_check_) {
-    const std::string message =
-        step_check_->check_forward(*process_group_, backwards_begun_, &stall_);
+    // See Note [The step check on bucket 0]: shaped like the checks a peer
+    // out of step may run instead.
+    // (A hook registered late counts as none until a check confirmed it.)
+    const bool own_check = options_.buffers_broadcast || drops_layers_ ||
+        options_.skip_all_reduce_unused_params || averaging_.under_join() ||
+        (comm_hook_ != nullptr && !hook_unconfirmed_);
+    const std::string message = rides_on_bucket0(layout_.buckets().front(), *process_group_, own_check)
+        ? step_check_->check_forward_shaped_like(
+              *process_group_, layout_.buckets().front().flat, backwards_begun_, &stall_)
+        : step_check_->check_forward(*process_group_, backwards_begun_, &stall_);
     TORCH_CHECK(message.empty(), message);
   }
 }

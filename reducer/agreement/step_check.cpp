@@ -10,6 +10,12 @@
 
 namespace ddp_ext::reducer {
 
+bool rides_on_bucket0(const Bucket& first, const c10d::ProcessGroup& group, bool own_check) {
+  return !own_check && group.getBackendType() == c10d::ProcessGroup::BackendType::GLOO &&
+      !first.sparse && first.flat.defined() && first.flat.device().is_cpu() &&
+      (first.flat.scalar_type() == at::kFloat || first.flat.scalar_type() == at::kDouble);
+}
+
 StepCheck::StepCheck(int rank, int world_size, c10::Device device)
     : rank_(rank), layout_(world_size) {
   host_ = at::zeros({layout_.size()}, at::kLong);
@@ -17,7 +23,8 @@ StepCheck::StepCheck(int rank, int world_size, c10::Device device)
 }
 
 void StepCheck::start(c10d::ProcessGroup& group, const StepEntry& entry) {
-  TORCH_INTERNAL_ASSERT(!work_, "a step check is already in flight");
+  TORCH_INTERNAL_ASSERT(!work_ && !riding_, "a step check is already in flight");
+  in_tail_ = false;
   written_ = entry.position;
   summed_rider_ = 0;
   layout_.write(host_.data_ptr<int64_t>(), rank_, entry);
@@ -48,7 +55,82 @@ void StepCheck::launch_as_joined(c10d::ProcessGroup& group) {
 }
 
 bool StepCheck::launched() const {
-  return static_cast<bool>(work_);
+  return static_cast<bool>(work_) || riding_;
+}
+
+void StepCheck::write_tail(const StepEntry& entry, c10::ScalarType dtype) {
+  TORCH_INTERNAL_ASSERT(!work_ && !riding_, "a step check is already in flight");
+  TORCH_INTERNAL_ASSERT(
+      dtype == at::kFloat || dtype == at::kDouble, "a step check rides on float buckets only");
+  written_ = entry.position;
+  summed_rider_ = 0;
+  in_tail_ = true;
+  layout_.write(host_.data_ptr<int64_t>(), rank_, entry);
+  const int64_t numel = kPieces * layout_.size();
+  if (!tail_.defined() || tail_.scalar_type() != dtype) {
+    tail_ = at::empty({numel}, at::TensorOptions(dtype));
+  }
+  if (dtype == at::kFloat) {
+    encode_pieces(host_.data_ptr<int64_t>(), layout_.size(), tail_.data_ptr<float>());
+  } else {
+    encode_pieces(host_.data_ptr<int64_t>(), layout_.size(), tail_.data_ptr<double>());
+  }
+}
+
+void StepCheck::ride_on_bucket0(
+    int64_t step, int64_t rider, int64_t plan, int64_t hooks,
+    const int64_t* phases, c10::ScalarType dtype) {
+  TORCH_INTERNAL_ASSERT(plan > 0 && hooks > 0, "fingerprints are positive");
+  write_tail(
+      StepEntry{encode_position(CheckKind::kBackward, step), plan, hooks, rider, phases}, dtype);
+  riding_ = true;
+}
+
+const at::Tensor& StepCheck::carry(const at::Tensor& flat) {
+  TORCH_INTERNAL_ASSERT(riding_ && tail_.scalar_type() == flat.scalar_type());
+  const int64_t n = flat.numel();
+  at::NoGradGuard no_grad;
+  if (!carrier_.defined() || carrier_.numel() != n + tail_.numel() ||
+      carrier_.scalar_type() != flat.scalar_type()) {
+    carrier_ = at::empty({n + tail_.numel()}, flat.options());
+  }
+  carrier_.narrow(0, 0, n).copy_(flat);
+  carrier_.narrow(0, n, tail_.numel()).copy_(tail_);
+  return carrier_;
+}
+
+std::string StepCheck::read_ridden(const at::Tensor& flat) {
+  TORCH_INTERNAL_ASSERT(riding_, "no step check rides on bucket 0");
+  riding_ = false;
+  at::NoGradGuard no_grad;
+  flat.copy_(carrier_.narrow(0, 0, flat.numel()));
+  return read();
+}
+
+void StepCheck::start_shaped_like(
+    c10d::ProcessGroup& group, const at::Tensor& flat, const StepEntry& entry) {
+  TORCH_INTERNAL_ASSERT(flat.device().is_cpu(), "a step check rides on CPU buckets only");
+  write_tail(entry, flat.scalar_type());
+  carrier_ = at::cat({at::zeros({flat.numel()}, flat.options()), tail_});
+  std::vector<at::Tensor> tensors{carrier_};
+  work_ = group.allreduce(tensors);
+}
+
+void StepCheck::launch_backward_shaped_like(
+    c10d::ProcessGroup& group, const at::Tensor& flat, int64_t step,
+    int64_t rider, int64_t plan, int64_t hooks, const int64_t* phases) {
+  TORCH_INTERNAL_ASSERT(plan > 0 && hooks > 0, "fingerprints are positive");
+  start_shaped_like(
+      group, flat,
+      StepEntry{encode_position(CheckKind::kBackward, step), plan, hooks, rider, phases});
+}
+
+std::string StepCheck::check_forward_shaped_like(
+    c10d::ProcessGroup& group, const at::Tensor& flat, int64_t backwards,
+    StallWatch* watch) {
+  drop();
+  start_shaped_like(group, flat, StepEntry{encode_position(CheckKind::kForward, backwards)});
+  return wait(watch);
 }
 
 std::string StepCheck::wait(StallWatch* watch) {
@@ -60,10 +142,23 @@ std::string StepCheck::wait(StallWatch* watch) {
   } else {
     work->wait();
   }
+  return read();
+}
+
+std::string StepCheck::read() {
   if (written_ == 0) {
     return std::string(); // A rank that joined has no position to compare.
   }
-  const at::Tensor slots = slots_.is_same(host_) ? host_ : slots_.cpu();
+  at::Tensor slots = slots_.is_same(host_) ? host_ : slots_.cpu();
+  if (in_tail_) { // See Note [The step check on bucket 0].
+    slots = host_;
+    tail_.copy_(carrier_.narrow(0, carrier_.numel() - tail_.numel(), tail_.numel()));
+    if (tail_.scalar_type() == at::kFloat) {
+      decode_pieces(tail_.data_ptr<float>(), layout_.size(), host_.data_ptr<int64_t>());
+    } else {
+      decode_pieces(tail_.data_ptr<double>(), layout_.size(), host_.data_ptr<int64_t>());
+    }
+  }
   StepReading reading = layout_.read(slots.data_ptr<int64_t>(), rank_, written_);
   summed_rider_ = reading.summed_rider;
   timings_ = std::move(reading.timings);
@@ -75,7 +170,11 @@ void StepCheck::drop() {
     // See Note [CUDA streams], point 7: it may still be writing slots_.
     slots_ = at::empty_like(slots_);
   }
+  if ((work_ || riding_) && in_tail_) {
+    carrier_ = at::Tensor(); // an abandoned allreduce may still be writing it
+  }
   work_.reset();
+  riding_ = false;
 }
 
 std::string StepCheck::check_forward(

@@ -9,8 +9,9 @@
 #include <string>
 #include <vector>
 
-#include "reducer/observation/stall_watch.h"
 #include "reducer/agreement/step_slots.h"
+#include "reducer/layout/bucket.h"
+#include "reducer/observation/stall_watch.h"
 
 namespace ddp_ext::reducer {
 
@@ -65,7 +66,8 @@ namespace ddp_ext::reducer {
 //
 // The cost: one latency-bound collective of ((3 + kTimings) * world_size + 1) * 8 bytes
 // per iteration, overlapped with the backward, and with buffer broadcasting
-// one more, awaited, before the broadcast.
+// one more, awaited, before the broadcast. Where no hook runs, none: the
+// check rides on bucket 0's allreduce (Note [The step check on bucket 0]).
 
 // Note [Hooks registered after the first forward]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -86,6 +88,64 @@ namespace ddp_ext::reducer {
 // allreduces are dropped without partner. Every rank raises from that
 // backward, no gradient of that step is averaged, and the process group
 // may hold the dropped allreduces: fix the code and restart.
+// Note [The step check on bucket 0]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The step check of Note [Ranks out of step] is a collective of its own, and
+// a latency-bound one: on a small model the backward is over before it
+// completes, and bucket 0's allreduce queues behind it, so every iteration
+// pays one more round trip than torch's DDP. Where every rank can tell, from
+// what they all agree on, that no communication hook runs, the check rides
+// on bucket 0's allreduce instead: the slots, as exact floating-point pieces
+// (StepSlots, encode_pieces), go in a tail that this rank's bucket 0 is
+// allreduced with (one allreduce of a buffer that holds a copy of bucket 0
+// and then the tail). The divide-by-world-size never touches the tail:
+// gradients are divided as they are copied into the bucket, or the bucket's
+// own elements are, and the tail is written after.
+//
+// What it guarantees is what the separate check did, because collectives pair
+// by order and every collective that can be paired with a check is shaped
+// like the checks it can meet:
+//  1. Where it applies (rides_on_bucket0 and the reducer's own_check: more
+//     than one rank, Gloo, bucket 0 dense on the CPU in float32 or float64,
+//     no hook that every rank confirmed, no layers
+//     dropped, no buffers broadcast before forwards, not under Join, and
+//     skip_all_reduce_unused_params off), every check of every rank has
+//     bucket 0's shape plus the tail: a backward's rides on bucket 0, which
+//     always travels first (buckets launch in index order, bucket 0 is never
+//     skipped there); a check with no bucket to ride on (a forward's, should
+//     one broadcast buffers after all; a rank's whose communication hook was
+//     registered after the first forward) is an allreduce of zeros shaped
+//     like bucket 0 followed by the tail. The conditions are the same on
+//     every rank: the layout, the options and the model are agreed, all
+//     ranks enter Join together, and a hook registered late still counts as
+//     none until a check confirmed it (its rank sends such a check).
+//  2. Ranks out of step therefore pair a check with a check, as before, and
+//     every rank reads every rank's slots when bucket 0 completes: before
+//     any bucket's gradient is written back, the ranks with data that
+//     disagree raise the same message and drop their other buckets. The
+//     gradients were summed, as the separate check's were launched while
+//     buckets flew, but none reaches .grad.
+//  3. The sums stay exact: every slot but the rider is written by one rank
+//     (zeros elsewhere), the rider sums votes of 0 or 1, and every piece
+//     has at most 22 bits, so float32 adds them without rounding;
+//     decode_pieces raises on a piece that is not a whole number below 2^24,
+//     as a bucket 0 of another layout could give.
+//  4. Elsewhere (a hook registered before the first forward, layer dropping,
+//     Join, buffers broadcast, NCCL, reduced precision) the separate check
+//     of Note [Ranks out of step] runs, on every rank alike.
+// The cost: bucket 0 is copied into the buffer before its allreduce and
+// back after it (memory bandwidth, on the CPU), instead of one more
+// latency-bound collective per iteration. Not allreduce_coalesced, which
+// does the same copies: over Gloo it took about 0.1 ms more than a plain
+// allreduce of a few thousand elements on the machine measured.
+
+// See Note [The step check on bucket 0]: whether a reducer's step checks
+// ride on (or are shaped like) its bucket 0 `first`, over `group`.
+// `own_check`: whether anything calls for a check of its own (a hook that
+// every rank confirmed, buffers broadcast, layers dropped, Join,
+// skip_all_reduce_unused_params).
+bool rides_on_bucket0(const Bucket& first, const c10d::ProcessGroup& group, bool own_check);
+
 class StepCheck {
  public:
   static constexpr int kTimings = StepSlots::kTimings;
@@ -115,6 +175,31 @@ class StepCheck {
 
   bool launched() const;
 
+  // See Note [The step check on bucket 0]. Writes a backward check into the
+  // tail (of `dtype`) that bucket 0's allreduce carries; no collective.
+  void ride_on_bucket0(
+      int64_t step, int64_t rider, int64_t plan, int64_t hooks,
+      const int64_t* phases, c10::ScalarType dtype);
+  // Whether the check of this backward rides on bucket 0 and was not read.
+  bool riding() const {
+    return riding_;
+  }
+  // Bucket 0's `flat` followed by the tail, in one buffer to allreduce
+  // while riding().
+  const at::Tensor& carry(const at::Tensor& flat);
+  // After that allreduce completed: copies bucket 0's part back into `flat`
+  // and reads the check, as wait() does.
+  std::string read_ridden(const at::Tensor& flat);
+  // A check shaped like a bucket 0 of `flat`'s dtype and size, and the tail:
+  // for a backward that has no bucket 0 to ride on (a communication hook
+  // registered after the first forward), and for forwards.
+  void launch_backward_shaped_like(
+      c10d::ProcessGroup& group, const at::Tensor& flat, int64_t step,
+      int64_t rider, int64_t plan, int64_t hooks, const int64_t* phases);
+  std::string check_forward_shaped_like(
+      c10d::ProcessGroup& group, const at::Tensor& flat, int64_t backwards,
+      StallWatch* watch);
+
   // Waits for the check in flight. Returns an empty string when every rank
   // with data wrote what this rank wrote, else the error message (the same on
   // every rank).
@@ -138,6 +223,11 @@ class StepCheck {
 
  private:
   void start(c10d::ProcessGroup& group, const StepEntry& entry);
+  // Writes `entry` into host_ and, as pieces, into a tail of `dtype`.
+  void write_tail(const StepEntry& entry, c10::ScalarType dtype);
+  void start_shaped_like(
+      c10d::ProcessGroup& group, const at::Tensor& flat, const StepEntry& entry);
+  std::string read();
 
   int rank_;
   StepSlots layout_;
@@ -148,6 +238,11 @@ class StepCheck {
   at::Tensor host_;
   at::Tensor slots_; // the same on the parameters' device (host_ on CPU)
   c10::intrusive_ptr<c10d::Work> work_;
+  // See Note [The step check on bucket 0].
+  at::Tensor tail_; // the slots as pieces, on the CPU
+  at::Tensor carrier_; // what is allreduced: bucket 0 (or zeros like it), then the tail
+  bool in_tail_ = false; // the check in flight (or riding) reads tail_
+  bool riding_ = false;
 };
 
 } // namespace ddp_ext::reducer

@@ -131,6 +131,42 @@ std::string out_of_step_message(
 
 } // namespace
 
+template <typename Float>
+void encode_pieces(const int64_t* slots, int64_t count, Float* out) {
+  constexpr uint64_t kMask = (uint64_t{1} << kPieceBits) - 1;
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_INTERNAL_ASSERT(slots[i] >= 0, "step check slots are non-negative");
+    auto value = static_cast<uint64_t>(slots[i]);
+    for (int p = 0; p < kPieces; ++p) {
+      out[i * kPieces + p] = static_cast<Float>(value & kMask);
+      value >>= kPieceBits;
+    }
+  }
+}
+
+template <typename Float>
+void decode_pieces(const Float* pieces, int64_t count, int64_t* slots) {
+  constexpr Float kExact = Float(1 << 24);
+  for (int64_t i = 0; i < count; ++i) {
+    uint64_t value = 0;
+    for (int p = kPieces - 1; p >= 0; --p) {
+      const Float piece = pieces[i * kPieces + p];
+      TORCH_CHECK(
+          piece >= 0 && piece < kExact && piece == static_cast<Float>(static_cast<int64_t>(piece)),
+          "the step check carried on bucket 0 came back with piece ", piece,
+          " of slot ", i, ", which no exact sum of its pieces gives: a rank "
+          "sent a bucket 0 of a different layout");
+      value = (value << kPieceBits) + static_cast<uint64_t>(piece);
+    }
+    slots[i] = static_cast<int64_t>(value);
+  }
+}
+
+template void encode_pieces<float>(const int64_t*, int64_t, float*);
+template void encode_pieces<double>(const int64_t*, int64_t, double*);
+template void decode_pieces<float>(const float*, int64_t, int64_t*);
+template void decode_pieces<double>(const double*, int64_t, int64_t*);
+
 StepSlots::StepSlots(int world_size) : world_size_(world_size) {
   TORCH_CHECK(world_size > 0, "a step check needs at least one rank");
 }

@@ -37,6 +37,22 @@ struct StepReading {
 
 // The slots of a world of `world_size` ranks: W positions, W plan and W hook
 // fingerprints, the rider, and kTimings values per rank.
+// The slots as exact floating-point pieces, for a check that rides on a
+// bucket's allreduce (Note [The step check on bucket 0]): each slot, a
+// non-negative int64, becomes kPieces integers of at most kPieceBits bits,
+// which float32 (24-bit significand) and float64 hold exactly, and whose sums
+// over the ranks stay exact (every slot but the rider is written by one rank;
+// the rider, a vote of 0 or 1, sums to at most the world size).
+constexpr int kPieces = 3;
+constexpr int kPieceBits = 22;
+// `count` slots into count * kPieces values of `out` (float or double).
+template <typename Float>
+void encode_pieces(const int64_t* slots, int64_t count, Float* out);
+// The inverse, from summed pieces; raises if a piece is not a whole number
+// below 2^24 (what only a sum that was not exact can give).
+template <typename Float>
+void decode_pieces(const Float* pieces, int64_t count, int64_t* slots);
+
 class StepSlots {
  public:
   static constexpr int kTimings = 3; // StepTimings::kTimings (Note [Stragglers])

@@ -41,6 +41,10 @@ class Averaging {
   void forget_forward_pass_work() {
     work_.reset();
   }
+  // Whether this forward runs under Join (its work is not taken yet).
+  bool under_join() const {
+    return static_cast<bool>(work_);
+  }
   // At the first gradient of a backward: the ranks to average over, from
   // the forward's work under Join, else `world_size`.
   void take(int64_t world_size);

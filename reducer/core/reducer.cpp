@@ -354,10 +354,30 @@ void Reducer::start_reducing() {
   if (step_check_) {
     ++backwards_begun_;
     // See Note [Stragglers]: every rank is at the same step, so all publish.
-    step_check_->launch_backward(
-        *process_group_, training_steps_, order_vote, drop_plan_.fingerprint(),
-        hook_fingerprint_, timings_.to_publish(training_steps_));
-    observers_.notify(&ReducerObserver::on_step_check_launched);
+    const int64_t* timings = timings_.to_publish(training_steps_);
+    // See Note [The step check on bucket 0]; a hook registered late counts
+    // as none until a check confirmed it. The same on every rank.
+    const bool own_check = options_.buffers_broadcast || drops_layers_ ||
+        options_.skip_all_reduce_unused_params || averaging_.under_join() ||
+        (comm_hook_ != nullptr && !hook_unconfirmed_);
+    if (!rides_on_bucket0(layout_.buckets().front(), *process_group_, own_check)) {
+      step_check_->launch_backward(
+          *process_group_, training_steps_, order_vote, drop_plan_.fingerprint(),
+          hook_fingerprint_, timings);
+      observers_.notify(&ReducerObserver::on_step_check_launched);
+    } else if (comm_hook_ == nullptr) {
+      // See Note [The step check on bucket 0]: launched with bucket 0.
+      step_check_->ride_on_bucket0(
+          training_steps_, order_vote, drop_plan_.fingerprint(), hook_fingerprint_,
+          timings, layout_.buckets().front().flat.scalar_type());
+    } else {
+      // A hook registered after the first forward: shaped like the bucket 0
+      // its peers may carry their checks on, awaited before any bucket.
+      step_check_->launch_backward_shaped_like(
+          *process_group_, layout_.buckets().front().flat, training_steps_,
+          order_vote, drop_plan_.fingerprint(), hook_fingerprint_, timings);
+      observers_.notify(&ReducerObserver::on_step_check_launched);
+    }
   }
   averaging_.take(process_group_->getSize()); // See Note [Join and the divide factor].
   // See Note [Layer dropping].
@@ -537,7 +557,14 @@ void Reducer::launch(size_t bucket_index) {
     return;
   }
   std::vector<at::Tensor> tensors{bucket.sparse ? bucket.sparse_grad : bucket.flat};
-  bucket.work = process_group_->allreduce(tensors);
+  if (bucket_index == 0 && step_check_ && step_check_->riding()) {
+    // See Note [The step check on bucket 0]: the check leaves now.
+    std::vector<at::Tensor> carried{step_check_->carry(bucket.flat)};
+    observers_.notify(&ReducerObserver::on_step_check_launched);
+    bucket.work = process_group_->allreduce(carried);
+  } else {
+    bucket.work = process_group_->allreduce(tensors);
+  }
   if (timeline_.on()) {
     range.set_value(tensors.front().is_sparse()
         ? tensors.front()._values().nbytes() : tensors.front().nbytes());

@@ -43,6 +43,12 @@ struct ReducerOptions {
   // skip_all_reduce_unused_params). Default: false.
   bool skip_all_reduce_unused_params = false;
 
+  // Whether the wrapper broadcasts buffers before forwards (each one behind a
+  // step check of its own). Off, the backward's step check rides on bucket
+  // 0's allreduce where it can: Note [The step check on bucket 0] in
+  // reducer/agreement/step_check.h. Default: true.
+  bool buffers_broadcast = true;
+
   // Copy gradients into their bucket only when the bucket's last gradient
   // has arrived (one pass over the bucket, then one scaling of the whole
   // bucket) instead of one fused copy-and-scale per gradient (torch's

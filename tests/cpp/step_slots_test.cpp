@@ -1,8 +1,10 @@
 // The step check's slots (reducer/agreement/step_slots.h): each rank's entry, summed
 // as the allreduce sums them, read back by every rank. See Note [Ranks out
 // of step].
+#include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -107,6 +109,81 @@ TEST(StepSlots, ManyRanksAreCountedNotListed) {
   entries[11] = backward(2);
   const std::string error = exchange(entries)[0].error;
   EXPECT_TRUE(contains(error, "ranks 0, 1, 2, 3, 4, 5, 6, 7 and 3 more in the backward of training step 3")) << error;
+}
+
+// See Note [The step check on bucket 0]: the slots as exact floating-point
+// pieces, summed in float32 or float64 as a bucket's allreduce sums them.
+template <typename Float>
+std::vector<StepReading> exchange_as_pieces(const std::vector<StepEntry>& entries) {
+  const StepSlots layout(static_cast<int>(entries.size()));
+  const int64_t pieces = kPieces * layout.size();
+  std::vector<Float> sum(pieces, Float(0));
+  std::vector<int64_t> mine(layout.size());
+  std::vector<Float> encoded(pieces);
+  for (size_t r = 0; r < entries.size(); ++r) {
+    layout.write(mine.data(), static_cast<int>(r), entries[r]);
+    encode_pieces(mine.data(), layout.size(), encoded.data());
+    for (int64_t i = 0; i < pieces; ++i) {
+      sum[i] += encoded[i];
+    }
+  }
+  std::vector<int64_t> slots(layout.size());
+  decode_pieces(sum.data(), layout.size(), slots.data());
+  std::vector<StepReading> readings;
+  for (size_t r = 0; r < entries.size(); ++r) {
+    readings.push_back(layout.read(slots.data(), static_cast<int>(r), entries[r].position));
+  }
+  return readings;
+}
+
+TEST(StepSlotsAsPieces, LargeFingerprintsAndPhasesSurviveAFloat32Sum) {
+  const int64_t big = (int64_t{1} << 62) + 12345; // a hash of 63 bits
+  const int64_t phases[StepSlots::kTimings] = {(int64_t{1} << 40) + 7, 3, 1};
+  std::vector<StepEntry> entries;
+  for (int r = 0; r < 5; ++r) {
+    entries.push_back(backward(1000003, big, big - 1, /*rider=*/1, r == 2 ? phases : nullptr));
+  }
+  for (const StepReading& reading : exchange_as_pieces<float>(entries)) {
+    EXPECT_EQ(reading.error, "");
+    EXPECT_EQ(reading.summed_rider, 5);
+    ASSERT_EQ(reading.timings.size(), 5u * StepSlots::kTimings);
+    EXPECT_EQ(reading.timings[2 * StepSlots::kTimings], phases[0]);
+    EXPECT_EQ(reading.timings[2 * StepSlots::kTimings + 1], 3);
+  }
+}
+
+TEST(StepSlotsAsPieces, FingerprintsDifferingInTheirHighBitsStillDiffer) {
+  const int64_t a = (int64_t{1} << 61) + 1;
+  const int64_t b = (int64_t{1} << 60) + 1;
+  for (const StepReading& reading : exchange_as_pieces<float>({backward(3, 1, a), backward(3, 1, b)})) {
+    EXPECT_TRUE(contains(reading.error, "registered different communication hooks")) << reading.error;
+  }
+  for (const StepReading& reading : exchange_as_pieces<double>({backward(3), backward(4)})) {
+    EXPECT_TRUE(contains(reading.error, "out of step")) << reading.error;
+  }
+}
+
+TEST(StepSlotsAsPieces, EveryPieceIsExactInFloat32) {
+  const int64_t values[] = {0, 1, (int64_t{1} << 22) - 1, int64_t{1} << 22, INT64_MAX};
+  std::vector<float> pieces(kPieces * 5);
+  encode_pieces(values, 5, pieces.data());
+  for (float piece : pieces) {
+    EXPECT_LT(piece, float(1 << kPieceBits));
+    EXPECT_EQ(piece, static_cast<float>(static_cast<int64_t>(piece)));
+  }
+  std::vector<int64_t> back(5);
+  decode_pieces(pieces.data(), 5, back.data());
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_EQ(back[i], values[i]);
+  }
+}
+
+TEST(StepSlotsAsPieces, APieceNoExactSumGivesRaises) {
+  const float pieces[kPieces] = {0.5f, 0.f, 0.f}; // a gradient where a piece was
+  int64_t slot = 0;
+  EXPECT_THROW(decode_pieces(pieces, 1, &slot), c10::Error);
+  const float negative[kPieces] = {-1.f, 0.f, 0.f};
+  EXPECT_THROW(decode_pieces(negative, 1, &slot), c10::Error);
 }
 
 } // namespace

@@ -1,0 +1,136 @@
+"""fixedcost: what ddp_ext adds to an iteration where communication is cheap.
+
+A tiny MLP (32 -> 64 -> 10, batch 8 per rank, one bucket) makes every
+iteration mostly fixed costs: the wrapper's Python around the forward, the
+reducer's bookkeeping, and the latency of each collective. ddp_ext, torch's
+DDP and local training run the same replica from the same seed in the same
+processes, alternating block by block (Note [Interleaved measurement]), and
+each iteration is timed per phase (forward with loss, backward with the
+allreduce waits, optimizer), so a difference shows where it lies.
+
+A fourth variant, "ddp_ext, separate step check", is ddp_ext with its step
+check on a collective of its own (as when buffers are broadcast), where it
+would ride on bucket 0 otherwise (Note [The step check on bucket 0] in
+reducer/agreement/step_check.h): what that note saves, measured in the same processes.
+"""
+
+from typing import Dict
+
+from torch import nn
+
+from benchmarks.harness import stats
+from benchmarks.harness.interleave import merge_ranks, run_interleaved
+from benchmarks.harness.launcher import launch
+from benchmarks.harness.options import BenchOptions
+from benchmarks.reporting import figures, markdown
+from benchmarks.workloads.replicas import LABELS, LOCAL, OURS, TORCH
+from benchmarks.workloads.training_step import PHASES, TrainingStep
+
+NAME = "fixedcost"
+FIGURE = "none (ddp_ext's own: its fixed cost per iteration against torch's DDP)"
+TITLE = "Fixed cost per iteration on a tiny MLP: ddp_ext vs torch DDP"
+# Iterations are about a millisecond: many, in many blocks.
+RUN_LENGTHS = {"warmup": 200, "blocks": 20, "block_iterations": 100, "discard_per_block": 10}
+
+MODEL = "tinymlp"
+SIZES = (32, 64, 10)
+BATCH = 8
+SEPARATE_CHECK = "ours_separate_check"
+KINDS = (OURS, TORCH, LOCAL, SEPARATE_CHECK)
+LABELS = {**LABELS, SEPARATE_CHECK: "ddp_ext, separate step check"}
+
+
+def build_mlp(seed: int) -> nn.Module:
+    import torch
+
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(SIZES[0], SIZES[1]), nn.ReLU(), nn.Linear(SIZES[1], SIZES[2]))
+
+
+def make(kind: str, seed: int) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from ddp_ext import DistributedDataParallel as OurDDP
+    from ddp_ext import _C
+
+    model = build_mlp(seed)
+    if kind == LOCAL:
+        return model
+    if kind == TORCH:
+        return TorchDDP(model)
+    if kind == OURS:
+        return OurDDP(model)
+    # Its reducer built as for a module whose buffers are broadcast: the step
+    # check on a collective of its own. Nothing else differs.
+    native = _C.Reducer
+
+    def separate_check(params, names, group, options, sparse):
+        options.buffers_broadcast = True
+        return native(params, names, group, options, sparse)
+
+    _C.Reducer = separate_check
+    try:
+        return OurDDP(model)
+    finally:
+        _C.Reducer = native
+
+
+def _measure(rank: int, world_size: int, job):
+    import torch
+
+    options, progress = job
+    progress = progress.for_rank(rank)
+    generator = torch.Generator().manual_seed(options.seed * 1000 + rank)
+    batch = (torch.randn(BATCH, SIZES[0], generator=generator),
+             torch.randint(0, SIZES[2], (BATCH,), generator=generator))
+    variants = {kind: TrainingStep(make(kind, options.seed), batch) for kind in KINDS}
+    return run_interleaved(variants, **options.run_lengths(), progress=progress, label=MODEL)
+
+
+def _phases(blocks) -> Dict[str, float]:
+    return {phase: stats.median_ms(blocks, phase) for phase in (*PHASES, "total")}
+
+
+def run(options: BenchOptions, progress) -> dict:
+    per_rank = launch(_measure, options.world_size, (options, progress), options.threads, options.timeout_s)
+    merged = merge_ranks(per_rank)
+    result = {
+        "summary": {kind: stats.summarize(merged[kind]) for kind in KINDS},
+        "phases_ms": {kind: _phases(merged[kind]) for kind in KINDS},
+        "ratio": stats.ratio(merged[OURS], merged[TORCH]),
+        "separate_check_over_torch": stats.ratio(merged[SEPARATE_CHECK], merged[TORCH]),
+        "ours_over_separate_check": stats.ratio(merged[OURS], merged[SEPARATE_CHECK]),
+        "ours_over_local": stats.ratio(merged[OURS], merged[LOCAL]),
+        "samples_ms": {kind: stats.values(merged[kind]) for kind in KINDS},
+        "workload": f"MLP {' -> '.join(map(str, SIZES))}, batch {BATCH} per rank, SGD, cross-entropy",
+    }
+    notes = ["phases: medians per phase over all measured iterations (the slowest rank's iteration); "
+             "ratio [min-max]: median ddp_ext / median torch DDP, and its range over back-to-back block pairs."]
+    return {"models": {MODEL: result}, "notes": notes}
+
+
+def table(data: dict) -> str:
+    rows = []
+    for model, r in data["models"].items():
+        for kind in KINDS:
+            phases = r["phases_ms"][kind]
+            rows.append([model, LABELS[kind], markdown.ms_iqr(r["summary"][kind]),
+                         *(markdown.ms(phases[p]) for p in PHASES),
+                         markdown.ratio_spread(r["ratio"]) if kind == OURS
+                         else markdown.ratio_spread(r["separate_check_over_torch"]) if kind == SEPARATE_CHECK else ""])
+    return markdown.table(["model", "implementation", "ms per iteration (IQR)", *(f"{p} ms" for p in PHASES),
+                           "ddp_ext / torch [block range]"], rows)
+
+
+def plot(data: dict, path: str) -> None:
+    figure, axes = figures.panels(len(data["models"]))
+    for ax, (model, r) in zip(axes, data["models"].items()):
+        kinds = list(r["samples_ms"])
+        boxes = ax.boxplot([r["samples_ms"][kind] for kind in kinds], showfliers=False, patch_artist=True,
+                           medianprops=figures.MEDIAN)
+        for patch, kind in zip(boxes["boxes"], kinds):
+            patch.set_facecolor(figures.COLORS.get(kind, "tab:cyan"))
+        ax.set_xticks(range(1, len(kinds) + 1), [LABELS[k] for k in kinds])
+        ax.set_title(f"{model}: ddp_ext/torch = {r['ratio']['ratio']:.3f}")
+        ax.set_ylabel("per-iteration latency (ms)")
+    figures.save(figure, path, f"{TITLE} ({data['options']['world_size']} ranks)")

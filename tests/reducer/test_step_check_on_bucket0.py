@@ -1,0 +1,223 @@
+"""The step check on bucket 0 (Note [The step check on bucket 0] in
+reducer/agreement/step_check.h): where no communication hook runs, no layer is dropped
+and no buffer is broadcast, a backward's step check travels in a tail of
+bucket 0's allreduce instead of a collective of its own. These tests count
+the collectives a backward runs (torch's profiler records each Gloo
+allreduce with its tensors' shapes), check that the averaged gradients are
+exactly torch's DDP's (the tail must not disturb the average, nor the
+average the tail), and that ranks out of step are still caught, at every
+world size, on the bucket 0 that carries the check."""
+
+import dataclasses
+from typing import Optional, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch.profiler import ProfilerActivity, profile
+
+import ddp_ext
+from tests.support.harness import CaseTable
+
+PHASES = 3  # StepSlots::kPhases
+PIECES = 3  # kPieces in reducer/agreement/step_slots.h
+
+
+def tail_numel(world_size: int) -> int:
+    return PIECES * ((3 + PHASES) * world_size + 1)
+
+
+def check_numel(world_size: int) -> int:
+    return (3 + PHASES) * world_size + 1  # the separate check's int64 slots
+
+
+@dataclasses.dataclass(frozen=True)
+class C:
+    id: str
+    dtype: torch.dtype = torch.float32
+    ddp_kwargs: Tuple = ()
+    hook: bool = False
+    buffers: bool = False
+    rides: bool = True  # whether the check should ride on bucket 0
+
+
+CASES = [
+    C("float32"),
+    C("float64", dtype=torch.float64),
+    C("many_buckets", ddp_kwargs=(("bucket_cap_mb", 0.001),)),
+    C("gradient_as_bucket_view", ddp_kwargs=(("gradient_as_bucket_view", True),)),
+    C("find_unused_parameters", ddp_kwargs=(("find_unused_parameters", True),)),
+    C("static_graph", ddp_kwargs=(("static_graph", True),)),
+    C("batched_grad_copy", ddp_kwargs=(("batched_grad_copy", True),)),
+    # Where the separate check stays: a hook, buffers broadcast before forwards,
+    # buckets of a dtype that cannot hold the pieces exactly.
+    C("comm_hook", hook=True, rides=False),
+    C("buffers_broadcast", buffers=True, rides=False),
+    C("float16", dtype=torch.float16, rides=False),
+]
+
+
+class Net(nn.Module):
+    def __init__(self, dtype: torch.dtype, buffers: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc0 = nn.Linear(6, 16)
+        self.norm = nn.BatchNorm1d(16) if buffers else nn.Identity()
+        self.fc1 = nn.Linear(16, 3)
+        self.to(dtype)
+
+    def forward(self, x):
+        return self.fc1(torch.relu(self.norm(self.fc0(x))))
+
+
+def ddp_kwargs(c: C) -> dict:
+    return dict(c.ddp_kwargs)
+
+
+def gloo_allreduces(prof) -> list:
+    """The shapes of every Gloo allreduce the profile recorded, in order."""
+    return [e.input_shapes for e in prof.events() if e.name in ("gloo:all_reduce", "gloo:all_reduce_coalesced")]
+
+
+def run_case(rank: int, world_size: int, c: C):
+    group = dist.new_group()
+    try:
+        return compare(rank, world_size, c, group)
+    finally:
+        dist.destroy_process_group(group)
+
+
+def compare(rank: int, world_size: int, c: C, group):
+    ours = ddp_ext.DistributedDataParallel(Net(c.dtype, c.buffers), process_group=group, **ddp_kwargs(c))
+    kwargs = {k: v for k, v in ddp_kwargs(c).items() if k != "batched_grad_copy"}
+    theirs = TorchDDP(Net(c.dtype, c.buffers), process_group=group, **kwargs)
+    if c.hook:
+        ours.register_comm_hook(group, default_hooks.allreduce_hook)
+        theirs.register_comm_hook(group, default_hooks.allreduce_hook)
+    grads = []  # per step: (ours, torch's) per parameter
+    shapes: Optional[list] = None
+    for step in range(5):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * step + rank)).to(c.dtype)
+        for model in (ours, theirs):
+            model.zero_grad(set_to_none=True)
+        if step == 3:
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                (ours(x) ** 2).sum().backward()
+            shapes = gloo_allreduces(prof)
+        else:
+            (ours(x) ** 2).sum().backward()
+        (theirs(x) ** 2).sum().backward()
+        grads.append([(a.grad.clone(), b.grad.clone()) for a, b in zip(ours.module.parameters(), theirs.module.parameters())])
+    return {"grads": grads, "shapes": shapes, "buckets": len(ours.bucket_indices()),
+            "first_bucket": first_bucket(ours)}
+
+
+def first_bucket(ddp) -> int:
+    """Elements in bucket 0."""
+    params = [p for p in ddp.module.parameters() if p.requires_grad]
+    return sum(params[i].numel() for i in ddp.bucket_indices()[0])
+
+
+TABLE = CaseTable(run_case, CASES, timeout=180.0)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("c", CASES, ids=lambda c: c.id)
+def test_step_check_rides_on_bucket0_and_gradients_stay_exact(c, world_size):
+    results = TABLE.results(world_size, c)
+    for rank, r in enumerate(results):
+        for step, (per_param, on_rank0) in enumerate(zip(r["grads"], results[0]["grads"])):
+            for i, ((ours, theirs), (ours_on_rank0, _)) in enumerate(zip(per_param, on_rank0)):
+                where = f"rank {rank}, step {step}, parameter {i}"
+                # Every replica gets the same average.
+                assert torch.equal(ours, ours_on_rank0), where
+                if world_size == 2:
+                    # a + b in either order: exactly torch's DDP's averages,
+                    # so the tail changed none of bucket 0's elements.
+                    assert torch.equal(ours, theirs), where
+                else:
+                    # Gloo's ring splits a longer buffer into other chunks,
+                    # which sums some elements in another order.
+                    # (float16 sums round at every step: half precision's tolerance.)
+                    tol = dict(rtol=1e-2, atol=1e-3) if c.dtype == torch.float16 else {}
+                    torch.testing.assert_close(ours, theirs, **tol, msg=where)
+        shapes = r["shapes"]
+        usage = 1 if c.id == "find_unused_parameters" else 0  # the usage bitmap's allreduce
+        if c.rides:
+            # One collective per bucket: bucket 0's carries the tail.
+            assert len(shapes) == r["buckets"] + usage, f"rank {rank}: {shapes}"
+            # (The profiler orders events as they ran on Gloo's thread.)
+            assert [[r["first_bucket"] + tail_numel(world_size)]] in shapes, f"rank {rank}: {shapes}"
+            assert [[r["first_bucket"]]] not in shapes, f"rank {rank}: {shapes}"
+            assert [[check_numel(world_size)]] not in shapes, f"rank {rank}: {shapes}"
+        else:
+            # The separate check (int64 slots), and no tail on bucket 0.
+            assert [[check_numel(world_size)]] in shapes, f"rank {rank}: {shapes}"
+            assert [[r["first_bucket"]]] in shapes, f"rank {rank}: {shapes}"
+
+
+# --- Ranks out of step are caught on bucket 0 ------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class OutOfStep:
+    id: str
+    ddp_kwargs: Tuple = ()
+
+
+OUT_OF_STEP = [
+    OutOfStep("one_bucket"),
+    OutOfStep("many_buckets", (("bucket_cap_mb", 0.001),)),
+    OutOfStep("float64"),
+]
+
+
+def skip_a_backward(rank: int, world_size: int, c: OutOfStep):
+    group = dist.new_group()  # the dropped allreduces stay on this group
+    try:
+        dtype = torch.float64 if c.id == "float64" else torch.float32
+        ddp = ddp_ext.DistributedDataParallel(Net(dtype, False), process_group=group, **dict(c.ddp_kwargs))
+        outcome = []
+        for step in range(4):
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step)).to(dtype)
+            loss = (ddp(x) ** 2).sum()
+            if step == 1 and rank == world_size - 1:
+                outcome.append("skipped")
+                continue
+            try:
+                with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                    loss.backward()
+                outcome.append(None)
+            except RuntimeError as error:
+                outcome.append(str(error))
+                return {"outcome": outcome, "shapes": gloo_allreduces(prof), "first_bucket": first_bucket(ddp)}
+        return {"outcome": outcome, "shapes": None}
+    finally:
+        dist.destroy_process_group(group)
+
+
+OUT_OF_STEP_TABLE = CaseTable(skip_a_backward, OUT_OF_STEP, timeout=180.0, isolated=True)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("c", OUT_OF_STEP, ids=lambda c: c.id)
+def test_ranks_out_of_step_are_caught_on_bucket0(c, world_size):
+    results = OUT_OF_STEP_TABLE.results(world_size, c)
+    messages = [r["outcome"][-1] for r in results]
+    odd = world_size - 1
+    for rank, r in enumerate(results):
+        message = messages[rank]
+        assert message not in (None, "skipped"), f"rank {rank} trained on out of step: {r['outcome']}"
+        assert "out of step" in message and f"this is rank {rank})" in message, message
+        in_step = "rank 0" if world_size == 2 else "ranks 0, 1"
+        # The in-step ranks' backward of step 2 met the odd rank's of step 3.
+        assert f"{in_step} in the backward of training step 2; rank {odd} in the backward of training step 3" in message
+        # Caught by the bucket 0 that carried the check: no collective of its own.
+        carried = r["first_bucket"] + tail_numel(world_size)
+        assert r["shapes"] and [[carried]] in r["shapes"], f"rank {rank}: {r['shapes']}"
+        assert [[check_numel(world_size)]] not in r["shapes"], f"rank {rank}: {r['shapes']}"
+    # The same text on every rank, but for "this is rank r".
+    assert len({m.replace(f"this is rank {r})", "") for r, m in enumerate(messages)}) == 1, messages
