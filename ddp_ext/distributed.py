@@ -254,7 +254,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, TorchDistributedDataPar
         options.gradient_as_bucket_view = self.gradient_as_bucket_view
         options.skip_all_reduce_unused_params = self.skip_all_reduce_unused_params
         options.batched_grad_copy = self.batched_grad_copy
-        # See Note [The step check on bucket 0] in reducer/step_check.h.
+        # See Note [The step check on bucket 0] in reducer/agreement/step_check.h.
         options.buffers_broadcast = bool(self.forward_sync_buffers and self.modules_buffers)
         options.rebuild_buckets = getattr(_C.BucketRebuild, self.rebuild_buckets)
         options.bucket_caps = self._requested_caps.caps_bytes  # the reducer's layout owns them from here
