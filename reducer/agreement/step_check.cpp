@@ -11,7 +11,9 @@
 namespace ddp_ext::reducer {
 
 bool rides_on_bucket0(const Bucket& first, const c10d::ProcessGroup& group, bool own_check) {
-  return !own_check && group.getBackendType() == c10d::ProcessGroup::BackendType::GLOO &&
+  // Two ranks only: see point 3 of the Note.
+  return !own_check && group.getSize() == 2 &&
+      group.getBackendType() == c10d::ProcessGroup::BackendType::GLOO &&
       !first.sparse && first.flat.defined() && first.flat.device().is_cpu() &&
       (first.flat.scalar_type() == at::kFloat || first.flat.scalar_type() == at::kDouble);
 }

@@ -105,8 +105,8 @@ namespace ddp_ext::reducer {
 // What it guarantees is what the separate check did, because collectives pair
 // by order and every collective that can be paired with a check is shaped
 // like the checks it can meet:
-//  1. Where it applies (rides_on_bucket0 and the reducer's own_check: more
-//     than one rank, Gloo, bucket 0 dense on the CPU in float32 or float64,
+//  1. Where it applies (rides_on_bucket0 and the reducer's own_check: two
+//     ranks, Gloo, bucket 0 dense on the CPU in float32 or float64,
 //     no hook that every rank confirmed, no layers
 //     dropped, no buffers broadcast before forwards, not under Join, and
 //     skip_all_reduce_unused_params off), every check of every rank has
@@ -129,10 +129,17 @@ namespace ddp_ext::reducer {
 //     (zeros elsewhere), the rider sums votes of 0 or 1, and every piece
 //     has at most 22 bits, so float32 adds them without rounding;
 //     decode_pieces raises on a piece that is not a whole number below 2^24,
-//     as a bucket 0 of another layout could give.
-//  4. Elsewhere (a hook registered before the first forward, layer dropping,
-//     Join, buffers broadcast, NCCL, reduced precision) the separate check
-//     of Note [Ranks out of step] runs, on every rank alike.
+//     as a bucket 0 of another layout could give. And the gradients stay
+//     bitwise torch's DDP's only at two ranks: a + b is b + a, whichever rank
+//     Gloo's ring starts a segment on. At three or more, the tail makes the
+//     buffer longer, Gloo's ring cuts it into other segments, and some of
+//     bucket 0's elements would be summed in another order (the last bits
+//     differ from torch's DDP's, and from a process group that is not Gloo).
+//     So it rides at two ranks only.
+//  4. Elsewhere (three ranks or more, a hook registered before the first
+//     forward, layer dropping, Join, buffers broadcast, NCCL, reduced
+//     precision) the separate check of Note [Ranks out of step] runs, on
+//     every rank alike.
 // The cost: bucket 0 is copied into the buffer before its allreduce and
 // back after it (memory bandwidth, on the CPU), instead of one more
 // latency-bound collective per iteration. Not allreduce_coalesced, which

@@ -5,8 +5,9 @@ bucket 0's allreduce instead of a collective of its own. These tests count
 the collectives a backward runs (torch's profiler records each Gloo
 allreduce with its tensors' shapes), check that the averaged gradients are
 exactly torch's DDP's (the tail must not disturb the average, nor the
-average the tail), and that ranks out of step are still caught, at every
-world size, on the bucket 0 that carries the check."""
+average the tail), and that ranks out of step are still caught, on the
+bucket 0 that carries the check at two ranks and by the separate check at
+three, where the check does not ride."""
 
 import dataclasses
 from typing import Optional, Tuple
@@ -132,21 +133,25 @@ def test_step_check_rides_on_bucket0_and_gradients_stay_exact(c, world_size):
         for step, (per_param, on_rank0) in enumerate(zip(r["grads"], results[0]["grads"])):
             for i, ((ours, theirs), (ours_on_rank0, _)) in enumerate(zip(per_param, on_rank0)):
                 where = f"rank {rank}, step {step}, parameter {i}"
-                # Every replica gets the same average.
+                # Every replica gets the same average, exactly torch's DDP's:
+                # at two ranks the tail changed none of bucket 0's elements
+                # (a + b in either order); at three it does not ride.
                 assert torch.equal(ours, ours_on_rank0), where
                 if world_size == 2:
-                    # a + b in either order: exactly torch's DDP's averages,
-                    # so the tail changed none of bucket 0's elements.
                     assert torch.equal(ours, theirs), where
                 else:
-                    # Gloo's ring splits a longer buffer into other chunks,
-                    # which sums some elements in another order.
-                    # (float16 sums round at every step: half precision's tolerance.)
+                    # Until both have rebuilt, a gradient's place in its bucket
+                    # may differ from torch's (TORCH_CONTRACT.md), which at three
+                    # ranks changes the order of the sums in the last bits;
+                    # tests/process_groups/test_round_robin_ddp.py compares
+                    # ddp_ext with itself bit for bit there.
                     tol = dict(rtol=1e-2, atol=1e-3) if c.dtype == torch.float16 else {}
                     torch.testing.assert_close(ours, theirs, **tol, msg=where)
         shapes = r["shapes"]
         usage = 1 if c.id == "find_unused_parameters" else 0  # the usage bitmap's allreduce
-        if c.rides:
+        # At three ranks a longer buffer would be cut into other ring
+        # segments by Gloo, changing the last bits: the separate check runs.
+        if c.rides and world_size == 2:
             # One collective per bucket: bucket 0's carries the tail.
             assert len(shapes) == r["buckets"] + usage, f"rank {rank}: {shapes}"
             # (The profiler orders events as they ran on Gloo's thread.)
@@ -215,9 +220,13 @@ def test_ranks_out_of_step_are_caught_on_bucket0(c, world_size):
         in_step = "rank 0" if world_size == 2 else "ranks 0, 1"
         # The in-step ranks' backward of step 2 met the odd rank's of step 3.
         assert f"{in_step} in the backward of training step 2; rank {odd} in the backward of training step 3" in message
-        # Caught by the bucket 0 that carried the check: no collective of its own.
-        carried = r["first_bucket"] + tail_numel(world_size)
-        assert r["shapes"] and [[carried]] in r["shapes"], f"rank {rank}: {r['shapes']}"
-        assert [[check_numel(world_size)]] not in r["shapes"], f"rank {rank}: {r['shapes']}"
+        if world_size == 2:
+            # Caught by the bucket 0 that carried the check: no collective of its own.
+            carried = r["first_bucket"] + tail_numel(world_size)
+            assert r["shapes"] and [[carried]] in r["shapes"], f"rank {rank}: {r['shapes']}"
+            assert [[check_numel(world_size)]] not in r["shapes"], f"rank {rank}: {r['shapes']}"
+        else:
+            # Caught by the separate check, which is what runs at three ranks.
+            assert r["shapes"] and [[check_numel(world_size)]] in r["shapes"], f"rank {rank}: {r['shapes']}"
     # The same text on every rank, but for "this is rank r".
     assert len({m.replace(f"this is rank {r})", "") for r, m in enumerate(messages)}) == 1, messages
