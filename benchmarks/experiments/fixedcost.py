@@ -22,6 +22,7 @@ from benchmarks.harness import stats
 from benchmarks.harness.interleave import merge_ranks, run_interleaved
 from benchmarks.harness.launcher import launch
 from benchmarks.harness.options import BenchOptions
+from benchmarks.harness.product import with_separate_step_check
 from benchmarks.reporting import figures, markdown
 from benchmarks.workloads.replicas import LABELS, LOCAL, OURS, TORCH
 from benchmarks.workloads.training_step import PHASES, TrainingStep
@@ -51,7 +52,6 @@ def make(kind: str, seed: int) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from ddp_ext import DistributedDataParallel as OurDDP
-    from ddp_ext import _C
 
     model = build_mlp(seed)
     if kind == LOCAL:
@@ -60,19 +60,7 @@ def make(kind: str, seed: int) -> nn.Module:
         return TorchDDP(model)
     if kind == OURS:
         return OurDDP(model)
-    # Its reducer built as for a module whose buffers are broadcast: the step
-    # check on a collective of its own. Nothing else differs.
-    native = _C.Reducer
-
-    def separate_check(params, names, group, options, sparse):
-        options.buffers_broadcast = True
-        return native(params, names, group, options, sparse)
-
-    _C.Reducer = separate_check
-    try:
-        return OurDDP(model)
-    finally:
-        _C.Reducer = native
+    return with_separate_step_check(model)
 
 
 def _measure(rank: int, world_size: int, job):

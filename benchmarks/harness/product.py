@@ -14,6 +14,11 @@ this module takes, from where, and why:
   `bucket_cap_mb="auto"` replica until its tuner has settled before timing it.
 - `settled_caps_mb(model)`, from the wrapper's `_auto_buckets`: the caps the
   tuner settled on, recorded with the `bucket` results.
+- `with_separate_step_check(model)`: a DistributedDataParallel whose reducer
+  (`ddp_ext._C.Reducer`) is built as for a module whose buffers are
+  broadcast, so its step check runs as a collective of its own: the
+  `fixedcost` experiment times it beside the default, where the check rides
+  on bucket 0's allreduce. Nothing else differs.
 
 When the product moves these, this file is the only one to change.
 """
@@ -32,7 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CODEC_SOURCES = ["benchmarks/native/codec_bindings.cpp", "comm_hooks/compression/int8_codec.cpp"]
 BUILD_WAIT_S = 1800  # a build by another process, under load on 2 cores
 
-__all__ = ["TuningStage", "int8_decode_sum", "int8_encode", "settled_caps_mb"]
+__all__ = ["TuningStage", "int8_decode_sum", "int8_encode", "settled_caps_mb", "with_separate_step_check"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,3 +67,21 @@ def int8_decode_sum(payloads, out, chunk: int) -> None:
 def settled_caps_mb(model) -> list:
     """The bucket caps (MiB) a `bucket_cap_mb="auto"` DistributedDataParallel uses now."""
     return list(model._auto_buckets.caps_mb())
+
+
+def with_separate_step_check(model):
+    """ddp_ext's DistributedDataParallel over `model`, its step check on a
+    collective of its own (see the module docstring)."""
+    from ddp_ext import DistributedDataParallel, _C
+
+    native = _C.Reducer
+
+    def separate_check(params, names, group, options, sparse):
+        options.buffers_broadcast = True
+        return native(params, names, group, options, sparse)
+
+    _C.Reducer = separate_check
+    try:
+        return DistributedDataParallel(model)
+    finally:
+        _C.Reducer = native
