@@ -107,9 +107,11 @@ def test_commit_is_dirty_for_source_changes_only(tmp_path):
 
 
 @pytest.mark.parametrize("values, rebuilds, expected", [
-    # Rebuilt at the end of iteration 1 and of iteration 4: before is iteration 4's value.
+    # Each iteration's backward ran with the layout of this many rebuilds: rebuilt
+    # after iterations 0 and 3 (at the next forward), so iteration 3 ran with the
+    # layout the last rebuild replaced, and "after" is the median of iterations 4-7.
     ([0.0, 0.1, 0.9, 0.2, 0.3, 0.8, 0.9, 0.9], [0, 1, 1, 1, 2, 2, 2, 2],
-     {"before": 0.3, "after": 0.9, "last_rebuild_iteration": 4}),
+     {"before": 0.2, "after": 0.85, "last_rebuild_iteration": 3}),
     ([0.5, 0.4, 0.6], [0, 0, 0], {"before": 0.5, "after": 0.5, "last_rebuild_iteration": None}),
 ])
 def test_order_measures_around_the_last_rebuild(values, rebuilds, expected):
