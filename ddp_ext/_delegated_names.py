@@ -246,13 +246,18 @@ class DelegatedNames:
     # --- diagnosis: ddp_ext/_diagnosis/stragglers.py -------------------------
 
     def straggler_report(self) -> Optional[dict]:
-        """ddp_ext only: see ddp_ext/_diagnosis/stragglers.py, report."""
-        return _stragglers.report(self)
+        """ddp_ext only: see ddp_ext/_diagnosis/stragglers.py, Stragglers.report_now;
+        None in a world of one."""
+        watch = self._stragglers
+        return None if watch is None else watch.report_now(self.reducer)
 
     def watch_stragglers(self, every: int = _stragglers.DEFAULT_EVERY, margin: float = 0.3,
                          min_excess_ms: float = 5.0, persist: int = 3) -> None:
-        """ddp_ext only: see ddp_ext/_diagnosis/stragglers.py, configure."""
-        _stragglers.configure(self, every, margin, min_excess_ms, persist)
+        """ddp_ext only: see ddp_ext/_diagnosis/stragglers.py, Stragglers.configure."""
+        watch = self._stragglers
+        if watch is None:
+            raise RuntimeError("straggler reports need more than one rank")
+        watch.configure(self.reducer, every, margin, min_excess_ms, persist)
 
     # --- pickling: ddp_ext/_pickling.py -------------------------------------
 

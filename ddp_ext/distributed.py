@@ -214,9 +214,11 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
     def _attach_watchers(self, store_key: Optional[str] = None) -> None:
         """Hang diagnosis and straggler reports over the group in use (a new
         store key without `store_key`)."""
-        self._hang_diagnosis = _diagnosis.attach(self, settings=self._settings.hang, key=store_key)
-        self._hooks.store_key = self._store_key  # set by attach
-        self._stragglers = _stragglers.attach(self)
+        self._store_key = store_key if store_key is not None else _diagnosis.store_key(self.process_group)
+        self._hang_diagnosis = _diagnosis.attach(self.reducer, self.process_group, self._store_key,
+                                                 getattr(self, "device_type", "cpu"), settings=self._settings.hang)
+        self._hooks.store_key = self._store_key
+        self._stragglers = _stragglers.attach(self.reducer, self.process_group)
 
     def _build_reducer(self, caps: BucketCaps):
         return build_reducer(self._params.named(self.module), self._params.with_sparse_gradients(), self._settings,

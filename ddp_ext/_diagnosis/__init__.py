@@ -1,6 +1,6 @@
 """Diagnosis: what went wrong, on which rank, named in seconds.
 
-`attach(ddp)` gives the wrapper's reducer a hang handler (Note [Hang
+`attach(reducer, group, key)` gives a reducer a hang handler (Note [Hang
 attribution] in reducer/observation/stall_watch.h): the reducer waits with a deadline and
 reports what this rank is doing; ddp_ext/_diagnosis/hang.py publishes it
 through the store, reads the other ranks' reports and formats the message.

@@ -205,26 +205,24 @@ def store_key(process_group, agreed: Optional[int] = None) -> str:
     return f"{name}/{number}"
 
 
-def attach(ddp, hang_timeout_s: Optional[float] = None, on_hang: Optional[str] = None, settings=None,
-           key: Optional[str] = None):
-    """Gives `ddp.reducer` a HangDiagnosis (or none, when off or alone);
-    returns it. `key`: the wrapper's `store_key`, agreed at construction;
-    None takes a new one (after the process group changed)."""
+def attach(reducer, group, key: str, device_type: str = "cpu", hang_timeout_s: Optional[float] = None,
+           on_hang: Optional[str] = None, settings=None):
+    """Gives `reducer`, over `group`, a HangDiagnosis (or none, when off or
+    alone); returns it. `key`: the wrapper's `store_key`, where the ranks'
+    reports meet in the store."""
     settings = settings if settings is not None else resolve_hang_settings(hang_timeout_s, on_hang)
-    reducer, group = ddp.reducer, ddp.process_group
-    ddp._store_key = key if key is not None else store_key(group)
     if reducer is None:
         return None
     # On CUDA, waits only order streams (NCCL's host-side wait with a timeout
     # has other effects): hang attribution covers CPU modules only.
-    if not settings.on or group.size() == 1 or getattr(ddp, "device_type", "cpu") != "cpu":
+    if not settings.on or group.size() == 1 or device_type != "cpu":
         reducer._set_stall_handler(0, None)
         return None
     store = store_of(group)
     channel = None
     if store is not None:
         channel = SideChannel(
-            store, group.rank(), group.size(), f"ddp_ext/diagnosis/{ddp._store_key}"
+            store, group.rank(), group.size(), f"ddp_ext/diagnosis/{key}"
         )
         channel.introduce()
     diagnosis = HangDiagnosis(settings, channel, group.rank(), group.size())

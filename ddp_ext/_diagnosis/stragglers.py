@@ -29,6 +29,9 @@ class Stragglers:
     """One wrapper's straggler watch. Holds no reference to the wrapper."""
 
     def __init__(self, every: int, margin: float = 0.3, min_excess_ms: float = 5.0, persist: int = 3):
+        self._start(every, margin, min_excess_ms, persist)
+
+    def _start(self, every: int, margin: float, min_excess_ms: float, persist: int) -> None:
         if every < 0 or margin < 0 or min_excess_ms < 0 or persist < 1:
             raise ValueError("every >= 0, margin >= 0, min_excess_ms >= 0 and persist >= 1")
         self.every, self.margin, self.min_excess_ms, self.persist = every, margin, min_excess_ms, persist
@@ -37,6 +40,24 @@ class Stragglers:
         self.report: Optional[dict] = None
         self.streaks: Dict[tuple, int] = {}
         self.warned: set = set()
+
+    def configure(self, reducer, every: int = DEFAULT_EVERY, margin: float = 0.3, min_excess_ms: float = 5.0,
+                  persist: int = 3) -> None:
+        """ddp_model.watch_stragglers(): exchange every `every` training steps
+        (0: off) and warn about a rank `margin` and `min_excess_ms` above the
+        median in `persist` exchanges in a row. Starts over."""
+        self._start(every, margin, min_excess_ms, persist)
+        reducer._set_straggler_every(self.every)
+
+    def report_now(self, reducer) -> Optional[dict]:
+        """ddp_model.straggler_report(): per-rank mean phase lengths (ms) of
+        the last exchange, their medians, and the ranks persistently slower;
+        None before the first exchange."""
+        step, figures = reducer._straggler_figures()
+        if figures and step != self.last_step:
+            self.last_step = step
+            self.observe(step, figures)
+        return self.report
 
     def forward(self, reducer) -> None:
         """Called at each synchronising forward; reads the reducer only every
@@ -94,38 +115,11 @@ class Stragglers:
         return message
 
 
-def attach(ddp) -> Optional[Stragglers]:
-    """A Stragglers for `ddp` (off for a world of one or without a reducer),
-    with the reducer told how often to exchange."""
-    reducer, group = ddp.reducer, ddp.process_group
+def attach(reducer, group) -> Optional[Stragglers]:
+    """A Stragglers for `reducer` over `group` (None in a world of one or
+    without a reducer), with the reducer told how often to exchange."""
     if reducer is None or group.size() == 1:
         return None
     watch = Stragglers(default_every())
     reducer._set_straggler_every(watch.every)
     return watch
-
-
-def configure(ddp, every: int = DEFAULT_EVERY, margin: float = 0.3, min_excess_ms: float = 5.0, persist: int = 3) -> None:
-    """ddp_model.watch_stragglers(): exchange every `every` training steps (0:
-    off) and warn about a rank `margin` and `min_excess_ms` above the median
-    in `persist` exchanges in a row."""
-    watch = ddp._stragglers
-    if watch is None:
-        raise RuntimeError("straggler reports need more than one rank")
-    fresh = Stragglers(every, margin, min_excess_ms, persist)
-    ddp._stragglers = fresh
-    ddp.reducer._set_straggler_every(fresh.every)
-
-
-def report(ddp) -> Optional[dict]:
-    """ddp_model.straggler_report(): per-rank mean phase lengths (ms) of the
-    last exchange, their medians, and the ranks persistently slower; None
-    before the first exchange or in a world of one."""
-    watch = ddp._stragglers
-    if watch is None:
-        return None
-    step, figures = ddp.reducer._straggler_figures()
-    if figures and step != watch.last_step:
-        watch.last_step = step
-        watch.observe(step, figures)
-    return watch.report
