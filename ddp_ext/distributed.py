@@ -216,7 +216,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
         store key without `store_key`)."""
         self._store_key = store_key if store_key is not None else _diagnosis.store_key(self.process_group)
         self._hang_diagnosis = _diagnosis.attach(self.reducer, self.process_group, self._store_key,
-                                                 getattr(self, "device_type", "cpu"), settings=self._settings.hang)
+                                                 self.device_type, settings=self._settings.hang)
         self._hooks.store_key = self._store_key
         self._stragglers = _stragglers.attach(self.reducer, self.process_group)
 

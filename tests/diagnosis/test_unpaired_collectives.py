@@ -13,25 +13,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import ddp_ext
+from tests.diagnosis.test_out_of_step import Net  # raises in forward when `fail` is set
 from tests.support.spawn import run_ranks
-
-
-class Net(nn.Module):
-    """BatchNorm's buffers are broadcast at each forward; raises in forward
-    when `fail` is set."""
-
-    def __init__(self, buffers: bool):
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc0 = nn.Linear(4, 8)
-        self.norm = nn.BatchNorm1d(8) if buffers else nn.Identity()
-        self.fc1 = nn.Linear(8, 2)
-        self.fail = False
-
-    def forward(self, x):
-        if self.fail:
-            raise ValueError("a bad batch")
-        return self.fc1(self.norm(self.fc0(x)))
 
 
 def _out_of_step_then_go_on(rank: int, world_size: int, variant: str, first_to_free: int):
