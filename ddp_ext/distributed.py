@@ -15,6 +15,7 @@ delegates, gathered in ddp_ext/_delegated_names.py.
     _logging        LoggingData: _get_ddp_logging_data and runtime statistics
     _join           JoinShadow: uneven inputs (Join)
     _delayed        DelayedAllReduce: delay_all_reduce_named_params
+    _optimizer_overlap  OptimizerOverlap: overlap_optimizer (None until called)
 """
 
 import contextlib
