@@ -153,6 +153,8 @@ class DelegatedNames:
 
     # --- the optimizer overlapped with communication: ddp_ext/_optimizer_overlap.py ---
 
+    _optimizer_overlap = None  # an OptimizerOverlap once overlap_optimizer is called
+
     def overlap_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """ddp_ext only. From the next backward on, each bucket's parameters are
         stepped by `optimizer` as soon as the bucket is reduced, while later

@@ -99,7 +99,7 @@ def check(ddp, optimizer) -> None:
         raise ValueError(_error(
             rank, "has no bucket to step: every parameter is in delay_all_reduce_named_params, reduced after "
             "the backward."))
-    if getattr(ddp, "_optimizer_overlap", None) is not None:
+    if ddp._optimizer_overlap is not None:
         raise RuntimeError(_error(rank, "was called already on this wrapper; it takes one optimizer, once."))
     if getattr(optimizer, "_ddp_ext_overlapped", False):
         raise RuntimeError(_error(rank, "was called already with this optimizer (on another wrapper)."))
