@@ -38,6 +38,9 @@ namespace ddp_ext::reducer {
 // and written back but not stepped, the backward finishes (the reducer is
 // idle again), and the error is raised from backward.
 //
+// The steps run inside the backward's wait for its buckets: the timeline's
+// wait and the runtime statistics' end of communication include them.
+//
 // A static graph's first iteration (finish_learning_iteration) and a
 // backward inside no_sync do not call the step; the user's optimizer.step()
 // then steps every parameter, as without one.

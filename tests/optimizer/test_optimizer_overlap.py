@@ -87,6 +87,8 @@ RUNS += [
     run("branches", "sgd", ddp=dict(find_unused_parameters=True)),
     run("branches", "adam_foreach", ddp=dict(find_unused_parameters=True, gradient_as_bucket_view=True)),
     run("branches", "adamw_loop", micro_batches=2, ddp=dict(find_unused_parameters=True)),
+    # .grad kept as bucket views, stashed and restored for the heads no rank used.
+    run("branches", "sgd", set_to_none=False, ddp=dict(find_unused_parameters=True, gradient_as_bucket_view=True)),
     run("deep", "adam_loop", ddp=dict(static_graph=True)),
     run("deep", "adam_foreach", ddp=dict(gradient_as_bucket_view=True)),
     run("mlp", "sgd", checkpoint_at=2),
@@ -240,6 +242,20 @@ def test_overlapped_optimizer_is_exact(c, world_size):
                 f"{what}: step {step}: the steps {calls['stepped']} are not the buckets {calls['buckets']}")
         # Several buckets once the first bucket's cap no longer applies (from the rebuild on).
         assert max(len(calls["buckets"]) for calls in r["overlap"]["calls"]) >= 2, f"{what}: one bucket only"
+
+
+ALONE = [run("deep", "adam_foreach"), run("branches", "sgd", ddp=dict(find_unused_parameters=True))]
+
+
+@pytest.mark.parametrize("c", ALONE, ids=lambda c: c.id)
+def test_overlapped_optimizer_is_exact_alone(c):
+    """A world of one, where gradients stay where autograd put them (Note [A
+    world of one rank] in reducer/core/reducer.cpp)."""
+    (r,) = TABLE.results(1, c)
+    for kind in ("params", "optimizer"):
+        _assert_bitwise(r["overlap"][kind], r["ext"][kind], f"{c.id}, alone: {kind}, overlap vs ddp_ext without")
+        _assert_bitwise(r["overlap"][kind], r["torch"][kind], f"{c.id}, alone: {kind}, overlap vs torch DDP")
+    assert all(count > 0 for count in r["overlap"]["stepped_in_backward"]), r["overlap"]["stepped_in_backward"]
 
 
 # --- refusals and errors --------------------------------------------------------
