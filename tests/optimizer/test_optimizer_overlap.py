@@ -456,3 +456,23 @@ def test_refusals(r):
         for fragment in r.expected:
             assert fragment.format(rank=rank) in message, f"rank {rank}: {fragment!r} not in {message!r}"
         assert then == r.then, f"rank {rank}: {r.name}: {then!r}"
+
+
+# --- copies ----------------------------------------------------------------------
+
+
+def test_a_copy_does_not_overlap(single_process_group):
+    """A deep copy has a reducer of its own and no overlapped optimizer: its
+    backward steps nothing, while the original's still does."""
+    import copy
+
+    module, ddp = _plain()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    ddp.overlap_optimizer(optimizer)
+    twin = copy.deepcopy(ddp)
+    assert twin._optimizer_overlap is None
+    before = _snapshot(twin.module)
+    _backward(twin, 0, 1)
+    assert _unchanged(twin.module, before), "the copy's backward stepped its parameters"
+    _backward(ddp, 0, 1)
+    assert len(ddp._optimizer_overlap.stepped) == len(before), "the original's backward did not step"
