@@ -145,7 +145,13 @@ class DelegatedNames:
     _comm_hooks = field("_hooks", "registered")
     _lazy_init = delegate("_hooks", "first_forward")
     _lazy_init_ran = field("_hooks", "first_forward_done")
-    _setup_in_backward_optimizers = delegate("_hooks", "check_no_optimizer_in_backward")
+
+    def _setup_in_backward_optimizers(self) -> None:
+        """torch's name: optimizers applied in backward step from the reduced
+        buckets (Note [Optimizers applied in backward] in ddp_ext/_optimizer_overlap.py)."""
+        if _optimizer_overlap.setup_in_backward_optimizers(self):
+            self._hooks.in_backward_set_up = True
+        self._hooks.check_no_optimizer_in_backward()
 
     def _register_fused_optim(self, optim: type, *args, optim_params=None, **kwargs) -> None:
         """Steps `optim` on each bucket as soon as it is reduced (torch's overlapped optimizers)."""

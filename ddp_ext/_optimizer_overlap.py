@@ -106,6 +106,10 @@ def check(ddp, optimizer) -> None:
     if ddp.mixed_precision is not None:
         raise ValueError(_error(
             rank, "does not support mixed_precision: the backward's gradients belong to the cast copies."))
+    if has_optimizers_in_backward(ddp._module_parameters):
+        raise RuntimeError(_error(
+            rank, "cannot be used with optimizers applied in backward "
+            "(torch.distributed.optim._apply_optimizer_in_backward): use one or the other."))
     for refusal in (_comm_hook_refusal(ddp), _hooked_step_refusal(optimizer)):
         if refusal:
             raise RuntimeError(_error(rank, refusal))
@@ -229,3 +233,80 @@ class OptimizerOverlap:
         rest = {id(p): p for group in self.optimizer.param_groups for p in group["params"] if id(p) not in stepped}
         with _narrowed(self.optimizer, rest):
             return self._user_step()
+
+
+# --- torch.distributed.optim._apply_optimizer_in_backward ----------------------------
+#
+# Note [Optimizers applied in backward]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# _apply_optimizer_in_backward gives each parameter optimizers of its own
+# (param._in_backward_optimizers) and hooks that step them as soon as the
+# parameter's gradient is accumulated. Under torch's DDP (its
+# _setup_in_backward_optimizers, at the first forward) the hooks of the
+# wrapper's parameters are removed, and a communication hook steps each
+# bucket's parameters once the bucket is reduced, with .grad set to the
+# bucket's gradient (zeros for a parameter no rank used); at the end of the
+# backward those parameters' .grad are None. ddp_ext does the same through
+# the bucket step (Note [Stepping reduced buckets] in
+# reducer/core/bucket_steps.cpp), without a communication hook: the step of
+# each bucket runs when the backward ends, bucket after bucket as each is
+# reduced, and the hook's wait inside the backward is gone. Parameters not
+# reduced by the wrapper (parameters_to_ignore) keep torch's own hooks.
+
+
+def has_optimizers_in_backward(parameters) -> bool:
+    return any(hasattr(p, "_in_backward_optimizers") for p in parameters)
+
+
+class _InBackwardSteps:
+    """The bucket step for optimizers applied in backward."""
+
+    def __init__(self, params):
+        self.params = params  # the reducer's parameter indices
+
+    def __call__(self, indices: List[int]) -> None:
+        for i in indices:
+            p = self.params[i]
+            optimizers = getattr(p, "_in_backward_optimizers", None)
+            if not optimizers:
+                continue
+            if p.grad is None:
+                # Used by no rank: torch's hook steps it with the bucket's zeros.
+                p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
+            for optimizer in optimizers:
+                optimizer.step()
+            p.grad = None
+
+
+def setup_in_backward_optimizers(ddp) -> bool:
+    """At the first forward (torch's DDP._setup_in_backward_optimizers): if
+    parameters of the wrapper have optimizers applied in backward, removes
+    their own hooks and steps them from the bucket step instead. Returns
+    whether it did. Raises, before anything is changed, where that cannot be
+    done exactly."""
+    params = ddp._module_parameters
+    if not has_optimizers_in_backward(params):
+        return False
+    rank = ddp.process_group.rank()
+    what = "cannot apply optimizers in backward (torch.distributed.optim._apply_optimizer_in_backward) "
+    if ddp._optimizer_overlap is not None:
+        raise RuntimeError(f"DistributedDataParallel on rank {rank} {what}and overlap_optimizer together: use one "
+                           "or the other.")
+    if ddp._comm_hooks:
+        names = "; ".join(name for name, _ in ddp._comm_hooks)
+        raise RuntimeError(
+            f"DistributedDataParallel on rank {rank} {what}with a communication hook registered ({names}), as "
+            "torch's DDP cannot either (it registers a hook of its own for them).")
+    if ddp.mixed_precision is not None:
+        raise RuntimeError(f"DistributedDataParallel on rank {rank} {what}with mixed_precision, as torch's DDP "
+                           "cannot either.")
+    if ddp.reducer is None:
+        raise RuntimeError(f"DistributedDataParallel on rank {rank} {what}when every parameter is in "
+                           "delay_all_reduce_named_params.")
+    from torch.distributed.optim import apply_optimizer_in_backward as in_backward
+
+    for p in params:
+        for handle in in_backward.param_to_optim_hook_handle_map.get(p, []):
+            handle.remove()
+    ddp.reducer._set_bucket_step(_InBackwardSteps([p for _, p in ddp._params.named(ddp.module)]))
+    return True
