@@ -458,6 +458,42 @@ def test_refusals(r):
         assert then == r.then, f"rank {rank}: {r.name}: {then!r}"
 
 
+# --- uneven inputs (Join) ----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Uneven:
+    id: str = "join"
+
+
+def _uneven_run(rank, world_size, overlap: bool):
+    module, ddp = _plain()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    if overlap:
+        ddp.overlap_optimizer(optimizer)
+    with ddp.join():
+        for step in range(3 + rank):  # rank r runs out of data r steps after rank 0
+            optimizer.zero_grad()
+            _backward(ddp, rank, world_size, step)
+            optimizer.step()
+    return reference.state_tensors(module)[0]
+
+
+def _uneven(rank, world_size, _case):
+    return {"overlap": _uneven_run(rank, world_size, True), "plain": _uneven_run(rank, world_size, False)}
+
+
+UNEVEN_TABLE = CaseTable(_uneven, [Uneven()])
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_uneven_inputs_under_join(world_size):
+    """Ranks that run out of data shadow the others' collectives (Join); the
+    others step bucket by bucket, exactly as they step without overlap."""
+    for rank, r in enumerate(UNEVEN_TABLE.results(world_size, Uneven())):
+        _assert_bitwise(r["overlap"], r["plain"], f"join, rank {rank} of {world_size}: overlap vs without")
+
+
 # --- copies ----------------------------------------------------------------------
 
 
