@@ -40,7 +40,7 @@ optimizer with step hooks is refused.
 import contextlib
 import types
 import weakref
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
@@ -131,15 +131,15 @@ def check(ddp, optimizer) -> None:
 
 
 @contextlib.contextmanager
-def _narrowed(optimizer, keep: Dict[int, torch.Tensor]):
-    """The optimizer's param_groups narrowed to the parameters in `keep` (by
-    id), the groups left empty out; everything restored after. Yields
-    whether any parameter is left."""
+def _narrowed(optimizer, per_group: Dict[int, List[torch.Tensor]]):
+    """The optimizer's param_groups narrowed to `per_group[i]` for group i
+    (none where absent), the groups left empty out; everything restored
+    after. Yields whether any parameter is left."""
     groups = optimizer.param_groups
     saved = [group["params"] for group in groups]
     try:
-        for group in groups:
-            group["params"] = [p for p in group["params"] if id(p) in keep]
+        for number, group in enumerate(groups):
+            group["params"] = per_group.get(number, [])
         optimizer.param_groups = [group for group in groups if group["params"]]
         yield bool(optimizer.param_groups)
     finally:
@@ -177,6 +177,10 @@ class OptimizerOverlap:
         self.params = [p for _, p in ddp._params.named(ddp.module)]
         # Stepped by a backward since the last optimizer.step(), by id.
         self.stepped: Dict[int, torch.Tensor] = {}
+        # Where each parameter is in param_groups, by id: (group, position);
+        # recomputed when the groups change (load_state_dict, add_param_group).
+        self._places: Dict[int, Tuple[int, int]] = {}
+        self._places_of = None
         self._user_step = optimizer.step
         overlap = self
 
@@ -202,22 +206,35 @@ class OptimizerOverlap:
         parameters has been reduced and written back."""
         ddp = self._ddp()
         self._refuse_if_changed(ddp)
-        owned = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
-        bucket = {id(p): p for p in (self.params[i] for i in indices) if id(p) in owned}
+        places = self._placed()
+        bucket = {id(p): p for p in (self.params[i] for i in indices) if id(p) in places}
         if not bucket:
             return
-        twice = [i for i in indices if id(self.params[i]) in self.stepped]
-        if twice:
+        if any(key in self.stepped for key in bucket):
             raise RuntimeError(_error(
                 self.rank, "stepped these parameters in a synchronising backward already, and optimizer.step() "
                 "has not run since: a second synchronising backward before optimizer.step() would step them "
                 "twice, where without overlap_optimizer their gradients add up into one step. Accumulate "
                 "gradients inside ddp.no_sync() (every backward but the last), or call optimizer.step() after "
                 "every synchronising backward. Nothing was stepped in this backward."))
-        with _narrowed(self.optimizer, bucket) as any_left:
-            if any_left:
-                _unhooked_step(self.optimizer)()
+        per_group: Dict[int, List[Tuple[int, torch.Tensor]]] = {}
+        for key, p in bucket.items():
+            number, position = places[key]
+            per_group.setdefault(number, []).append((position, p))
+        in_order = {number: [p for _, p in sorted(pairs, key=lambda pair: pair[0])]
+                    for number, pairs in per_group.items()}
+        with _narrowed(self.optimizer, in_order):
+            _unhooked_step(self.optimizer)()
         self.stepped.update(bucket)
+
+    def _placed(self) -> Dict[int, Tuple[int, int]]:
+        groups = self.optimizer.param_groups
+        layout = [(id(group), id(group["params"]), len(group["params"])) for group in groups]
+        if layout != self._places_of:
+            self._places = {id(p): (number, position) for number, group in enumerate(groups)
+                            for position, p in enumerate(group["params"])}
+            self._places_of = layout
+        return self._places
 
     def finish_step(self, args, kwargs):
         """The user's optimizer.step(): steps the parameters no backward
@@ -230,7 +247,8 @@ class OptimizerOverlap:
         stepped, self.stepped = self.stepped, {}
         if not stepped:
             return self._user_step()
-        rest = {id(p): p for group in self.optimizer.param_groups for p in group["params"] if id(p) not in stepped}
+        rest = {number: [p for p in group["params"] if id(p) not in stepped]
+                for number, group in enumerate(self.optimizer.param_groups)}
         with _narrowed(self.optimizer, rest):
             return self._user_step()
 
