@@ -123,6 +123,22 @@ std::function<void(const StallReport&)> stall_handler(py::function handler) {
   };
 }
 
+// Calls `step(indices)` under the GIL; what it raises (a Python error)
+// leaves backward as raised. See Note [Stepping reduced buckets] in
+// reducer/core/bucket_steps.cpp.
+Reducer::BucketStep bucket_step(py::function step) {
+  std::shared_ptr<py::function> fn(new py::function(std::move(step)), [](py::function* f) {
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      delete f;
+    }
+  });
+  return [fn](const std::vector<size_t>& indices) {
+    py::gil_scoped_acquire gil;
+    (*fn)(indices);
+  };
+}
+
 // Construction and the iteration: forward, backward, no_sync, static graphs,
 // unused parameters, Join's divide factor, a new process group.
 void bind_iteration(ReducerClass& cls) {
@@ -291,6 +307,17 @@ void bind_observation(ReducerClass& cls) {
             return std::make_pair(std::move(rows), dropped);
           },
           py::arg("wait_ms") = 0)
+      .def(
+          "_set_bucket_step",
+          [](Reducer& r, std::optional<py::function> step) {
+            Reducer::BucketStep call;
+            if (step) {
+              call = bucket_step(std::move(*step));
+            }
+            py::gil_scoped_release no_gil;
+            r.set_bucket_step(std::move(call));
+          },
+          py::arg("step"))
       .def(
           "_set_stall_handler",
           [](Reducer& r, int64_t timeout_ms, std::optional<py::function> handler) {

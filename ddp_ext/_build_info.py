@@ -32,6 +32,7 @@ SOURCES = [
     "reducer/agreement/step_slots.cpp",
     "reducer/core/accumulator_hooks.cpp",
     "reducer/core/averaging.cpp",
+    "reducer/core/bucket_steps.cpp",
     "reducer/core/errors.cpp",
     "reducer/core/gradient_copy.cpp",
     "reducer/core/reducer.cpp",

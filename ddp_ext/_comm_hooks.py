@@ -51,6 +51,7 @@ class CommHooks(Bound):
         self.registered: List[tuple] = []
         self.first_forward_done = False  # torch's _lazy_init_ran
         self.store_key = None  # where the peers meet in the store (ddp_ext/_diagnosis)
+        self.in_backward_set_up = False  # see Note [Optimizers applied in backward] in ddp_ext/_optimizer_overlap.py
         self.bind(reducer, group)
 
     def __getstate__(self) -> dict:
@@ -102,6 +103,8 @@ class CommHooks(Bound):
         self.first_forward_done = True
 
     def check_no_optimizer_in_backward(self) -> None:
+        if self.in_backward_set_up:
+            return
         if any(hasattr(p, "_in_backward_optimizers") for p in self.module_parameters):
             raise NotImplementedError(
                 "ddp_ext.DistributedDataParallel does not support optimizers applied in backward "

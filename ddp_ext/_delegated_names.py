@@ -14,7 +14,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel.distributed import DistributedDataParallel as TorchDistributedDataParallel
 from torch.nn.parallel.scatter_gather import gather as _gather, scatter_kwargs as _scatter_kwargs
 
-from ddp_ext import _parameters, _pickling, hierarchy
+from ddp_ext import _optimizer_overlap, _parameters, _pickling, hierarchy
 from ddp_ext._buffer_sync import BROADCAST_CHUNK_BYTES
 from ddp_ext._comm_hooks import register_fused_optim
 from ddp_ext._delayed_all_reduce import DelayedAllReduce
@@ -145,11 +145,31 @@ class DelegatedNames:
     _comm_hooks = field("_hooks", "registered")
     _lazy_init = delegate("_hooks", "first_forward")
     _lazy_init_ran = field("_hooks", "first_forward_done")
-    _setup_in_backward_optimizers = delegate("_hooks", "check_no_optimizer_in_backward")
+
+    def _setup_in_backward_optimizers(self) -> None:
+        """torch's name: optimizers applied in backward step from the reduced
+        buckets (Note [Optimizers applied in backward] in ddp_ext/_optimizer_overlap.py)."""
+        if _optimizer_overlap.setup_in_backward_optimizers(self):
+            self._hooks.in_backward_set_up = True
+        self._hooks.check_no_optimizer_in_backward()
 
     def _register_fused_optim(self, optim: type, *args, optim_params=None, **kwargs) -> None:
         """Steps `optim` on each bucket as soon as it is reduced (torch's overlapped optimizers)."""
         register_fused_optim(self, optim, *args, optim_params=optim_params, **kwargs)
+
+    # --- the optimizer overlapped with communication: ddp_ext/_optimizer_overlap.py ---
+
+    _optimizer_overlap = None  # an OptimizerOverlap once overlap_optimizer is called
+
+    def overlap_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """ddp_ext only. From the next backward on, each bucket's parameters are
+        stepped by `optimizer` as soon as the bucket is reduced, while later
+        buckets are still being reduced; `optimizer.step()` then steps only
+        the parameters the backward did not. Results are bitwise those of a
+        plain `optimizer.step()` after backward. Call between iterations,
+        once. See docs/OPTIMIZER_OVERLAP.md."""
+        _optimizer_overlap.check(self, optimizer)
+        self._optimizer_overlap = _optimizer_overlap.OptimizerOverlap(self, optimizer)
 
     # --- delay_all_reduce_named_params: ddp_ext/_delayed_all_reduce.py ------
 

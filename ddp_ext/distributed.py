@@ -15,6 +15,7 @@ delegates, gathered in ddp_ext/_delegated_names.py.
     _logging        LoggingData: _get_ddp_logging_data and runtime statistics
     _join           JoinShadow: uneven inputs (Join)
     _delayed        DelayedAllReduce: delay_all_reduce_named_params
+    _optimizer_overlap  OptimizerOverlap: overlap_optimizer (None until called)
 """
 
 import contextlib
@@ -264,7 +265,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
     def _pre_forward(self, *inputs, **kwargs):
         first = not self._lazy_init_ran and not torch.compiler.is_compiling()
         if first:
-            self._hooks.check_no_optimizer_in_backward()  # refuses before anything is armed
+            self._setup_in_backward_optimizers()  # before anything is armed
         if self._delay_all_reduce_all_params:
             if first:
                 self._lazy_init()

@@ -636,57 +636,61 @@ void Reducer::launch_all_buckets() {
 
 void Reducer::wait_for_launched_buckets() {
   for (size_t b = 0; b < next_bucket_; ++b) {
-    Bucket& bucket = layout_.buckets()[b];
-    if (bucket.work) {
-      // Over a group not built into torch (one written in Python), as
-      // torch's reducer: through the Work's future, all such a Work must
-      // provide. Over torch's own, and for a Work without a future, the
-      // Work itself (the process group's timeout applies).
-      const auto done = torch_backend(*process_group_) ? nullptr : future_of(*bucket.work);
-      if (done) {
-        stall_.wait(*done, "bucket", static_cast<int64_t>(b));
-      } else {
-        stall_.wait(*bucket.work, "bucket", static_cast<int64_t>(b));
-      }
-      timeline_.awaited(b);
-      if (bucket.sparse) {
-        bucket.sparse_grad = done ? done->value().toTensorVector().front()
-                                  : bucket.work->result().front();
-      }
-      bucket.work.reset();
+    wait_for_bucket(b);
+  }
+}
+
+void Reducer::wait_for_bucket(size_t b) {
+  Bucket& bucket = layout_.buckets()[b];
+  if (bucket.work) {
+    // Over a group not built into torch (one written in Python), as
+    // torch's reducer: through the Work's future, all such a Work must
+    // provide. Over torch's own, and for a Work without a future, the
+    // Work itself (the process group's timeout applies).
+    const auto done = torch_backend(*process_group_) ? nullptr : future_of(*bucket.work);
+    if (done) {
+      stall_.wait(*done, "bucket", static_cast<int64_t>(b));
+    } else {
+      stall_.wait(*bucket.work, "bucket", static_cast<int64_t>(b));
     }
-    if (bucket.future) {
-      // See Note [Communication hooks] in comm_hooks/comm_hook.h. The
-      // future's value may be a Python object: read and released without
-      // the lock (Note [Windows without the lock]).
-      auto future = std::move(bucket.future);
-      bucket.future.reset();
-      at::Tensor reduced;
-      {
-        WithoutLock window(*this, "a wait for its communication hook's future");
-        stall_.wait(*future, "bucket", static_cast<int64_t>(b));
-        reduced = comm_hook_->parseHookResult(future->value());
-        future.reset();
-      }
-      if (bucket.sparse) {
-        // See Note [Sparse gradients]: the hook's result becomes the .grad.
-        TORCH_CHECK(
-            reduced.is_sparse() && reduced.sizes() == bucket.params.front().sizes(),
-            "the communication hook's future for bucket ", b, " holds a ",
-            reduced.is_sparse() ? "sparse" : "dense", " tensor of shape ",
-            reduced.sizes(), ", but the bucket holds the sparse gradient of ",
-            param_names_[bucket.param_indices.front()], " (shape ",
-            bucket.params.front().sizes(), "): return the reduced bucket.buffer()");
-        bucket.sparse_grad = reduced;
-      } else if (!reduced.is_same(bucket.flat)) {
-        TORCH_CHECK(
-            reduced.numel() == bucket.flat.numel(),
-            "the communication hook's future for bucket ", b, " holds ",
-            reduced.numel(), " elements, but the bucket has ",
-            bucket.flat.numel(), ": return the reduced bucket.buffer()");
-        at::NoGradGuard no_grad;
-        bucket.flat.copy_(reduced.reshape({-1}));
-      }
+    timeline_.awaited(b);
+    if (bucket.sparse) {
+      bucket.sparse_grad = done ? done->value().toTensorVector().front()
+                                : bucket.work->result().front();
+    }
+    bucket.work.reset();
+  }
+  if (bucket.future) {
+    // See Note [Communication hooks] in comm_hooks/comm_hook.h. The
+    // future's value may be a Python object: read and released without
+    // the lock (Note [Windows without the lock]).
+    auto future = std::move(bucket.future);
+    bucket.future.reset();
+    at::Tensor reduced;
+    {
+      WithoutLock window(*this, "a wait for its communication hook's future");
+      stall_.wait(*future, "bucket", static_cast<int64_t>(b));
+      reduced = comm_hook_->parseHookResult(future->value());
+      future.reset();
+    }
+    if (bucket.sparse) {
+      // See Note [Sparse gradients]: the hook's result becomes the .grad.
+      TORCH_CHECK(
+          reduced.is_sparse() && reduced.sizes() == bucket.params.front().sizes(),
+          "the communication hook's future for bucket ", b, " holds a ",
+          reduced.is_sparse() ? "sparse" : "dense", " tensor of shape ",
+          reduced.sizes(), ", but the bucket holds the sparse gradient of ",
+          param_names_[bucket.param_indices.front()], " (shape ",
+          bucket.params.front().sizes(), "): return the reduced bucket.buffer()");
+      bucket.sparse_grad = reduced;
+    } else if (!reduced.is_same(bucket.flat)) {
+      TORCH_CHECK(
+          reduced.numel() == bucket.flat.numel(),
+          "the communication hook's future for bucket ", b, " holds ",
+          reduced.numel(), " elements, but the bucket has ",
+          bucket.flat.numel(), ": return the reduced bucket.buffer()");
+      at::NoGradGuard no_grad;
+      bucket.flat.copy_(reduced.reshape({-1}));
     }
   }
 }
@@ -701,23 +705,31 @@ void Reducer::finalize_backward() {
     launch_all_buckets();
   }
   raise_if_out_of_step();
-  {
-    TimelineRange wait_range(timeline_, TimelineEvent::kWaitForBuckets);
-    wait_for_launched_buckets();
+  std::exception_ptr step_failed;
+  if (bucket_step_) {
+    step_failed = step_buckets_as_reduced(); // Note [Stepping reduced buckets]
+  } else {
+    {
+      TimelineRange wait_range(timeline_, TimelineEvent::kWaitForBuckets);
+      wait_for_launched_buckets();
+    }
+    observers_.notify(&ReducerObserver::on_collectives_done);
+    std::vector<bool> globally_used; // empty: every parameter counts as used
+    if (static_graph_.on()) {
+      globally_used = static_graph_.used_globally();
+    } else if (usage_.searches()) {
+      globally_used = usage_.wait(gradients_stay_local_, &stall_);
+    }
+    write_back_gradients(globally_used);
   }
-  observers_.notify(&ReducerObserver::on_collectives_done);
-  std::vector<bool> globally_used; // empty: every parameter counts as used
-  if (static_graph_.on()) {
-    globally_used = static_graph_.used_globally();
-  } else if (usage_.searches()) {
-    globally_used = usage_.wait(gradients_stay_local_, &stall_);
-  }
-  write_back_gradients(globally_used);
   conclude_layout(/*launched_at_end=*/!options_.overlap_with_backward);
   enter(Phase::kReducing, Phase::kIdle);
   if (reported_unfinished_) {
     reported_unfinished_ = false; // a second backward completed it after all
     stall_.report(StallEvent::kResolved);
+  }
+  if (step_failed) {
+    std::rethrow_exception(step_failed);
   }
 }
 
@@ -841,23 +853,28 @@ void Reducer::write_back_gradients(const std::vector<bool>& globally_used) {
   };
   usage_.restore_stashed(params_, used_by_no_rank);
   for (auto& bucket : layout_.buckets()) {
-    if (bucket.dropped) {
-      continue; // See Note [Layer dropping].
+    write_back_bucket(bucket, globally_used);
+  }
+}
+
+void Reducer::write_back_bucket(Bucket& bucket, const std::vector<bool>& globally_used) {
+  if (gradients_stay_local_ || bucket.dropped) {
+    return; // See Note [A world of one rank] and Note [Layer dropping].
+  }
+  at::NoGradGuard no_grad;
+  for (size_t slot = 0; slot < bucket.param_indices.size(); ++slot) {
+    const size_t index = bucket.param_indices[slot];
+    if (drop_plan_.dropped(index) || (!globally_used.empty() && !globally_used[index])) {
+      continue; // No rank used it: .grad stays as the user left it.
     }
-    for (size_t slot = 0; slot < bucket.param_indices.size(); ++slot) {
-      const size_t index = bucket.param_indices[slot];
-      if (used_by_no_rank(index)) {
-        continue; // No rank used it: .grad stays as the user left it.
-      }
-      if (bucket.sparse) {
-        params_[index].mutable_grad() = std::move(bucket.sparse_grad);
-        bucket.sparse_grad = at::Tensor();
-        continue;
-      }
-      write_back_view(
-          bucket.views[slot], params_[index], params_[index].mutable_grad(),
-          options_.gradient_as_bucket_view);
+    if (bucket.sparse) {
+      params_[index].mutable_grad() = std::move(bucket.sparse_grad);
+      bucket.sparse_grad = at::Tensor();
+      continue;
     }
+    write_back_view(
+        bucket.views[slot], params_[index], params_[index].mutable_grad(),
+        options_.gradient_as_bucket_view);
   }
 }
 

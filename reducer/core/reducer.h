@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <exception>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -260,6 +261,14 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // reducer/agreement/step_check.h.
   void set_comm_hook_fingerprint(int64_t fingerprint, bool confirm);
 
+  // Called, when set, with the parameter indices of each bucket as soon as
+  // that bucket's reduced gradients are in .grad, at the end of a
+  // synchronising backward, bucket after bucket in launch order, without the
+  // reducer's lock; empty: off. See Note [Stepping reduced buckets] in
+  // reducer/core/bucket_steps.cpp.
+  using BucketStep = std::function<void(const std::vector<size_t>& param_indices)>;
+  void set_bucket_step(BucketStep step);
+
   // Called by the autograd hook of parameter `index` once its gradient
   // accumulator has run. `gradient_arrived` is false when autograd ran the
   // accumulator with no gradient (an output the loss did not use).
@@ -280,7 +289,12 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void finalize_backward();
   void queue_at_end_of_backward(void (Reducer::*step)());
   void write_back_gradients(const std::vector<bool>& globally_used);
+  void write_back_bucket(Bucket& bucket, const std::vector<bool>& globally_used);
   void wait_for_launched_buckets();
+  void wait_for_bucket(size_t bucket_index);
+  // See Note [Stepping reduced buckets]: waits for, writes back and steps
+  // each bucket in turn; returns what the step raised, if it did.
+  std::exception_ptr step_buckets_as_reduced();
   void reset_step_check();
   // Drops the collectives of the iteration under way without waiting for
   // them, and what it stashed.
@@ -380,6 +394,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   // See Note [Runtime statistics] and Note [Stragglers].
   StepTimings timings_;
+
+  // See Note [Stepping reduced buckets]; empty: off.
+  BucketStep bucket_step_;
 
   // See Note [Reducer observers]: timings_ and timeline_.
   ReducerObservers observers_;

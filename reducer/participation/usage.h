@@ -105,6 +105,9 @@ class Usage {
   void stash(size_t index, const at::Tensor& grad) {
     stashed_.emplace_back(index, grad.clone());
   }
+  bool stashed_any() const {
+    return !stashed_.empty();
+  }
   // Restores the stashed .grad of each parameter `used_by_no_rank(index)`,
   // and forgets them all.
   void restore_stashed(

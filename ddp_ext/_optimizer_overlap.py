@@ -1,0 +1,330 @@
+"""The optimizer overlapped with communication: `ddp.overlap_optimizer(opt)`.
+
+Each bucket's parameters are stepped by `opt` as soon as the bucket's
+gradients are reduced and written back, while later buckets are still being
+reduced; the user's `opt.step()` then steps only the parameters the backward
+did not (none, usually). The C++ side, which calls `OptimizerOverlap.step_bucket`
+bucket after bucket on the thread that called backward, is Note [Stepping
+reduced buckets] in reducer/core/bucket_steps.cpp.
+
+Note [Exact overlapped steps]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A parameter ends up exactly as with a plain `opt.step()` after backward
+because:
+ - when a bucket is stepped its parameters' .grad are final: the reduced
+   average is written back (the same write-back, split by bucket), and
+   nothing else writes .grad before `opt.step()` (the user must not either:
+   no clipping, unscaling or editing of gradients between backward and
+   step).
+ - the step of a subset is the step of its parameters: `opt`'s param_groups
+   are narrowed, for the duration of the step, to the parameters of the
+   bucket (each group keeps its hyperparameters, lr included), and
+   torch.optim's optimizers (all but LBFGS, which needs a closure) update
+   each parameter from its own gradient and state alone, so splitting the
+   parameters between calls changes no bit. An optimizer that mixes
+   parameters (a global norm, a trust ratio over all parameters) is not
+   exact here: users must not overlap one.
+ - every parameter is stepped once per optimizer.step(): the parameters
+   stepped in the backward are remembered and left out of the next
+   `opt.step()`, which steps the others (those in no bucket the backward
+   reduced, e.g. after a static graph's first iteration or a parameter the
+   wrapper does not reduce because it has no gradient to reduce). A second
+   synchronising backward before `opt.step()` would step them twice (where
+   the plain order sums both gradients into one step): it is refused, at its
+   first bucket, before anything is stepped.
+The per-bucket step calls the optimizer class's step without the step hooks
+of torch.optim (a pre- or post-hook would run once per bucket): an
+optimizer with step hooks is refused.
+"""
+
+import contextlib
+import types
+import weakref
+from typing import Dict, List, Tuple
+
+import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+_MAX_NAMED = 5
+
+
+def _error(rank: int, what: str) -> str:
+    return f"DistributedDataParallel on rank {rank}: overlap_optimizer {what}"
+
+
+def _named(names: List[str]) -> str:
+    shown = ", ".join(names[:_MAX_NAMED])
+    return shown + (f" and {len(names) - _MAX_NAMED} more" if len(names) > _MAX_NAMED else "")
+
+
+def _hooked_step_refusal(optimizer) -> str:
+    hooks = []
+    if optimizer._optimizer_step_pre_hooks or _global_optimizer_pre_hooks:
+        hooks.append("pre-hooks")
+    if optimizer._optimizer_step_post_hooks or _global_optimizer_post_hooks:
+        hooks.append("post-hooks")
+    if not hooks:
+        return ""
+    return (
+        f"cannot step an optimizer with step {' and '.join(hooks)} registered (register_step_pre_hook, "
+        "register_step_post_hook or torch.optim.optimizer.register_optimizer_step_pre_hook/post_hook): the "
+        "backward steps each bucket separately, so a hook would run once per bucket. Remove the hooks, or "
+        "step without overlap_optimizer."
+    )
+
+
+def _comm_hook_refusal(ddp) -> str:
+    if not ddp._comm_hooks:
+        return ""
+    names = "; ".join(name for name, _ in ddp._comm_hooks)
+    return (
+        f"cannot overlap the optimizer with a communication hook registered ({names}): a hook may read or "
+        "change what the optimizer steps (ZeRO's and the fused optimizers' hooks step parameters themselves). "
+        "Register no hook, or step without overlap_optimizer."
+    )
+
+
+def check(ddp, optimizer) -> None:
+    """Raises, before anything is installed, if `optimizer` cannot be
+    overlapped with `ddp`'s reduction exactly. The same on every rank that
+    built the same wrapper and optimizer."""
+    rank = ddp.process_group.rank()
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(_error(rank, f"needs a torch.optim.Optimizer, got {type(optimizer).__name__}"))
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError(_error(
+            rank, "cannot overlap torch.optim.LBFGS: its step needs a closure that runs forward and backward "
+            "again, and mixes every parameter's gradient in one line search."))
+    if ddp.reducer is None:
+        raise ValueError(_error(
+            rank, "has no bucket to step: every parameter is in delay_all_reduce_named_params, reduced after "
+            "the backward."))
+    if ddp._optimizer_overlap is not None:
+        raise RuntimeError(_error(rank, "was called already on this wrapper; it takes one optimizer, once."))
+    if getattr(optimizer, "_ddp_ext_overlapped", False):
+        raise RuntimeError(_error(rank, "was called already with this optimizer (on another wrapper)."))
+    if ddp.mixed_precision is not None:
+        raise ValueError(_error(
+            rank, "does not support mixed_precision: the backward's gradients belong to the cast copies."))
+    if has_optimizers_in_backward(ddp._module_parameters):
+        raise RuntimeError(_error(
+            rank, "cannot be used with optimizers applied in backward "
+            "(torch.distributed.optim._apply_optimizer_in_backward): use one or the other."))
+    for refusal in (_comm_hook_refusal(ddp), _hooked_step_refusal(optimizer)):
+        if refusal:
+            raise RuntimeError(_error(rank, refusal))
+    reduced = {id(p) for _, p in ddp._params.named(ddp.module)}
+    names = {id(p): name for name, p in ddp.module.named_parameters()}
+    foreign = []
+    for number, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if p.requires_grad and id(p) not in reduced:
+                foreign.append(f"{names.get(id(p), 'a parameter of shape ' + str(tuple(p.shape)))} "
+                               f"(param group {number})")
+    if foreign:
+        raise ValueError(_error(
+            rank, f"cannot step parameters the wrapper does not reduce in buckets: {_named(foreign)}. Each is "
+            "outside the wrapped module, in parameters_to_ignore or in delay_all_reduce_named_params, so no "
+            "bucket's reduction says when its gradient is final. Give overlap_optimizer an optimizer over the "
+            "wrapper's reduced parameters only (frozen parameters, requires_grad=False, may stay), and step "
+            "the others with an optimizer of their own."))
+
+
+@contextlib.contextmanager
+def _narrowed(optimizer, per_group: Dict[int, List[torch.Tensor]]):
+    """The optimizer's param_groups narrowed to `per_group[i]` for group i
+    (none where absent), the groups left empty out; everything restored
+    after. Yields whether any parameter is left."""
+    groups = optimizer.param_groups
+    saved = [group["params"] for group in groups]
+    try:
+        for number, group in enumerate(groups):
+            group["params"] = per_group.get(number, [])
+        optimizer.param_groups = [group for group in groups if group["params"]]
+        yield bool(optimizer.param_groups)
+    finally:
+        optimizer.param_groups = groups
+        for group, params in zip(groups, saved):
+            group["params"] = params
+
+
+def _unhooked_step(optimizer):
+    """The optimizer class's step without torch.optim's hook-running wrapper
+    (Optimizer._patch_step_function), bound to `optimizer`."""
+    step = type(optimizer).step
+    if getattr(step, "hooked", False):
+        step = step.__wrapped__
+    return types.MethodType(step, optimizer)
+
+
+def _left_out():
+    return None
+
+
+class OptimizerOverlap:
+    """One wrapper's overlapped optimizer. Holds the wrapper weakly: the
+    reducer holds `step_bucket`. A pickled or deep-copied wrapper has none
+    (its reducer is new): it pickles as None."""
+
+    def __reduce__(self):
+        return (_left_out, ())
+
+    def __init__(self, ddp, optimizer):
+        self._ddp = weakref.ref(ddp)
+        self.rank = ddp.process_group.rank()
+        self.optimizer = optimizer
+        # The reducer's parameter indices (ddp_ext/_reducer_factory.py builds it from the same list).
+        self.params = [p for _, p in ddp._params.named(ddp.module)]
+        # Stepped by a backward since the last optimizer.step(), by id.
+        self.stepped: Dict[int, torch.Tensor] = {}
+        # Where each parameter is in param_groups, by id: (group, position);
+        # recomputed when the groups change (load_state_dict, add_param_group).
+        self._places: Dict[int, Tuple[int, int]] = {}
+        self._places_of = None
+        self._user_step = optimizer.step
+        overlap = self
+
+        def step(opt, *args, **kwargs):
+            return overlap.finish_step(args, kwargs)
+
+        # A bound method, as LR schedulers expect (they wrap optimizer.step's
+        # __func__); still marked as a scheduler's when one wrapped it before.
+        if hasattr(self._user_step, "_wrapped_by_lr_sched"):
+            step._wrapped_by_lr_sched = True
+        optimizer.step = types.MethodType(step, optimizer)
+        optimizer._ddp_ext_overlapped = True
+        ddp.reducer._set_bucket_step(self.step_bucket)
+
+    def _refuse_if_changed(self, ddp) -> None:
+        """What was checked at overlap_optimizer but may have been added since."""
+        for refusal in (_comm_hook_refusal(ddp) if ddp is not None else "", _hooked_step_refusal(self.optimizer)):
+            if refusal:
+                raise RuntimeError(_error(self.rank, refusal))
+
+    def step_bucket(self, indices: List[int]) -> None:
+        """Called by the reducer, without its lock, when the bucket of these
+        parameters has been reduced and written back."""
+        ddp = self._ddp()
+        self._refuse_if_changed(ddp)
+        places = self._placed()
+        bucket = {id(p): p for p in (self.params[i] for i in indices) if id(p) in places}
+        if not bucket:
+            return
+        if any(key in self.stepped for key in bucket):
+            raise RuntimeError(_error(
+                self.rank, "stepped these parameters in a synchronising backward already, and optimizer.step() "
+                "has not run since: a second synchronising backward before optimizer.step() would step them "
+                "twice, where without overlap_optimizer their gradients add up into one step. Accumulate "
+                "gradients inside ddp.no_sync() (every backward but the last), or call optimizer.step() after "
+                "every synchronising backward. Nothing was stepped in this backward."))
+        per_group: Dict[int, List[Tuple[int, torch.Tensor]]] = {}
+        for key, p in bucket.items():
+            number, position = places[key]
+            per_group.setdefault(number, []).append((position, p))
+        in_order = {number: [p for _, p in sorted(pairs, key=lambda pair: pair[0])]
+                    for number, pairs in per_group.items()}
+        with _narrowed(self.optimizer, in_order):
+            _unhooked_step(self.optimizer)()
+        self.stepped.update(bucket)
+
+    def _placed(self) -> Dict[int, Tuple[int, int]]:
+        groups = self.optimizer.param_groups
+        layout = [(id(group), id(group["params"]), len(group["params"])) for group in groups]
+        if layout != self._places_of:
+            self._places = {id(p): (number, position) for number, group in enumerate(groups)
+                            for position, p in enumerate(group["params"])}
+            self._places_of = layout
+        return self._places
+
+    def finish_step(self, args, kwargs):
+        """The user's optimizer.step(): steps the parameters no backward
+        stepped since the last call (all of them when none did)."""
+        if any(a is not None for a in args) or any(v is not None for v in kwargs.values()):
+            raise ValueError(_error(
+                self.rank, "runs optimizer.step() without a closure only (a closure would run backward, and "
+                "step buckets, from inside the step)."))
+        self._refuse_if_changed(None)
+        stepped, self.stepped = self.stepped, {}
+        if not stepped:
+            return self._user_step()
+        rest = {number: [p for p in group["params"] if id(p) not in stepped]
+                for number, group in enumerate(self.optimizer.param_groups)}
+        with _narrowed(self.optimizer, rest):
+            return self._user_step()
+
+
+# --- torch.distributed.optim._apply_optimizer_in_backward ----------------------------
+#
+# Note [Optimizers applied in backward]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# _apply_optimizer_in_backward gives each parameter optimizers of its own
+# (param._in_backward_optimizers) and hooks that step them as soon as the
+# parameter's gradient is accumulated. Under torch's DDP (its
+# _setup_in_backward_optimizers, at the first forward) the hooks of the
+# wrapper's parameters are removed, and a communication hook steps each
+# bucket's parameters once the bucket is reduced, with .grad set to the
+# bucket's gradient (zeros for a parameter no rank used); at the end of the
+# backward those parameters' .grad are None. ddp_ext does the same through
+# the bucket step (Note [Stepping reduced buckets] in
+# reducer/core/bucket_steps.cpp), without a communication hook: the step of
+# each bucket runs when the backward ends, bucket after bucket as each is
+# reduced, and the hook's wait inside the backward is gone. Parameters not
+# reduced by the wrapper (parameters_to_ignore) keep torch's own hooks.
+
+
+def has_optimizers_in_backward(parameters) -> bool:
+    return any(hasattr(p, "_in_backward_optimizers") for p in parameters)
+
+
+class _InBackwardSteps:
+    """The bucket step for optimizers applied in backward."""
+
+    def __init__(self, params):
+        self.params = params  # the reducer's parameter indices
+
+    def __call__(self, indices: List[int]) -> None:
+        for i in indices:
+            p = self.params[i]
+            optimizers = getattr(p, "_in_backward_optimizers", None)
+            if not optimizers:
+                continue
+            if p.grad is None:
+                # Used by no rank: torch's hook steps it with the bucket's zeros.
+                p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
+            for optimizer in optimizers:
+                optimizer.step()
+            p.grad = None
+
+
+def setup_in_backward_optimizers(ddp) -> bool:
+    """At the first forward (torch's DDP._setup_in_backward_optimizers): if
+    parameters of the wrapper have optimizers applied in backward, removes
+    their own hooks and steps them from the bucket step instead. Returns
+    whether it did. Raises, before anything is changed, where that cannot be
+    done exactly."""
+    params = ddp._module_parameters
+    if not has_optimizers_in_backward(params):
+        return False
+    rank = ddp.process_group.rank()
+    what = "cannot apply optimizers in backward (torch.distributed.optim._apply_optimizer_in_backward) "
+    if ddp._optimizer_overlap is not None:
+        raise RuntimeError(f"DistributedDataParallel on rank {rank} {what}and overlap_optimizer together: use one "
+                           "or the other.")
+    if ddp._comm_hooks:
+        names = "; ".join(name for name, _ in ddp._comm_hooks)
+        raise RuntimeError(
+            f"DistributedDataParallel on rank {rank} {what}with a communication hook registered ({names}), as "
+            "torch's DDP cannot either (it registers a hook of its own for them).")
+    if ddp.mixed_precision is not None:
+        raise RuntimeError(f"DistributedDataParallel on rank {rank} {what}with mixed_precision, as torch's DDP "
+                           "cannot either.")
+    if ddp.reducer is None:
+        raise RuntimeError(f"DistributedDataParallel on rank {rank} {what}when every parameter is in "
+                           "delay_all_reduce_named_params.")
+    from torch.distributed.optim import apply_optimizer_in_backward as in_backward
+
+    for p in params:
+        for handle in in_backward.param_to_optim_hook_handle_map.get(p, []):
+            handle.remove()
+    ddp.reducer._set_bucket_step(_InBackwardSteps([p for _, p in ddp._params.named(ddp.module)]))
+    return True

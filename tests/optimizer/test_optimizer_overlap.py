@@ -1,0 +1,514 @@
+"""ddp.overlap_optimizer(optimizer) trains exactly as a plain optimizer.step()
+after backward does, with torch's DDP and with ddp_ext's own without it.
+
+In real multi-process runs over Gloo (2 and 3 ranks), from the same seeds and
+data: SGD with momentum, Adam and AdamW (foreach on and off), two parameter
+groups with different learning rates and an LR scheduler (created before or
+after overlap_optimizer), no_sync accumulation, find_unused_parameters (with
+gradient_as_bucket_view too), static_graph, and a checkpoint (model,
+optimizer and scheduler state) saved and loaded mid-run. Parameters and
+optimizer state are compared bitwise with ddp_ext without overlap at every
+world size, and with torch's DDP bitwise at 2 ranks and up to rounding at 3
+(Gloo's ring at 3 ranks sums in an order that depends on the bucket sizes;
+tests/wrapper/test_parity_torch_ddp.py says the same of ddp_ext itself).
+Each run also asserts that the backward did step parameters (the overlap
+happened), bucket by bucket in launch order, on the thread that called
+backward.
+"""
+
+import contextlib
+import dataclasses
+import io
+import threading
+from typing import Any, Dict, List, Tuple
+
+import pytest
+import torch
+
+from tests.support import models, reference
+from tests.support.harness import CaseTable, assert_states_close, same_bits
+
+# Tiny buckets: several per model, so that later buckets are still being
+# reduced while the first are stepped.
+SMALL_BUCKETS = 0.0001
+
+
+def _optimizer(name: str, module) -> torch.optim.Optimizer:
+    """Two parameter groups with different learning rates (the first layer
+    apart from the rest); frozen parameters stay in."""
+    params = list(module.parameters())
+    groups = [{"params": params[:2], "lr": 0.05}, {"params": params[2:]}]
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+    if name == "sgd_nesterov_wd":
+        return torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)
+    kind, loop = name.split("_")
+    cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[kind]
+    return cls(groups, lr=0.01, foreach={"foreach": True, "loop": False}[loop])
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    model: str
+    optimizer: str
+    steps: int = 5
+    micro_batches: int = 1  # all but the last under no_sync
+    ddp: Tuple[Tuple[str, Any], ...] = ()
+    scheduler_first: bool = False  # the scheduler is created before overlap_optimizer
+    checkpoint_at: int = -1  # saved and loaded into a fresh wrapper before this step
+    set_to_none: bool = True
+
+    @property
+    def id(self) -> str:
+        parts = [self.model, self.optimizer] + [f"{k}={v}" for k, v in self.ddp]
+        if self.micro_batches != 1:
+            parts.append(f"micro{self.micro_batches}")
+        if self.scheduler_first:
+            parts.append("scheduler_first")
+        if self.checkpoint_at >= 0:
+            parts.append(f"checkpoint{self.checkpoint_at}")
+        if not self.set_to_none:
+            parts.append("zero_grad_to_zeros")
+        return "-".join(parts)
+
+
+def run(model, optimizer, **kwargs) -> Run:
+    ddp = dict(kwargs.pop("ddp", {}))
+    ddp.setdefault("bucket_cap_mb", SMALL_BUCKETS)
+    return Run(model, optimizer, ddp=tuple(sorted(ddp.items())), **kwargs)
+
+
+RUNS = [run("deep", name) for name in ("sgd", "sgd_nesterov_wd", "adam_foreach", "adam_loop", "adamw_foreach",
+                                       "adamw_loop")]
+RUNS += [
+    run("conv", "adam_foreach", scheduler_first=True, set_to_none=False),
+    run("deep", "sgd", micro_batches=3),
+    run("batchnorm", "adamw_loop", micro_batches=2, scheduler_first=True),
+    run("branches", "sgd", ddp=dict(find_unused_parameters=True)),
+    run("branches", "adam_foreach", ddp=dict(find_unused_parameters=True, gradient_as_bucket_view=True)),
+    run("branches", "adamw_loop", micro_batches=2, ddp=dict(find_unused_parameters=True)),
+    # .grad kept as bucket views, stashed and restored for the heads no rank used.
+    run("branches", "sgd", set_to_none=False, ddp=dict(find_unused_parameters=True, gradient_as_bucket_view=True)),
+    run("deep", "adam_loop", ddp=dict(static_graph=True)),
+    run("deep", "adam_foreach", ddp=dict(gradient_as_bucket_view=True)),
+    run("mlp", "sgd", checkpoint_at=2),
+    run("deep", "adamw_foreach", checkpoint_at=3, scheduler_first=True),
+]
+
+
+def _wrap(wrapper: str, module, ddp_kwargs):
+    kwargs = dict(ddp_kwargs)
+    if wrapper == "torch":
+        return reference.torch_ddp(module, **kwargs)
+    return reference.ext_ddp(module, **kwargs)
+
+
+class StepLog:
+    """Records, for each call of the optimizer class's step during backward,
+    the thread and the parameters stepped (by their index among the reduced
+    parameters, as in bucket_indices())."""
+
+    def __init__(self, module, optimizer):
+        self.index = {id(p): i for i, p in enumerate(p for p in module.parameters() if p.requires_grad)}
+        self.calls: List[Tuple[int, List[int]]] = []
+        self.inside_backward = False
+        step = type(optimizer).step
+        log = self
+
+        def logged(opt, *args, **kwargs):
+            if log.inside_backward:
+                stepped = [log.index[id(p)] for g in opt.param_groups for p in g["params"]]
+                log.calls.append((threading.get_ident(), stepped))
+            return step(opt, *args, **kwargs)
+
+        self.logged = logged
+
+
+def _setup(c: Run, wrapper: str, overlap: bool, seed: int):
+    module = models.build(c.model, seed)
+    ddp = _wrap(wrapper, module, c.ddp)
+    optimizer = _optimizer(c.optimizer, module)
+    if c.scheduler_first:
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    if overlap:
+        ddp.overlap_optimizer(optimizer)
+    if not c.scheduler_first:
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    return module, ddp, optimizer, scheduler
+
+
+def _optimizer_state(optimizer) -> Dict[str, torch.Tensor]:
+    state = optimizer.state_dict()
+    flat = {}
+    for index, per_param in state["state"].items():
+        for key, value in per_param.items():
+            flat[f"{index}.{key}"] = value.clone() if torch.is_tensor(value) else torch.tensor(value)
+    for number, group in enumerate(state["param_groups"]):
+        flat[f"group{number}.lr"] = torch.tensor(group["lr"], dtype=torch.float64)
+        flat[f"group{number}.params"] = torch.tensor(group["params"])
+    return flat
+
+
+def _train(rank: int, world_size: int, c: Run, wrapper: str, overlap: bool) -> Dict[str, Any]:
+    import ddp_ext  # noqa: F401  (the ranks import the checkout's)
+
+    spec = models.MODELS[c.model]
+    module, ddp, optimizer, scheduler = _setup(c, wrapper, overlap, models.MODEL_SEED)
+    stepped_in_backward, calls, buckets = [], [], []
+    main_thread = threading.get_ident()
+    for step in range(c.steps):
+        if step == c.checkpoint_at:
+            saved = io.BytesIO()
+            torch.save({"model": ddp.state_dict(), "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict()}, saved)
+            saved.seek(0)
+            checkpoint = torch.load(saved)
+            # A fresh wrapper from other weights, then everything loaded.
+            module, ddp, optimizer, scheduler = _setup(c, wrapper, overlap, models.MODEL_SEED + 1)
+            ddp.load_state_dict(checkpoint["model"])
+            optimizer.load_state_dict(checkpoint["optimizer"])
+            scheduler.load_state_dict(checkpoint["scheduler"])
+        log = StepLog(module, optimizer)
+        original = type(optimizer).step
+        micro_batches = c.micro_batches
+        for micro in range(micro_batches):
+            args, target = models.rank_batch(c.model, step, micro, rank, world_size, per_rank=4)
+            last = micro == micro_batches - 1
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                loss = spec.loss(ddp(*args), target)
+                if overlap:
+                    buckets = [[i for i in b] for b in ddp.bucket_indices()]
+                log.inside_backward = True
+                type(optimizer).step = log.logged  # this process's class, for this backward only
+                try:
+                    loss.backward()
+                finally:
+                    type(optimizer).step = original
+                    log.inside_backward = False
+        if overlap:
+            stepped_in_backward.append(len(ddp._optimizer_overlap.stepped))
+            calls.append(dict(threads=sorted({t == main_thread for t, _ in log.calls}),
+                              stepped=[s for _, s in log.calls], buckets=buckets))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=c.set_to_none)
+    params, buffers = reference.state_tensors(module)
+    return dict(params=params, buffers=buffers, optimizer=_optimizer_state(optimizer),
+                stepped_in_backward=stepped_in_backward, calls=calls,
+                reduced=[n for n, p in module.named_parameters() if p.requires_grad])
+
+
+def _three(rank, world_size, c):
+    return {
+        "overlap": _train(rank, world_size, c, "ext", overlap=True),
+        "ext": _train(rank, world_size, c, "ext", overlap=False),
+        "torch": _train(rank, world_size, c, "torch", overlap=False),
+    }
+
+
+TABLE = CaseTable(_three, RUNS)
+
+
+def _assert_bitwise(actual, expected, what):
+    assert sorted(actual) == sorted(expected), f"{what}: names differ"
+    differ = [n for n in expected if not same_bits(actual[n], expected[n])]
+    assert not differ, f"{what}: not bitwise equal: {differ}"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("c", RUNS, ids=lambda c: c.id)
+def test_overlapped_optimizer_is_exact(c, world_size):
+    results = TABLE.results(world_size, c)
+    for rank, r in enumerate(results):
+        what = f"{c.id}, rank {rank} of {world_size}"
+        for kind in ("params", "buffers", "optimizer"):
+            _assert_bitwise(r["overlap"][kind], r["ext"][kind], f"{what}: {kind}, overlap vs ddp_ext without")
+            if world_size == 2:
+                _assert_bitwise(r["overlap"][kind], r["torch"][kind], f"{what}: {kind}, overlap vs torch DDP")
+            else:
+                assert_states_close(r["overlap"][kind], r["torch"][kind], f"{what}: {kind}, overlap vs torch DDP")
+        _assert_bitwise(r["overlap"]["params"], results[0]["overlap"]["params"], f"{what}: params vs rank 0")
+        # The overlap happened: the backward stepped parameters, one call per
+        # bucket that holds any, in launch order, on the training thread.
+        learning = dict(c.ddp).get("static_graph", False)
+        for step, (count, calls) in enumerate(zip(r["overlap"]["stepped_in_backward"], r["overlap"]["calls"])):
+            if learning and step == 0:
+                assert count == 0 and not calls["stepped"], f"{what}: a static graph's first backward stepped"
+                continue
+            assert count > 0, f"{what}: step {step}: the backward stepped nothing"
+            assert calls["threads"] == [True], f"{what}: step {step}: stepped off the thread that called backward"
+            # One call per bucket, in launch order, each with that bucket's parameters.
+            assert [sorted(b) for b in calls["stepped"]] == [sorted(b) for b in calls["buckets"]], (
+                f"{what}: step {step}: the steps {calls['stepped']} are not the buckets {calls['buckets']}")
+        # Several buckets once the first bucket's cap no longer applies (from the rebuild on).
+        assert max(len(calls["buckets"]) for calls in r["overlap"]["calls"]) >= 2, f"{what}: one bucket only"
+
+
+ALONE = [run("deep", "adam_foreach"), run("branches", "sgd", ddp=dict(find_unused_parameters=True))]
+
+
+@pytest.mark.parametrize("c", ALONE, ids=lambda c: c.id)
+def test_overlapped_optimizer_is_exact_alone(c):
+    """A world of one, where gradients stay where autograd put them (Note [A
+    world of one rank] in reducer/core/reducer.cpp)."""
+    (r,) = TABLE.results(1, c)
+    for kind in ("params", "optimizer"):
+        _assert_bitwise(r["overlap"][kind], r["ext"][kind], f"{c.id}, alone: {kind}, overlap vs ddp_ext without")
+        _assert_bitwise(r["overlap"][kind], r["torch"][kind], f"{c.id}, alone: {kind}, overlap vs torch DDP")
+    assert all(count > 0 for count in r["overlap"]["stepped_in_backward"]), r["overlap"]["stepped_in_backward"]
+
+
+# --- refusals and errors --------------------------------------------------------
+
+
+def _plain(seed=models.MODEL_SEED, **kwargs):
+    import ddp_ext
+
+    module = models.build("deep", seed)
+    return module, ddp_ext.DistributedDataParallel(module, bucket_cap_mb=SMALL_BUCKETS, **kwargs)
+
+
+def _backward(ddp, rank, world_size, step=0):
+    args, target = models.rank_batch("deep", step, 0, rank, world_size, per_rank=4)
+    models.MODELS["deep"].loss(ddp(*args), target).backward()
+
+
+def _raised(fn) -> str:
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 - the message is the result
+        return f"{type(error).__name__}: {error}"
+    return "nothing raised"
+
+
+def _snapshot(module):
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def _unchanged(module, before) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(before, module.parameters()))
+
+
+def _refuse_foreign(rank, world_size):
+    module, ddp = _plain()
+    other = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(list(module.parameters()) + list(other.parameters()), lr=0.1)
+    return _raised(lambda: ddp.overlap_optimizer(optimizer)), optimizer.step.__func__ is type(optimizer).step
+
+
+def _refuse_ignored(rank, world_size):
+    import ddp_ext
+
+    module = models.build("deep")
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ["layers.3.bias"])
+    ddp = ddp_ext.DistributedDataParallel(module)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    return _raised(lambda: ddp.overlap_optimizer(optimizer)), ddp._optimizer_overlap is None
+
+
+def _refuse_hook_before(rank, world_size):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    module, ddp = _plain()
+    ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    return _raised(lambda: ddp.overlap_optimizer(optimizer)), None
+
+
+def _refuse_hook_after(rank, world_size):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    module, ddp = _plain()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    ddp.overlap_optimizer(optimizer)
+    ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    before = _snapshot(module)
+    message = _raised(lambda: _backward(ddp, rank, world_size))
+    return message, _unchanged(module, before) and not optimizer.state
+
+
+def _refuse_step_hook_before(rank, world_size):
+    module, ddp = _plain()
+    optimizer = torch.optim.Adam(module.parameters(), lr=0.1)
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: None)
+    return _raised(lambda: ddp.overlap_optimizer(optimizer)), None
+
+
+def _refuse_step_hook_after(rank, world_size):
+    module, ddp = _plain()
+    optimizer = torch.optim.Adam(module.parameters(), lr=0.1)
+    ddp.overlap_optimizer(optimizer)
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: None)
+    before = _snapshot(module)
+    message = _raised(lambda: _backward(ddp, rank, world_size))
+    return message, _unchanged(module, before) and not optimizer.state
+
+
+def _refuse_lbfgs(rank, world_size):
+    module, ddp = _plain()
+    return _raised(lambda: ddp.overlap_optimizer(torch.optim.LBFGS(module.parameters()))), None
+
+
+def _refuse_not_an_optimizer(rank, world_size):
+    module, ddp = _plain()
+    return _raised(lambda: ddp.overlap_optimizer([p for p in module.parameters()])), None
+
+
+def _refuse_twice(rank, world_size):
+    module, ddp = _plain()
+    ddp.overlap_optimizer(torch.optim.SGD(module.parameters(), lr=0.1))
+    return _raised(lambda: ddp.overlap_optimizer(torch.optim.SGD(module.parameters(), lr=0.1))), None
+
+
+def _refuse_second_backward(rank, world_size):
+    module, ddp = _plain()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    ddp.overlap_optimizer(optimizer)
+    _backward(ddp, rank, world_size, step=0)
+    stepped = _snapshot(module)
+    message = _raised(lambda: _backward(ddp, rank, world_size, step=1))
+    # Nothing stepped by the refused backward; the wrapper is usable after it.
+    unchanged = _unchanged(module, stepped)
+    optimizer.step()
+    optimizer.zero_grad()
+    _backward(ddp, rank, world_size, step=2)
+    return message, unchanged and len(ddp._optimizer_overlap.stepped) == len(stepped)
+
+
+def _refuse_closure(rank, world_size):
+    module, ddp = _plain()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    ddp.overlap_optimizer(optimizer)
+    return _raised(lambda: optimizer.step(lambda: torch.tensor(0.0))), None
+
+
+def _refuse_mixed_precision(rank, world_size):
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    module, ddp = _plain(mixed_precision=_MixedPrecision(param_dtype=torch.float64))
+    return _raised(lambda: ddp.overlap_optimizer(torch.optim.SGD(module.parameters(), lr=0.1))), None
+
+
+class FailingSGD(torch.optim.SGD):
+    def step(self, closure=None):
+        raise ValueError("this optimizer's step failed")
+
+
+def _step_raises(rank, world_size):
+    module, ddp = _plain()
+    optimizer = FailingSGD(module.parameters(), lr=0.1)
+    ddp.overlap_optimizer(optimizer)
+    before = _snapshot(module)
+    message = _raised(lambda: _backward(ddp, rank, world_size))
+    # The backward finished its reduction (every .grad written back), so the
+    # next forward and backward run; the next optimizer.step() raises again.
+    grads = [p.grad is not None for p in module.parameters()]
+    ddp.set_overlap_with_backward(True)  # a change: raises if the reducer were mid-iteration
+    return message, _unchanged(module, before) and all(grads)
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    name: str
+    expected: Tuple[str, ...]  # fragments of the message, `{rank}` filled in
+    then: Any = None  # what the case's second value must be
+
+    @property
+    def id(self):
+        return self.name
+
+
+REFUSALS = [
+    Refusal("foreign", ("ValueError", "on rank {rank}", "cannot step parameters the wrapper does not reduce",
+                        "a parameter of shape (2, 2) (param group 0)"), then=True),
+    Refusal("ignored", ("ValueError", "on rank {rank}", "layers.3.bias (param group 0)", "parameters_to_ignore"),
+            then=True),
+    Refusal("hook_before", ("RuntimeError", "on rank {rank}", "communication hook registered (allreduce_hook)")),
+    Refusal("hook_after", ("RuntimeError", "on rank {rank}", "communication hook registered (allreduce_hook)"),
+            then=True),
+    Refusal("step_hook_before", ("RuntimeError", "on rank {rank}", "step post-hooks registered")),
+    Refusal("step_hook_after", ("RuntimeError", "on rank {rank}", "step pre-hooks registered"), then=True),
+    Refusal("lbfgs", ("ValueError", "on rank {rank}", "cannot overlap torch.optim.LBFGS")),
+    Refusal("not_an_optimizer", ("TypeError", "on rank {rank}", "needs a torch.optim.Optimizer, got list")),
+    Refusal("twice", ("RuntimeError", "on rank {rank}", "was called already on this wrapper")),
+    Refusal("second_backward", ("RuntimeError", "on rank {rank}", "second synchronising backward before "
+                                "optimizer.step()", "ddp.no_sync()", "Nothing was stepped in this backward"),
+            then=True),
+    Refusal("closure", ("ValueError", "on rank {rank}", "without a closure only")),
+    Refusal("mixed_precision", ("ValueError", "on rank {rank}", "does not support mixed_precision")),
+    Refusal("step_raises", ("ValueError", "this optimizer's step failed"), then=True),
+]
+REFUSAL_FNS = {r.name: globals()[f"_refuse_{r.name}" if r.name != "step_raises" else "_step_raises"]
+               for r in REFUSALS}
+
+
+def _refusal(rank, world_size, r):
+    return REFUSAL_FNS[r.name](rank, world_size)
+
+
+REFUSAL_TABLE = CaseTable(_refusal, REFUSALS)
+
+
+@pytest.mark.parametrize("r", REFUSALS, ids=lambda r: r.id)
+def test_refusals(r):
+    world_size = 2
+    for rank, (message, then) in enumerate(REFUSAL_TABLE.results(world_size, r)):
+        for fragment in r.expected:
+            assert fragment.format(rank=rank) in message, f"rank {rank}: {fragment!r} not in {message!r}"
+        assert then == r.then, f"rank {rank}: {r.name}: {then!r}"
+
+
+# --- uneven inputs (Join) ----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Uneven:
+    id: str = "join"
+
+
+def _uneven_run(rank, world_size, overlap: bool):
+    module, ddp = _plain()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    if overlap:
+        ddp.overlap_optimizer(optimizer)
+    with ddp.join():
+        for step in range(3 + rank):  # rank r runs out of data r steps after rank 0
+            optimizer.zero_grad()
+            _backward(ddp, rank, world_size, step)
+            optimizer.step()
+    return reference.state_tensors(module)[0]
+
+
+def _uneven(rank, world_size, _case):
+    return {"overlap": _uneven_run(rank, world_size, True), "plain": _uneven_run(rank, world_size, False)}
+
+
+UNEVEN_TABLE = CaseTable(_uneven, [Uneven()])
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_uneven_inputs_under_join(world_size):
+    """Ranks that run out of data shadow the others' collectives (Join); the
+    others step bucket by bucket, exactly as they step without overlap."""
+    for rank, r in enumerate(UNEVEN_TABLE.results(world_size, Uneven())):
+        _assert_bitwise(r["overlap"], r["plain"], f"join, rank {rank} of {world_size}: overlap vs without")
+
+
+# --- copies ----------------------------------------------------------------------
+
+
+def test_a_copy_does_not_overlap(single_process_group):
+    """A deep copy has a reducer of its own and no overlapped optimizer: its
+    backward steps nothing, while the original's still does."""
+    import copy
+
+    module, ddp = _plain()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    ddp.overlap_optimizer(optimizer)
+    twin = copy.deepcopy(ddp)
+    assert twin._optimizer_overlap is None
+    before = _snapshot(twin.module)
+    _backward(twin, 0, 1)
+    assert _unchanged(twin.module, before), "the copy's backward stepped its parameters"
+    _backward(ddp, 0, 1)
+    assert len(ddp._optimizer_overlap.stepped) == len(before), "the original's backward did not step"
