@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.support import models, reference
-from tests.support.harness import CaseTable, assert_states_close, same_bits
+from tests.support.harness import CaseTable, assert_states_bitwise, assert_states_close
 
 OPTIMIZERS = {
     "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
@@ -101,12 +101,6 @@ def _three(rank, world_size, c):
 TABLE = CaseTable(_three, RUNS)
 
 
-def _assert_bitwise(actual, expected, what):
-    assert sorted(actual) == sorted(expected), f"{what}: names differ"
-    differ = [n for n in expected if not same_bits(actual[n], expected[n])]
-    assert not differ, f"{what}: not bitwise equal: {differ}"
-
-
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("c", RUNS, ids=lambda c: c.id)
 def test_optimizers_in_backward_step_like_the_hook(c, world_size):
@@ -114,9 +108,9 @@ def test_optimizers_in_backward_step_like_the_hook(c, world_size):
         what = f"{c.id}, rank {rank} of {world_size}"
         assert all(r["in_backward"]["grads_none"]), f"{what}: .grad not None after backward: {r['in_backward']}"
         for kind in ("params", "state"):
-            _assert_bitwise(r["in_backward"][kind], r["ext"][kind], f"{what}: {kind} vs ddp_ext, stepped after")
+            assert_states_bitwise(r["in_backward"][kind], r["ext"][kind], f"{what}: {kind} vs ddp_ext, stepped after")
             if world_size == 2:
-                _assert_bitwise(r["in_backward"][kind], r["torch"][kind], f"{what}: {kind} vs torch DDP")
+                assert_states_bitwise(r["in_backward"][kind], r["torch"][kind], f"{what}: {kind} vs torch DDP")
             else:
                 assert_states_close(r["in_backward"][kind], r["torch"][kind], f"{what}: {kind} vs torch DDP")
         # The parameters moved: the optimizers did step.

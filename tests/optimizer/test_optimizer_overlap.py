@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from tests.support import models, reference
-from tests.support.harness import CaseTable, assert_states_close, same_bits
+from tests.support.harness import CaseTable, assert_states_bitwise, assert_states_close
 
 # Tiny buckets: several per model, so that later buckets are still being
 # reduced while the first are stepped.
@@ -209,12 +209,6 @@ def _three(rank, world_size, c):
 TABLE = CaseTable(_three, RUNS)
 
 
-def _assert_bitwise(actual, expected, what):
-    assert sorted(actual) == sorted(expected), f"{what}: names differ"
-    differ = [n for n in expected if not same_bits(actual[n], expected[n])]
-    assert not differ, f"{what}: not bitwise equal: {differ}"
-
-
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("c", RUNS, ids=lambda c: c.id)
 def test_overlapped_optimizer_is_exact(c, world_size):
@@ -222,12 +216,12 @@ def test_overlapped_optimizer_is_exact(c, world_size):
     for rank, r in enumerate(results):
         what = f"{c.id}, rank {rank} of {world_size}"
         for kind in ("params", "buffers", "optimizer"):
-            _assert_bitwise(r["overlap"][kind], r["ext"][kind], f"{what}: {kind}, overlap vs ddp_ext without")
+            assert_states_bitwise(r["overlap"][kind], r["ext"][kind], f"{what}: {kind}, overlap vs ddp_ext without")
             if world_size == 2:
-                _assert_bitwise(r["overlap"][kind], r["torch"][kind], f"{what}: {kind}, overlap vs torch DDP")
+                assert_states_bitwise(r["overlap"][kind], r["torch"][kind], f"{what}: {kind}, overlap vs torch DDP")
             else:
                 assert_states_close(r["overlap"][kind], r["torch"][kind], f"{what}: {kind}, overlap vs torch DDP")
-        _assert_bitwise(r["overlap"]["params"], results[0]["overlap"]["params"], f"{what}: params vs rank 0")
+        assert_states_bitwise(r["overlap"]["params"], results[0]["overlap"]["params"], f"{what}: params vs rank 0")
         # The overlap happened: the backward stepped parameters, one call per
         # bucket that holds any, in launch order, on the training thread.
         learning = dict(c.ddp).get("static_graph", False)
@@ -253,8 +247,8 @@ def test_overlapped_optimizer_is_exact_alone(c):
     world of one rank] in reducer/core/reducer.cpp)."""
     (r,) = TABLE.results(1, c)
     for kind in ("params", "optimizer"):
-        _assert_bitwise(r["overlap"][kind], r["ext"][kind], f"{c.id}, alone: {kind}, overlap vs ddp_ext without")
-        _assert_bitwise(r["overlap"][kind], r["torch"][kind], f"{c.id}, alone: {kind}, overlap vs torch DDP")
+        assert_states_bitwise(r["overlap"][kind], r["ext"][kind], f"{c.id}, alone: {kind}, overlap vs ddp_ext without")
+        assert_states_bitwise(r["overlap"][kind], r["torch"][kind], f"{c.id}, alone: {kind}, overlap vs torch DDP")
     assert all(count > 0 for count in r["overlap"]["stepped_in_backward"]), r["overlap"]["stepped_in_backward"]
 
 
@@ -491,7 +485,7 @@ def test_uneven_inputs_under_join(world_size):
     """Ranks that run out of data shadow the others' collectives (Join); the
     others step bucket by bucket, exactly as they step without overlap."""
     for rank, r in enumerate(UNEVEN_TABLE.results(world_size, Uneven())):
-        _assert_bitwise(r["overlap"], r["plain"], f"join, rank {rank} of {world_size}: overlap vs without")
+        assert_states_bitwise(r["overlap"], r["plain"], f"join, rank {rank} of {world_size}: overlap vs without")
 
 
 # --- copies ----------------------------------------------------------------------

@@ -108,6 +108,13 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+def assert_states_bitwise(actual: State, expected: State, what: str) -> None:
+    """Same names, and every tensor the same bits (same_bits)."""
+    assert sorted(actual) == sorted(expected), f"{what}: names differ: {sorted(actual)} vs {sorted(expected)}"
+    differ = [name for name in expected if not same_bits(actual[name], expected[name])]
+    assert not differ, f"{what}: not bitwise equal: {differ}"
+
+
 def assert_states_close(actual: State, expected: State, what: str, **tol) -> None:
     """Same names, and every tensor equal up to rounding (exactly for integers)."""
     assert sorted(actual) == sorted(expected), f"{what}: names differ: {sorted(actual)} vs {sorted(expected)}"
