@@ -11,8 +11,14 @@ left to step (nothing, usually). Models: the `compare` models at --preset and
 the `scaleout` MLP. At the end every rank compares the parameters and
 buffers of ddp_ext with and without the line: they saw the same data and
 steps, so they must be bitwise equal; the run fails if they are not.
+
+The ranks share the loopback, or with --link each is a host of its own, a
+network namespace whose link sends at the given rate (harness/fake_hosts.py,
+as in `scaleout`).
 """
 
+import functools
+import os
 from typing import Dict, List
 
 import torch
@@ -20,6 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ddp_ext import DistributedDataParallel as OurDDP
+from benchmarks.harness import fake_hosts as hosts
 from benchmarks.harness import stats
 from benchmarks.harness.interleave import merge_ranks, run_interleaved
 from benchmarks.harness.launcher import launch
@@ -95,9 +102,31 @@ def bitwise_check(model: str, per_rank: List[dict]) -> Dict[str, object]:
     return {"equal": True, "ranks": len(per_rank), "tensors_per_rank": per_rank[0]["compared"]}
 
 
+def _enter_host(placed, rank: int) -> None:
+    """Runs first in each rank's process: into its own host, Gloo on its link."""
+    hosts.enter(placed[rank])
+    os.environ["GLOO_SOCKET_IFNAME"] = placed[rank].veth
+
+
+def _launch(options: BenchOptions, progress) -> List[dict]:
+    job = (options, progress)
+    if options.link_gbit is None:
+        return launch(_measure, options.world_size, job, options.threads, options.timeout_s)
+    reason = hosts.cannot_make_namespaces()
+    if reason:
+        raise RuntimeError(f"overlap --link: {reason}")
+    with hosts.fake_hosts(options.world_size, "ov", options.link_gbit) as placed:
+        return launch(_measure, options.world_size, job, options.threads, options.timeout_s,
+                      setup=functools.partial(_enter_host, placed))
+
+
+def _where(link_gbit) -> str:
+    return "loopback" if link_gbit is None else f"{link_gbit:g} Gbit/s links"
+
+
 def run(options: BenchOptions, progress) -> dict:
     options.single_bucket_cap()
-    per_rank = launch(_measure, options.world_size, (options, progress), options.threads, options.timeout_s)
+    per_rank = _launch(options, progress)
     models = {}
     for model in options.models:
         merged = merge_ranks([r[model]["samples"] for r in per_rank])
@@ -118,6 +147,10 @@ def run(options: BenchOptions, progress) -> dict:
              "ratio [min-max]: the medians' ratio over all measured iterations, and its range over back-to-back "
              "block pairs. bitwise: parameters and buffers of ddp_ext with and without overlap_optimizer, "
              "compared on every rank at the end of the run."]
+    if options.link_gbit is not None:
+        notes.append(f"Links: each rank a host of its own (a network namespace on this machine), what it sends "
+                     f"shaped to {options.link_gbit:g} Gbit/s with tc tbf (rate only, no delay added); the ranks "
+                     "still share this machine's cores.")
     return {"models": models, "notes": notes}
 
 
@@ -151,4 +184,4 @@ def plot(data: dict, path: str) -> None:
         ax.set_ylabel("per-iteration latency (ms)")
     options = data["options"]
     figures.save(figure, path, f"overlap_optimizer vs a step after backward ({options['world_size']} ranks, "
-                               f"{options['preset']} preset)")
+                               f"{options['preset']} preset, {_where(options.get('link_gbit'))})")

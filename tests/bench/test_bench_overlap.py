@@ -3,8 +3,9 @@
 A --quick run on the scaleout MLP at 2 ranks, with 1 MiB buckets so that the
 overlapped optimizer steps several buckets in the backward, must write a
 summary with every variant's medians and phases, both ratios and a passed
-bitwise check; and the check itself must see a one-ulp difference and fail
-the run on it.
+bitwise check; the same with --link 1gbit, each rank a host of its own
+(where network namespaces can be made); and the check itself must see a
+one-ulp difference and fail the run on it.
 """
 
 import json
@@ -12,27 +13,35 @@ import os
 import subprocess
 import sys
 
+import argparse
+
 import pytest
 import torch
 from torch import nn
 
 pytest.importorskip("matplotlib", reason="the benchmark suite needs matplotlib (the `bench` extra)")
 
+from benchmarks.__main__ import _link_gbit  # noqa: E402
 from benchmarks.experiments import overlap  # noqa: E402
+from benchmarks.harness import fake_hosts as hosts  # noqa: E402
 from benchmarks.reporting import results  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_overlap_quick_writes_results_and_checks_bitwise(tmp_path):
+def _quick_overlap(tmp_path, *extra):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     command = [sys.executable, "-m", "benchmarks", "overlap", "--quick", "--models", "mlp", "--bucket-cap-mb", "1",
-               "--world-size", "2", "--out", str(tmp_path)]
+               "--world-size", "2", "--out", str(tmp_path), *extra]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}"
-
     with open(tmp_path / "overlap.json") as f:
-        result = json.load(f)
+        return done, json.load(f)
+
+
+def test_overlap_quick_writes_results_and_checks_bitwise(tmp_path):
+    done, result = _quick_overlap(tmp_path)
+    assert result["options"]["link_gbit"] is None
     assert result["experiment"] == "overlap" and result["options"]["quick"] is True
     assert set(result["models"]) == {"mlp"}
     mlp = result["models"]["mlp"]
@@ -51,6 +60,24 @@ def test_overlap_quick_writes_results_and_checks_bitwise(tmp_path):
     assert {k: len(v) for k, v in full["models"]["mlp"]["samples_ms"].items()} == {k: 4 for k in overlap.VARIANTS}
     assert (tmp_path / "overlap.png").stat().st_size > 0
     assert "| mlp | ddp_ext + overlap_optimizer |" in done.stdout and "| equal |" in done.stdout
+
+
+def test_overlap_over_shaped_links(tmp_path):
+    reason = hosts.cannot_make_namespaces()
+    if reason:
+        pytest.skip(f"overlap --link: {reason}")
+    done, result = _quick_overlap(tmp_path, "--link", "1gbit")
+    assert result["options"]["link_gbit"] == 1.0
+    assert result["models"]["mlp"]["bitwise_equal"]["equal"] is True
+    assert any("shaped to 1 Gbit/s" in note for note in result["notes"])
+    assert "| mlp | ddp_ext + overlap_optimizer |" in done.stdout
+
+
+def test_link_rates_parse():
+    assert _link_gbit("10gbit") == 10.0 and _link_gbit("2.5Gbit") == 2.5
+    for wrong in ("fast", "0gbit", "10mbit", "gbit"):
+        with pytest.raises(argparse.ArgumentTypeError, match="not a rate such as 1gbit"):
+            _link_gbit(wrong)
 
 
 def _twins():
