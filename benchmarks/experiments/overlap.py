@@ -8,7 +8,8 @@ backward, and ddp_ext after `ddp.overlap_optimizer(optimizer)`, whose
 backward steps each bucket's parameters as soon as the bucket is reduced
 (docs/OPTIMIZER_OVERLAP.md); its optimizer phase is then what the backward
 left to step (nothing, usually). Models: the `compare` models at --preset and
-the `scaleout` MLP. At the end every rank compares the parameters and
+the `scaleout` MLP. Each variant draws its dropout masks from a random
+stream of its own, seeded alike. At the end every rank compares the parameters and
 buffers of ddp_ext with and without the line: they saw the same data and
 steps, so they must be bitwise equal; the run fails if they are not.
 
@@ -67,7 +68,26 @@ def _variant(kind: str, model: str, options: BenchOptions, rank: int) -> Trainin
     step.optimizer = torch.optim.Adam(module.parameters(), lr=LEARNING_RATE, foreach=True)
     if kind == OVERLAP:
         ddp.overlap_optimizer(step.optimizer)
-    return step
+    return OwnRandomness(step, input_seed(options.seed, rank))
+
+
+class OwnRandomness:
+    """A step that draws from a CPU random stream of its own (BERT's dropout):
+    every variant draws the same masks in the same order, whatever the other
+    variants draw between its iterations. The swap is outside the step's timing."""
+
+    def __init__(self, step: TrainingStep, seed: int):
+        self.step = step
+        self.state = torch.Generator().manual_seed(seed).get_state()
+
+    def __call__(self) -> Dict[str, float]:
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.state)
+        try:
+            return self.step()
+        finally:
+            self.state = torch.get_rng_state()
+            torch.set_rng_state(outer)
 
 
 def differing_tensors(a: nn.Module, b: nn.Module) -> List[str]:
@@ -84,7 +104,7 @@ def _measure(rank: int, world_size: int, job):
     for model in options.models:
         steps = {kind: _variant(kind, model, options, rank) for kind in VARIANTS}
         samples = run_interleaved(steps, **options.run_lengths(), progress=progress, label=model)
-        ours, overlap = steps[OURS].model.module, steps[OVERLAP].model.module
+        ours, overlap = steps[OURS].step.model.module, steps[OVERLAP].step.model.module
         measured[model] = {"samples": samples, "differing": differing_tensors(ours, overlap),
                            "compared": len([*ours.parameters(), *ours.buffers()])}
     return measured
@@ -106,6 +126,14 @@ def _enter_host(placed, rank: int) -> None:
     """Runs first in each rank's process: into its own host, Gloo on its link."""
     hosts.enter(placed[rank])
     os.environ["GLOO_SOCKET_IFNAME"] = placed[rank].veth
+
+
+def _describe(model: str, preset: str) -> dict:
+    if model != MLP:
+        return Workload(model, preset).describe()
+    params = sum(p.numel() for p in sv.ScaleoutMLP(0.0).parameters())
+    return {"model": "scaleout MLP", "parameters": params, "gradient_mib": round(params * 4 / 2**20, 2),
+            "input_shape_per_rank": [sv.BATCH, sv.IN_FEATURES]}
 
 
 def _launch(options: BenchOptions, progress) -> List[dict]:
@@ -139,8 +167,7 @@ def run(options: BenchOptions, progress) -> dict:
             "ours_over_torch": stats.ratio(merged[OURS], merged[TORCH]),
             "bitwise_equal": bitwise_check(model, [r[model] for r in per_rank]),
             "samples_ms": {kind: stats.values(merged[kind]) for kind in VARIANTS},
-            "workload": (f"scaleout MLP, batch {sv.BATCH} per rank" if model == MLP
-                         else Workload(model, options.preset).describe()) + f", Adam (foreach) lr {LEARNING_RATE}",
+            "workload": {**_describe(model, options.preset), "optimizer": f"Adam (foreach) lr {LEARNING_RATE}"},
         }
     notes = ["phases: medians per phase (the slowest rank's iteration); with overlap_optimizer the backward "
              "includes stepping each bucket, and the optimizer phase is what it left (zero_grad, usually). "

@@ -1,6 +1,6 @@
 """`python -m benchmarks overlap` runs end to end (a functionality check; it times nothing).
 
-A --quick run on the scaleout MLP at 2 ranks, with 1 MiB buckets so that the
+A --quick run on BERT (whose dropout draws random numbers) and the scaleout MLP at 2 ranks, with 1 MiB buckets so that the
 overlapped optimizer steps several buckets in the backward, must write a
 summary with every variant's medians and phases, both ratios and a passed
 bitwise check; the same with --link 1gbit, each rank a host of its own
@@ -29,9 +29,9 @@ from benchmarks.reporting import results  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _quick_overlap(tmp_path, *extra):
+def _quick_overlap(tmp_path, *extra, models=("mlp",)):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    command = [sys.executable, "-m", "benchmarks", "overlap", "--quick", "--models", "mlp", "--bucket-cap-mb", "1",
+    command = [sys.executable, "-m", "benchmarks", "overlap", "--quick", "--models", *models, "--bucket-cap-mb", "1",
                "--world-size", "2", "--out", str(tmp_path), *extra]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}"
@@ -40,10 +40,11 @@ def _quick_overlap(tmp_path, *extra):
 
 
 def test_overlap_quick_writes_results_and_checks_bitwise(tmp_path):
-    done, result = _quick_overlap(tmp_path)
+    done, result = _quick_overlap(tmp_path, models=("bert", "mlp"))
     assert result["options"]["link_gbit"] is None
+    assert result["models"]["bert"]["bitwise_equal"]["equal"] is True
     assert result["experiment"] == "overlap" and result["options"]["quick"] is True
-    assert set(result["models"]) == {"mlp"}
+    assert set(result["models"]) == {"bert", "mlp"}
     mlp = result["models"]["mlp"]
     assert set(mlp["summary"]) == set(overlap.VARIANTS) == {"torch", "ours", "ours_overlap"}
     for kind in overlap.VARIANTS:
@@ -54,7 +55,8 @@ def test_overlap_quick_writes_results_and_checks_bitwise(tmp_path):
         assert mlp[key]["ratio"] > 0 and len(mlp[key]["per_block"]["values"]) == 2, key
     n_params = len(list(overlap.sv.ScaleoutMLP(0.0).parameters()))
     assert mlp["bitwise_equal"] == {"equal": True, "ranks": 2, "tensors_per_rank": n_params}
-    assert "Adam (foreach)" in mlp["workload"]
+    assert mlp["workload"]["parameters"] == sum(p.numel() for p in overlap.sv.ScaleoutMLP(0.0).parameters())
+    assert mlp["workload"]["optimizer"].startswith("Adam (foreach)")
     assert "samples_ms" not in mlp
     full = results.read_result(str(tmp_path), "overlap")
     assert {k: len(v) for k, v in full["models"]["mlp"]["samples_ms"].items()} == {k: 4 for k in overlap.VARIANTS}
