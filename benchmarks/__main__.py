@@ -13,6 +13,19 @@ from benchmarks.workloads.presets import MODELS, PRESETS
 QUICK_SOAK_ITERATIONS = 100
 # The experiments --backend ddp_ext_mpi applies to.
 BACKEND_EXPERIMENTS = ("allreduce", "compare")
+# The experiments --link applies to (scaleout shapes its own links).
+LINK_EXPERIMENTS = ("overlap",)
+
+
+def _link_gbit(text: str) -> float:
+    """--link's rate: "1gbit", "10gbit", "2.5gbit" -> Gbit/s."""
+    try:
+        rate = float(text.lower().removesuffix("gbit"))
+    except ValueError:
+        rate = 0.0
+    if not text.lower().endswith("gbit") or rate <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a rate such as 1gbit or 10gbit")
+    return rate
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -70,6 +83,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=["gloo", "nccl", "ddp_ext_mpi"], default=None,
                    help="the ranks' process-group backend (default gloo; nccl with --device cuda); "
                         "ddp_ext_mpi (allreduce and compare) starts the ranks with mpirun")
+    p.add_argument("--link", type=_link_gbit, default=None,
+                   help="overlap: each rank a host of its own (a network namespace, needs root) whose link "
+                        "sends at this rate, e.g. 1gbit or 10gbit (default: all ranks on the loopback)")
     p.add_argument("--doc", default=None, help="report: the document to write (default docs/BENCHMARKS.md)")
     return p
 
@@ -97,6 +113,8 @@ def _options(args, experiment: str, part_of_all: bool = False) -> BenchOptions:
     if args.backend == "ddp_ext_mpi" and experiment not in BACKEND_EXPERIMENTS:
         raise SystemExit(f"python -m benchmarks {experiment}: --backend {args.backend} is for "
                          f"{' and '.join(BACKEND_EXPERIMENTS)} only")
+    if args.link is not None and experiment not in LINK_EXPERIMENTS and not part_of_all:
+        raise SystemExit(f"python -m benchmarks {experiment}: --link is for {' and '.join(LINK_EXPERIMENTS)} only")
     return BenchOptions(
         experiment=experiment, preset=args.preset, world_size=args.world_size, bucket_cap_mb=tuple(caps),
         models=tuple(models), out=args.out or BenchOptions.out, tag=args.tag, seed=args.seed, threads=args.threads,
@@ -104,6 +122,7 @@ def _options(args, experiment: str, part_of_all: bool = False) -> BenchOptions:
         auto=args.auto and experiment == "bucket", hang_watch_cost=args.hang_watch_cost and experiment == "compare", round_robin=not args.no_round_robin, convergence_iterations=args.convergence_iterations,
         allreduce_elements=args.allreduce_elements, soak_iterations=soak, timeout_s=args.timeout, quick=args.quick,
         device=args.device, backend=args.backend or "",
+        link_gbit=args.link if experiment in LINK_EXPERIMENTS else None,
         **lengths,
     )
 

@@ -46,6 +46,8 @@ class BenchOptions:
     # Process-group backend of the ranks: "" is gloo on the CPU and nccl with
     # --device cuda; ddp_ext_mpi starts the ranks with mpirun.
     backend: str = ""
+    # overlap: each rank a host of its own (fake_hosts), links shaped to this rate; None: the loopback.
+    link_gbit: Optional[float] = None
 
     def process_group_backend(self) -> str:
         return self.backend or ("nccl" if self.device == "cuda" else "gloo")
