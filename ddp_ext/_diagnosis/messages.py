@@ -168,6 +168,13 @@ def hang_message(
             f"{'their' if len(silent) > 1 else 'its'} connections; look at {'their' if len(silent) > 1 else 'its'} "
             "stack (py-spy dump --pid <pid>)."
         )
+    elif _same_wait(everyone.values()):
+        lines.append(
+            f"DistributedDataParallel: every rank is waiting for {where} (this is rank {rank}, which has waited "
+            f"{own['waited_s']:.1f} s; hang_timeout_s={timeout_s:g}). The ranks are in step and wait for the same "
+            "collective, so it is slow rather than mismatched: a loaded machine, a slow or congested link, or a "
+            "process group that stalled. If this recurs on a healthy machine, raise hang_timeout_s."
+        )
     else:
         lines.append(
             f"DistributedDataParallel: every rank reported, but their collectives do not pair up in training step "
@@ -183,6 +190,12 @@ def hang_message(
     for r in sorted(everyone):
         lines.append("  " + report_line(r, everyone[r], window_s, alive.get(r)))
     return "\n".join(lines)
+
+
+def _same_wait(reports) -> bool:
+    """Every rank waits (its wait not failed) for the same collective of the same step."""
+    keys = {(step_of(r), r.get("waiting_for"), r.get("bucket")) if r["kind"] == "stalled" else None for r in reports}
+    return len(keys) == 1 and None not in keys
 
 
 def proven(own: dict, reports: Dict[int, Optional[dict]]) -> bool:
