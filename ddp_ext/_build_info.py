@@ -37,7 +37,6 @@ SOURCES = [
     "reducer/core/gradient_copy.cpp",
     "reducer/core/reducer.cpp",
     "reducer/core/state_lock.cpp",
-    "reducer/core/unpaired_collectives.cpp",
     "reducer/layout/bucket_assignment.cpp",
     "reducer/layout/bucket_layout.cpp",
     "reducer/layout/bucket_memory.cpp",

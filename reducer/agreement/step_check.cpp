@@ -60,10 +60,6 @@ bool StepCheck::launched() const {
   return static_cast<bool>(work_) || riding_;
 }
 
-bool StepCheck::unfinished() const {
-  return work_ && !work_->isCompleted();
-}
-
 void StepCheck::write_tail(const StepEntry& entry, c10::ScalarType dtype) {
   TORCH_INTERNAL_ASSERT(!work_ && !riding_, "a step check is already in flight");
   TORCH_INTERNAL_ASSERT(

@@ -181,9 +181,6 @@ class StepCheck {
   void launch_as_joined(c10d::ProcessGroup& group);
 
   bool launched() const;
-  // Whether a collective of its own was launched and has not completed
-  // (Note [Collectives left without a partner]).
-  bool unfinished() const;
 
   // See Note [The step check on bucket 0]. Writes a backward check into the
   // tail (of `dtype`) that bucket 0's allreduce carries; no collective.

@@ -132,19 +132,6 @@ Reducer::Reducer(
 
 Reducer::~Reducer() {
   remove_autograd_hooks(); // See Note [Reducer lifetime].
-  drop_collectives_in_flight();
-  unpaired_.keep_group_if_any(process_group_);
-}
-
-void Reducer::drop_collectives_in_flight() {
-  for (const auto& bucket : layout_.buckets()) {
-    unpaired_.dropping(bucket.work);
-    unpaired_.dropping(bucket.future);
-  }
-  unpaired_.dropping(usage_.unfinished());
-  if (step_check_) {
-    unpaired_.dropping(step_check_->unfinished());
-  }
 }
 
 void Reducer::remove_autograd_hooks() {
@@ -153,7 +140,6 @@ void Reducer::remove_autograd_hooks() {
 }
 
 void Reducer::abandon_iteration() {
-  drop_collectives_in_flight(); // See Note [Collectives left without a partner].
   for (auto& bucket : layout_.buckets()) {
     bucket.work.reset();
     bucket.future.reset();
@@ -304,7 +290,6 @@ void Reducer::prepare_for_backward(
   observers_.notify(&ReducerObserver::on_backward_armed);
   wait_for_launched_buckets(); // left over from an unfinished iteration
   if (step_check_) {
-    unpaired_.dropping(step_check_->unfinished());
     step_check_->drop();
   }
   layout_.forget_vote();
@@ -828,7 +813,6 @@ void Reducer::update_process_group(
   TORCH_CHECK(process_group, "update_process_group needs a process group");
   // Work on the old group is dropped, not awaited: it may never complete.
   abandon_iteration();
-  unpaired_.keep_group_if_any(process_group_);
   averaging_.forget_forward_pass_work();
   layout_.forget_vote();
   layout_.order().restart();

@@ -33,7 +33,6 @@
 #include "reducer/participation/static_graph.h"
 #include "reducer/agreement/step_check.h"
 #include "reducer/observation/timeline.h"
-#include "reducer/core/unpaired_collectives.h"
 #include "reducer/participation/usage.h"
 
 namespace ddp_ext::reducer {
@@ -299,9 +298,6 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Drops the collectives of the iteration under way without waiting for
   // them, and what it stashed.
   void abandon_iteration();
-  // Notes every collective still in flight as dropped (see Note
-  // [Collectives left without a partner]).
-  void drop_collectives_in_flight();
   void raise_if_out_of_step();
   bool stays_local() const;
   c10d::GradBucket grad_bucket(size_t bucket_index, at::Tensor buffer) const;
@@ -366,8 +362,6 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   int64_t training_steps_ = 0;
   int64_t backwards_begun_ = 0;
   std::optional<StepCheck> step_check_;
-  // See Note [Collectives left without a partner].
-  UnpairedCollectives unpaired_;
   std::vector<bool> ready_; // per parameter, this iteration
   size_t next_bucket_ = 0; // first bucket not yet launched
 

@@ -94,11 +94,6 @@ class Usage {
   // Forgets an allreduce in flight without waiting, and the stashed .grad
   // values; `clear`: the bitmap too.
   void drop(bool clear);
-  // Whether its allreduce was launched and has not completed (Note
-  // [Collectives left without a partner]).
-  bool unfinished() const {
-    return work_ && !work_->isCompleted();
-  }
 
   // Keeps a copy of `grad`, parameter `index`'s .grad that is a bucket view
   // and may be used by no rank, so that its .grad can be restored untouched.

@@ -106,10 +106,19 @@ CASES = [
 ]
 
 
+# Groups of finished cases, held until the ranks exit: a group that ranks
+# out of step left with allreduces without partners blocks whoever frees it
+# last (ProcessGroupGloo's destructor joins its threads), and a garbage
+# collection in a later case would free it on one rank while the other waits
+# in that case's collectives.
+_FINISHED_GROUPS = []
+
+
 def run_case(rank: int, world_size: int, c: C):
     # A group of its own: ranks that raised out of step may leave bucket
     # allreduces without partners on it.
     group = dist.new_group()
+    _FINISHED_GROUPS.append(group)
     try:
         return train(rank, world_size, c, group)
     finally:
