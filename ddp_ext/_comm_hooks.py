@@ -89,6 +89,7 @@ class CommHooks(Bound):
     def _install(self, native, name: str, state) -> None:
         self.reducer._register_comm_hook(native)
         self.registered.append((name, state))
+        self.logging.hook_registered(name)
         # See Note [Hooks registered after the first forward] in reducer/agreement/step_check.h.
         self.reducer._set_comm_hook_fingerprint(self.fingerprint(), confirm=self.first_forward_done)
         if native.keeps_per_bucket_state:

@@ -79,7 +79,7 @@ class LoggingData(Bound):
         self.flags = flags  # SyncFlags: static_graph
         self.buffers = buffers  # BufferSync: forward_sync_buffers
         self.tuning = tuning  # CapTuning: the caps in use
-        self.hooks = None  # CommHooks, set by see_hooks (they record errors here)
+        self.comm_hook = None  # the last registered hook's name, told by CommHooks
         self.sample_rate = 100  # torch's _runtime_logging_sample_rate
         # `forwards`: torch's reducer num_iterations_, the synchronising
         # forwards with gradients so far; `samples`: its logger's
@@ -87,8 +87,11 @@ class LoggingData(Bound):
         self.stats: Dict[str, Any] = {"forwards": 0, "samples": 0, "logged": {}}
         self.bind(reducer, group)
 
-    def see_hooks(self, hooks) -> None:
-        self.hooks = hooks
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "comm_hook": None}  # a copy starts without hooks
+
+    def hook_registered(self, name: str) -> None:
+        self.comm_hook = name
 
     def data(self) -> Dict[str, Any]:
         params = [p for p in self.module_parameters if p.requires_grad]
@@ -149,8 +152,8 @@ class LoggingData(Bound):
             # ddp_ext's own: bucket_cap_mb="auto", where its tuner stands (see
             # Note [Auto-tuned bucket caps]); bucket_cap_bytes is the cap in use.
             data["bucket_cap_auto"] = self.tuning.auto.tuner.stage.value
-        if self.hooks is not None and self.hooks.registered:
-            data["comm_hook"] = self.hooks.registered[-1][0]
+        if self.comm_hook is not None:
+            data["comm_hook"] = self.comm_hook
         data.update(self.stats["logged"])
         return data
 

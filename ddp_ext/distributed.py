@@ -200,7 +200,6 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
         self._logging = LoggingData(reducer, group, self.module, self._module_parameters, settings, self._flags,
                                     self._buffer_sync, self._tuning)
         self._hooks = CommHooks(reducer, group, device, self._module_parameters, self._logging, self._tuning)
-        self._logging.see_hooks(self._hooks)
         self._join = JoinShadow(reducer, group, self.module, device, self._flags, self._buffer_sync,
                                 self._dropped_layers, self._hooks, self._tuning, settings.find_unused_parameters)
         self._attach_watchers(store_key)

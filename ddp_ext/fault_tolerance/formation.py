@@ -4,7 +4,6 @@ fresh wrapper over the group (Note [Epochs and quorums] in
 ddp_ext/fault_tolerance/roster.py; Note [What a replica holds] in
 ddp_ext/fault_tolerance/heal.py)."""
 
-import gc
 import time
 from typing import Callable, Optional, Tuple
 
@@ -112,9 +111,6 @@ class EpochFormation:
             self.ddp = None
         self._group = None
         self.formed = None
-        # The wrapper's collaborators refer to each other: collect them now,
-        # so the old group's threads and sockets go at once.
-        gc.collect()
 
     def _current_caps(self):
         if self.ddp is not None and self.ddp.reducer is not None:
