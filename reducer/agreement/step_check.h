@@ -66,8 +66,9 @@ namespace ddp_ext::reducer {
 //
 // The cost: one latency-bound collective of ((3 + kTimings) * world_size + 1) * 8 bytes
 // per iteration, overlapped with the backward, and with buffer broadcasting
-// one more, awaited, before the broadcast. Where no hook runs, none: the
-// check rides on bucket 0's allreduce (Note [The step check on bucket 0]).
+// one more, awaited, before the broadcast. At two ranks where no hook runs,
+// none: the check rides on bucket 0's allreduce (Note [The step check on
+// bucket 0]).
 
 // Note [Hooks registered after the first forward]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
