@@ -15,6 +15,7 @@ group, healing, the wrapper) is ddp_ext/fault_tolerance/formation.py.
 import dataclasses
 import logging
 import datetime
+import traceback
 from typing import Any, Callable, Optional, Tuple
 
 import torch
@@ -181,6 +182,7 @@ class Replica:
                 except (CoordinatorLost, ReplicaDropped):
                     raise
                 except Exception as exc:  # a peer failed, or this step did
+                    _drop_locals(exc)  # Note [A failed step holds its wrapper]
                     self._link.check()
                     error, value = exc, None
                 decision = commit.decide(self._store, self._link, self.run_id, membership.epoch, self._step,
@@ -251,6 +253,7 @@ class Replica:
             except (CoordinatorLost, ReplicaDropped, StateLost):
                 raise
             except Exception as exc:
+                _drop_locals(exc)  # Note [A failed step holds its wrapper]
                 link.check()
                 if not isinstance(exc, RuntimeError):  # Gloo's errors are RuntimeErrors; this is a bug
                     self._abandon(target)
@@ -304,3 +307,26 @@ class Replica:
         self._release()
         self._link.close()
 
+
+# Note [A failed step holds its wrapper]
+# An exception's traceback holds the frames it passed through, and they hold
+# their locals: a failed forward's frames hold the wrapper (self), and so
+# its reducer and process group, with the group's threads and sockets. The
+# replica keeps a failed step's error until it knows whether to raise it,
+# which is after the next epoch formed; and frames that refer to each other
+# wait for a garbage collection, at no point anyone can name. So the old
+# group lingered beside the new one, and a long run held a changing number
+# of dead groups. The frames' locals are dropped where the error is caught
+# (traceback.clear_frames: the traceback still prints every line), so
+# release() frees the old wrapper and group at once, by reference count.
+def _drop_locals(error: BaseException) -> None:
+    """Clears the locals of the finished frames in `error`'s traceback and
+    in those of the errors it was raised from or during."""
+    seen, pending = set(), [error]
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        pending += [error.__cause__, error.__context__]

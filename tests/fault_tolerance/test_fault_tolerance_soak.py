@@ -226,6 +226,10 @@ def test_twenty_kills_and_replacements(run):
     usage = {"replica": (before, after), "coordinator": (baseline["coordinator"], end_coordinator)}
     print("soak usage (threads, fds, rss KiB), after the first failure -> at the end:",
           {k: [(b[x], a[x]) for x in ("threads", "fds", "rss_kib")] for k, (b, a) in usage.items()})
+    # Each released epoch's group went at once (Note [A failed step holds
+    # its wrapper]): no step after the baseline ran beside a dead group's threads.
+    threads = {step: r["threads"] for step, r in records.items() if step >= baseline["step"]}
+    assert max(threads.values()) == before["threads"], threads
     for who, (b, a) in usage.items():
         assert a["threads"] == b["threads"], (who, b, a)
         assert a["fds"] == b["fds"], (who, b, a)
