@@ -181,6 +181,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
             self._register_delay_all_reduce_hook(bucket_cap_mb, param_to_hook_all_reduce, self.device_ids)
         self._delay_all_reduce_all_params = not named_params
         self._dropped_layers = DroppedLayers(module, [p for _, p in named_params])
+        self._layer_drop = bool(self._dropped_layers)
         if self._dropped_layers and init_sync:
             self._dropped_layers.agree_with_rank_0(self._broadcast_from_rank_0)
         self.reducer = None if self._delay_all_reduce_all_params else self._build_reducer(settings.caps)
@@ -269,16 +270,20 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
             if first:
                 self._lazy_init()
             return inputs, kwargs
+        # Hot path: the collaborators' fields, not torch's names for them (each
+        # of those is a call), and nothing for a model without a LayerDrop.
+        flags = self._flags
         if torch.is_grad_enabled():
             self._parameter_watch.check(self.module, self.process_group)
-            self._dropped_layers.begin_forward()
-            if self.require_backward_grad_sync:
+            if self._layer_drop:
+                self._dropped_layers.begin_forward()
+            if flags.backward:
                 self._logging.sample()  # before prepare_for_forward, as torch's logger
                 if self._stragglers is not None:
                     self._stragglers.forward(self.reducer)
             # See Note [Ranks out of step] in reducer/agreement/step_check.h.
             try:
-                self.reducer.prepare_for_forward(training_step=self.require_backward_grad_sync and self.module.training)
+                self.reducer.prepare_for_forward(training_step=flags.backward and self.module.training)
             except RuntimeError as error:
                 self._logging.record_error(str(error))  # torch's reducer logs its checks' errors
                 raise
@@ -293,14 +298,14 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
             # The first rebuild, at torch's point: see Note [Agreeing on the
             # bucket layout] in reducer/layout/bucket_layout.h.
             self.reducer._rebuild_buckets()
-        if self._check_sync_bufs_pre_fwd():
+        if self._buffer_sync.sync_before_forward():
             self.reducer._check_step_before_forward_collectives()
             self._sync_buffers()
         if self._join_config.enable:
             self._check_global_requires_backward_grad_sync(is_joined_rank=False)
         if torch.is_grad_enabled():
             # Training steps only, as the step check counts them (Note [Ranks out of step]).
-            self._tuning.forward(synchronising=self.require_backward_grad_sync and self.module.training)
+            self._tuning.forward(synchronising=flags.backward and self.module.training)
         if self.device_ids:
             device = torch.device(self.device_type, self.device_ids[0])
             inputs, kwargs = _map_tensors((inputs, kwargs), lambda t: t.to(device, non_blocking=True))
@@ -331,22 +336,23 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
         if self._delay_all_reduce_all_params:
             self._clear_grad_buffer()
             return output
+        flags = self._flags  # see _pre_forward
         grad_enabled = torch.is_grad_enabled()
-        search_unused = self.find_unused_parameters and not self.static_graph
+        search_unused = self._settings.find_unused_parameters and not flags.static_graph
         learning = False
-        if grad_enabled:
+        if grad_enabled and self._layer_drop:
             self._dropped_layers.end_forward()
-        if grad_enabled and self.require_backward_grad_sync:
+        if grad_enabled and flags.backward:
             # Buffers are broadcast again only before the forward that follows a
             # synchronising one (paper section 4.1).
-            self.require_forward_param_sync = True
-            dropped, accumulated_only = self._dropped_layers.take_dropped()
+            flags.forward_buffers = True
+            dropped, accumulated_only = self._dropped_layers.take_dropped() if self._layer_drop else ([], [])
             self.reducer.prepare_for_backward(
                 find_tensors(output) if search_unused else [], dropped, accumulated_only
             )
             learning = self.reducer.learning_static_graph
         else:
-            self.require_forward_param_sync = False
+            flags.forward_buffers = False
             if grad_enabled:
                 # Inside no_sync: whatever the last forward expected, the next
                 # backward only accumulates.
@@ -356,7 +362,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
         if learning or (search_unused and grad_enabled):
             output = sink_outputs(output, on_backward=at_backward_start(self.reducer, self.process_group, learning),
                                   clone=self._ddp_sink_clone)
-        self._clear_grad_buffer()
+        if self._delayed is not None:
+            self._clear_grad_buffer()
         return output
 
     @contextlib.contextmanager
