@@ -231,9 +231,9 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
     # wrapped module is compiled, under torch.compile(ddp) as well as in
     # DDP(torch.compile(module)). Dynamo skips the frames of forward and
     # _run_ddp_forward but not what they call (recursive=False), so the
-    # module's forward is compiled while _inside_ddp_forward has set the
-    # active DDP module, and DDPOptimizer splits the graph at our
-    # bucket_bytes_cap. _pre_forward and _post_forward, with everything they
+    # module's forward is compiled while _run_ddp_forward has set the active
+    # DDP module (torch's _inside_ddp_forward, written out), and DDPOptimizer
+    # splits the graph at our bucket_bytes_cap. _pre_forward and _post_forward, with everything they
     # call (reducer, Join, buffer broadcasts, the output sink), are never
     # traced: traced, each reducer call broke the graph, and guards on the
     # sink's outputs recompiled every step. forward and _run_ddp_forward read
@@ -242,7 +242,10 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
     # torch's DDP uses: dynamo is imported at the first forward, not at
     # `import ddp_ext`. tests/frameworks/test_compile.py checks graph,
     # graph-break and recompile counts against torch's DDP, and that no frame
-    # of ddp_ext is compiled.
+    # of ddp_ext is compiled. Each such wrapper costs a few Python calls per
+    # forward, so the forward goes through as few as it can (four; torch's
+    # DDP, whose files dynamo skips, needs one): tests/wrapper/
+    # test_python_calls_per_step.py counts the rest against torch's DDP.
     @torch._disable_dynamo(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         timeline = self._recording  # plain attributes only here: see the Note
@@ -263,7 +266,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
 
     @torch._disable_dynamo
     def _pre_forward(self, *inputs, **kwargs):
-        first = not self._lazy_init_ran and not torch.compiler.is_compiling()
+        first = not self._hooks.first_forward_done and not torch.compiler.is_compiling()
         if first:
             self._setup_in_backward_optimizers()  # before anything is armed
         if self._delay_all_reduce_all_params:
@@ -272,9 +275,9 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
             return inputs, kwargs
         # Hot path: the collaborators' fields, not torch's names for them (each
         # of those is a call), and nothing for a model without a LayerDrop.
-        flags = self._flags
+        flags, module = self._flags, self.module
         if torch.is_grad_enabled():
-            self._parameter_watch.check(self.module, self.process_group)
+            self._parameter_watch.check(module, self.process_group)
             if self._layer_drop:
                 self._dropped_layers.begin_forward()
             if flags.backward:
@@ -283,7 +286,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
                     self._stragglers.forward(self.reducer)
             # See Note [Ranks out of step] in reducer/agreement/step_check.h.
             try:
-                self.reducer.prepare_for_forward(training_step=flags.backward and self.module.training)
+                self.reducer.prepare_for_forward(training_step=flags.backward and module.training)
             except RuntimeError as error:
                 self._logging.record_error(str(error))  # torch's reducer logs its checks' errors
                 raise
@@ -305,21 +308,28 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
             self._check_global_requires_backward_grad_sync(is_joined_rank=False)
         if torch.is_grad_enabled():
             # Training steps only, as the step check counts them (Note [Ranks out of step]).
-            self._tuning.forward(synchronising=flags.backward and self.module.training)
-        if self.device_ids:
-            device = torch.device(self.device_type, self.device_ids[0])
+            self._tuning.forward(synchronising=flags.backward and module.training)
+        placement = self._settings.placement
+        if placement.device_ids:
+            device = torch.device(placement.device_type, placement.device_ids[0])
             inputs, kwargs = _map_tensors((inputs, kwargs), lambda t: t.to(device, non_blocking=True))
         return inputs, kwargs
 
     @torch._disable_dynamo(recursive=False)
     def _run_ddp_forward(self, *inputs, **kwargs):
         settings = self._settings  # not the properties of torch's names: see the Note
-        with self._inside_ddp_forward():
+        # What _inside_ddp_forward does, without a generator and a context
+        # manager on every forward.
+        previous = TorchDistributedDataParallel._active_ddp_module
+        TorchDistributedDataParallel._active_ddp_module = self
+        try:
             if settings.mixed_precision is not None:
                 return _mixed_precision.run_forward(
                     settings.mixed_precision, self.module, settings.parameters_to_ignore, inputs, kwargs
                 )
             return self.module(*inputs, **kwargs)
+        finally:
+            TorchDistributedDataParallel._active_ddp_module = previous
 
     @contextlib.contextmanager
     @torch._disable_dynamo(recursive=False)

@@ -145,7 +145,10 @@ def test_ddp_optimizer_splits_like_torch_ddp(c):
 def test_no_extra_graph_breaks_or_recompiles(c):
     r = TABLE.results(WORLD_SIZE, c)[0]
     ext, ref = r["ext"], r["torch"]
-    assert ext["graph_breaks"] == ref["graph_breaks"], (
+    # Fewer is allowed: torch's DDP breaks at its _inside_ddp_forward, a
+    # context manager dynamo may not enter; ddp_ext writes it out inside a
+    # frame dynamo skips (Note [torch.compile] in ddp_ext/distributed.py).
+    assert ext["graph_breaks"] <= ref["graph_breaks"], (
         f"{c.id}: {ext['graph_breaks']} graph breaks, torch's DDP {ref['graph_breaks']}"
     )
     assert ext["recompiles"] == ref["recompiles"] == [], f"{c.id}: ddp_ext {ext['recompiles']}, torch {ref['recompiles']}"
