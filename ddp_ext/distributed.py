@@ -59,38 +59,22 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
     (``module.<name>``). ``mixed_precision`` casts parameters for the forward
     and backward only; see ddp_ext/_mixed_precision.py.
 
-    ``static_graph=True`` learns the set of used parameters, and how often
-    each gets a gradient, in the first iteration (and then supports reentrant
-    activation checkpointing); it takes precedence over
-    ``find_unused_parameters``.
+    ``static_graph=True`` learns the used parameters in the first iteration
+    (then supports reentrant activation checkpointing) and takes precedence
+    over ``find_unused_parameters``.
 
-    ``rebuild_buckets`` (keyword only, ddp_ext's addition) says when buckets
-    are laid out again in the order gradients become ready: ``"once"`` after
-    the first iteration, as torch's DDP does; ``"continuous"`` (default) also
-    later, whenever the observed order keeps costing overlap for several
-    iterations and every rank agrees; ``"never"`` keeps the construction
-    layout (reverse registration order). Results do not depend on it beyond
-    float rounding, and ranks stay bitwise equal.
+    ddp_ext's additions (keyword only unless said; docs/TORCH_CONTRACT.md):
 
-    ``bucket_cap_mb="auto"`` (ddp_ext's addition) tunes the bucket caps while
-    training: after a short warm-up on the default caps it times a few
-    iterations with each candidate cap, keeps the fastest (every rank the
-    same), and tunes again if iterations later get persistently slower. It
-    needs ``rebuild_buckets`` "once" or "continuous" and no
-    ``bucket_cap_mb_list``; a Python communication hook stops it. See Note
-    [Auto-tuned bucket caps] in ddp_ext/_auto_buckets.py.
-
-    ``hang_timeout_s`` and ``on_hang`` (keyword only, ddp_ext's additions;
-    environment variables DDP_EXT_HANG_TIMEOUT_S and DDP_EXT_ON_HANG override
-    them): a rank whose peer's report proves that a wait of the reducer can
-    never end (the peer left parameters without a gradient, died, or raised
-    and left the collectives) raises within seconds; a collective that has
-    merely waited ``hang_timeout_s`` seconds (default 60; 0: off) makes every
-    rank report what it is doing through the store. The message names the
-    lagging or dead ranks, the training step and the parameters that got no
-    gradient. ``on_hang="auto"`` (default) raises when the reports prove the
-    wait cannot end, else warns once and waits on; ``"raise"`` and ``"warn"``
-    always do that. See docs/DIAGNOSIS.md.
+    - ``rebuild_buckets``: when buckets are laid out again in gradient order:
+      ``"once"`` (torch's), ``"continuous"`` (default: also later, when every
+      rank agrees the order costs overlap) or ``"never"``.
+    - ``bucket_cap_mb="auto"`` (positional too): tunes the bucket caps while
+      training (docs/AUTO_BUCKETS.md).
+    - ``hang_timeout_s``, ``on_hang``: a wait that cannot end raises within
+      seconds, naming the lagging or dead ranks, the step and the parameters
+      without a gradient; one merely long is reported (docs/DIAGNOSIS.md).
+    - ``hierarchical_allreduce`` (default ``"auto"``): reduces inside each
+      host, then across hosts, where ranks share hosts (docs/HIERARCHY.md).
     """
 
     def __init__(
@@ -233,9 +217,9 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
     # _run_ddp_forward but not what they call (recursive=False), so the
     # module's forward is compiled while _run_ddp_forward has set the active
     # DDP module (torch's _inside_ddp_forward, written out), and DDPOptimizer
-    # splits the graph at our bucket_bytes_cap. _pre_forward and _post_forward, with everything they
-    # call (reducer, Join, buffer broadcasts, the output sink), are never
-    # traced: traced, each reducer call broke the graph, and guards on the
+    # splits the graph at our bucket_bytes_cap. _pre_forward and
+    # _post_forward, with everything they call (reducer, Join, buffer
+    # broadcasts, the output sink), are never traced: traced, each reducer call broke the graph, and guards on the
     # sink's outputs recompiled every step. forward and _run_ddp_forward read
     # plain attributes only: a property's getter is a frame dynamo would
     # compile. torch._disable_dynamo is the lazy torch.compiler.disable
