@@ -38,9 +38,7 @@ class BufferSync(Bound):
         return bool(self.flags.forward_buffers and self.forward and len(self.modules_buffers) > 0)
 
     def sync_before_forward(self) -> bool:
-        # will_sync's test, written out: this runs at every forward.
-        will_sync = self.flags.forward_buffers and self.forward and self.modules_buffers
-        return bool(will_sync) and self.process_group.size() > 1
+        return self.will_sync() and self.process_group.size() > 1
 
     def sync_after_forward(self) -> bool:
         return False  # buffers are only ever synchronised before the forward

@@ -165,8 +165,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
             self._register_delay_all_reduce_hook(bucket_cap_mb, param_to_hook_all_reduce, self.device_ids)
         self._delay_all_reduce_all_params = not named_params
         self._dropped_layers = DroppedLayers(module, [p for _, p in named_params])
-        self._layer_drop = bool(self._dropped_layers)
-        if self._dropped_layers and init_sync:
+        self._layer_drop = bool(self._dropped_layers)  # read on every forward
+        if self._layer_drop and init_sync:
             self._dropped_layers.agree_with_rank_0(self._broadcast_from_rank_0)
         self.reducer = None if self._delay_all_reduce_all_params else self._build_reducer(settings.caps)
         self._compose(_diagnosis.store_key(process_group, agreed_number))
@@ -219,8 +219,9 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
     # DDP module (torch's _inside_ddp_forward, written out), and DDPOptimizer
     # splits the graph at our bucket_bytes_cap. _pre_forward and
     # _post_forward, with everything they call (reducer, Join, buffer
-    # broadcasts, the output sink), are never traced: traced, each reducer call broke the graph, and guards on the
-    # sink's outputs recompiled every step. forward and _run_ddp_forward read
+    # broadcasts, the output sink), are never traced: traced, each reducer
+    # call broke the graph, and guards on the sink's outputs recompiled every
+    # step. forward and _run_ddp_forward read
     # plain attributes only: a property's getter is a frame dynamo would
     # compile. torch._disable_dynamo is the lazy torch.compiler.disable
     # torch's DDP uses: dynamo is imported at the first forward, not at
@@ -356,8 +357,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
         if learning or (search_unused and grad_enabled):
             output = sink_outputs(output, on_backward=at_backward_start(self.reducer, self.process_group, learning),
                                   clone=self._ddp_sink_clone)
-        if self._delayed is not None:
-            self._clear_grad_buffer()
+        self._clear_grad_buffer()
         return output
 
     @contextlib.contextmanager

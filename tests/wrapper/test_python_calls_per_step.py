@@ -24,8 +24,14 @@ from tests.support.spawn import run_ranks
 
 STEPS = 10
 WARMUP = 12  # the logging data samples iterations 1-10, then every 100th
-DYNAMO_WRAPPERS = (os.path.join("torch", "_dynamo", ""), os.path.join("torch", "_compile.py"),
-                   os.path.join("torch", "compiler", "__init__.py"))
+# Where the frames of torch._disable_dynamo's wrappers come from.
+DYNAMO_FOLDER = os.path.join("torch", "_dynamo", "")
+DYNAMO_FILES = (os.path.join("torch", "_compile.py"), os.path.join("torch", "compiler", "__init__.py"))
+
+
+def _dynamo_wrapper(frame) -> bool:
+    path = frame.f_code.co_filename
+    return DYNAMO_FOLDER in path or path.endswith(DYNAMO_FILES)
 
 
 def _python_calls(ddp, optimizer, batch, part: str) -> float:
@@ -35,8 +41,7 @@ def _python_calls(ddp, optimizer, batch, part: str) -> float:
     calls = [0]
 
     def count(frame, event, arg):
-        if event == "call" and not frame.f_code.co_filename.endswith(DYNAMO_WRAPPERS[1:]) \
-                and DYNAMO_WRAPPERS[0] not in frame.f_code.co_filename:
+        if event == "call" and not _dynamo_wrapper(frame):
             calls[0] += 1
 
     def step(counted: bool):
