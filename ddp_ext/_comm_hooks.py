@@ -33,6 +33,19 @@ def check_comm_hook(hook) -> None:
             raise TypeError("BF16 all reduce communication hook required CUDA 11+ and NCCL 2.10+")
 
 
+# torch's hooks that step parameters themselves once their bucket is reduced
+# (ZeroRedundancyOptimizer's overlap, the overlapped optimizers of
+# _register_fused_optim): found by the module that defines them.
+_STEPPING_HOOK_MODULES = (
+    "torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook",
+    "torch.distributed.algorithms.ddp_comm_hooks.optimizer_overlap_hooks",
+)
+
+
+def steps_parameters(hook) -> bool:
+    return getattr(hook, "__module__", None) in _STEPPING_HOOK_MODULES
+
+
 def hook_name(hook) -> str:
     return getattr(hook, "__qualname__", None) or type(hook).__qualname__
 
@@ -49,13 +62,15 @@ class CommHooks(Bound):
         self.logging = logging  # LoggingData: errors are recorded there, as torch's
         self.tuning = tuning  # CapTuning: a stateful hook stops it
         self.registered: List[tuple] = []
+        self.stepping: List[str] = []  # the names of registered hooks that step parameters themselves
+        self.backward_steps = False  # overlap_optimizer: the backward steps parameters itself
         self.first_forward_done = False  # torch's _lazy_init_ran
         self.store_key = None  # where the peers meet in the store (ddp_ext/_diagnosis)
         self.in_backward_set_up = False  # see Note [Optimizers applied in backward] in ddp_ext/_optimizer_overlap.py
         self.bind(reducer, group)
 
     def __getstate__(self) -> dict:
-        return {**super().__getstate__(), "registered": []}
+        return {**super().__getstate__(), "registered": [], "stepping": []}
 
     def check(self, hook) -> None:
         try:
@@ -70,7 +85,14 @@ class CommHooks(Bound):
         bucket holds gradients not yet divided by the world size; the
         future's value is the reduced buffer). Once only, between iterations."""
         self.check(hook)
+        if self.backward_steps and steps_parameters(hook):
+            raise RuntimeError(
+                f"DistributedDataParallel on rank {self.process_group.rank()}: cannot register "
+                f"{hook_name(hook)}, which steps parameters itself, after overlap_optimizer: the parameters would be "
+                "stepped twice. Use one or the other.")
         self._install(self._native_hook(state, hook), hook_name(hook), state)
+        if steps_parameters(hook):
+            self.stepping.append(hook_name(hook))
 
     def register_builtin(self, comm_hook_type) -> None:
         """A C++ hook that runs without the GIL: ALLREDUCE or FP16_COMPRESS."""

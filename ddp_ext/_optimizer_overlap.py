@@ -35,9 +35,38 @@ because:
 The per-bucket step calls the optimizer class's step without the step hooks
 of torch.optim (a pre- or post-hook would run once per bucket): an
 optimizer with step hooks is refused.
+
+With a communication hook (compression, PowerSGD, ddp_ext's adaptive
+precision) a bucket's .grad are what the hook's future returned, written
+back once the future completes, as without overlap: the step comes after
+that, so it steps the same gradients. The hook must not read or write
+parameters (a later bucket's hook may run while an earlier bucket is
+stepped); torch's hooks that step parameters themselves (ZeRO's, the fused
+optimizers') are refused.
+
+Note [Gradients edited before the step]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Clipping by the global norm, GradScaler (unscaling, skipping a step with
+infinities) and any edit of .grad between backward and optimizer.step()
+change what a plain step does, and cannot happen before the overlapped
+steps, which come first. They are refused: every in-place change through
+autograd's ops bumps a tensor's version counter, so the .grad of each
+reduced parameter (the tensor and its version) is remembered when its
+bucket is written back, and optimizer.step() raises if any changed.
+GradScaler's unscale_ kernel does not bump versions: a step called from
+GradScaler's own functions (found among the callers) is refused as such. To
+refuse before anything is applied, the first synchronising backward after
+overlap_optimizer steps nothing and only remembers: its optimizer.step()
+either raises (nothing stepped) or steps every parameter as a plain step
+does, and the overlap starts with the next backward. A loop that edits
+gradients only later (clipping after a warm-up) is refused at that step,
+with the backward's steps applied: the error says so. GradScaler with an
+optimizer that handles scaling itself (fused) is seen by the grad_scale
+attribute it sets on the optimizer before stepping.
 """
 
 import contextlib
+import sys
 import types
 import weakref
 from typing import Dict, List, Tuple
@@ -45,7 +74,10 @@ from typing import Dict, List, Tuple
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
+from ddp_ext._gradient_edits import GradientEdits
+
 _MAX_NAMED = 5
+_CALLERS_SEARCHED = 3  # GradScaler.step, then _maybe_opt_step, call optimizer.step()
 
 
 def _error(rank: int, what: str) -> str:
@@ -74,13 +106,12 @@ def _hooked_step_refusal(optimizer) -> str:
 
 
 def _comm_hook_refusal(ddp) -> str:
-    if not ddp._comm_hooks:
+    if not ddp._hooks.stepping:
         return ""
-    names = "; ".join(name for name, _ in ddp._comm_hooks)
     return (
-        f"cannot overlap the optimizer with a communication hook registered ({names}): a hook may read or "
-        "change what the optimizer steps (ZeRO's and the fused optimizers' hooks step parameters themselves). "
-        "Register no hook, or step without overlap_optimizer."
+        f"cannot overlap the optimizer with a communication hook that steps parameters itself registered "
+        f"({'; '.join(ddp._hooks.stepping)}): ZeroRedundancyOptimizer's and _register_fused_optim's hooks step "
+        "each bucket's parameters once it is reduced, so they would be stepped twice. Use one or the other."
     )
 
 
@@ -157,6 +188,31 @@ def _unhooked_step(optimizer):
     return types.MethodType(step, optimizer)
 
 
+_EDITS_LOST = (
+    "With overlap_optimizer the backward steps each bucket's parameters as soon as it is reduced, before any such "
+    "change, which would be lost. Clip, scale or edit gradients without overlap_optimizer.")
+_GRAD_SCALER = (
+    "cannot step through a GradScaler (scaler.step(optimizer)): the backward steps each bucket's parameters as "
+    "soon as it is reduced, before the scaler unscales the gradients or skips a step with infinities. Use "
+    "GradScaler without overlap_optimizer.")
+
+
+def _called_by_grad_scaler(optimizer) -> bool:
+    """Whether optimizer.step() is being called by a GradScaler's step: one
+    of its functions is among the callers (its unscale_ changes .grad without
+    bumping their versions), or it set the scale on a fused optimizer."""
+    if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
+        return True
+    frame = sys._getframe(2)  # above finish_step and the step that calls it
+    for _ in range(_CALLERS_SEARCHED):
+        if frame is None:
+            return False
+        if frame.f_code.co_filename == torch.amp.grad_scaler.__file__:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _left_out():
     return None
 
@@ -174,9 +230,15 @@ class OptimizerOverlap:
         self.rank = ddp.process_group.rank()
         self.optimizer = optimizer
         # The reducer's parameter indices (ddp_ext/_reducer_factory.py builds it from the same list).
-        self.params = [p for _, p in ddp._params.named(ddp.module)]
+        named = list(ddp._params.named(ddp.module))
+        self.params = [p for _, p in named]
+        self.names = {id(p): name for name, p in named}
         # Stepped by a backward since the last optimizer.step(), by id.
         self.stepped: Dict[int, torch.Tensor] = {}
+        # Reduced by a backward since the last optimizer.step(): Note [Gradients edited before the step].
+        self.reduced = GradientEdits()
+        self.probing = True  # the first synchronising backward steps nothing: the same Note
+        self.backward_reduced = False  # a synchronising backward reduced buckets since the last step
         # Where each parameter is in param_groups, by id: (group, position);
         # recomputed when the groups change (load_state_dict, add_param_group).
         self._places: Dict[int, Tuple[int, int]] = {}
@@ -193,6 +255,7 @@ class OptimizerOverlap:
             step._wrapped_by_lr_sched = True
         optimizer.step = types.MethodType(step, optimizer)
         optimizer._ddp_ext_overlapped = True
+        ddp._hooks.backward_steps = True
         ddp.reducer._set_bucket_step(self.step_bucket)
 
     def _refuse_if_changed(self, ddp) -> None:
@@ -210,13 +273,19 @@ class OptimizerOverlap:
         bucket = {id(p): p for p in (self.params[i] for i in indices) if id(p) in places}
         if not bucket:
             return
-        if any(key in self.stepped for key in bucket):
+        self.backward_reduced = True
+        if any(key in self.reduced for key in bucket):
+            # This backward writes the gradients back all the same: not an edit of the user's.
+            self.reduced.forget()
             raise RuntimeError(_error(
-                self.rank, "stepped these parameters in a synchronising backward already, and optimizer.step() "
-                "has not run since: a second synchronising backward before optimizer.step() would step them "
-                "twice, where without overlap_optimizer their gradients add up into one step. Accumulate "
-                "gradients inside ddp.no_sync() (every backward but the last), or call optimizer.step() after "
-                "every synchronising backward. Nothing was stepped in this backward."))
+                self.rank, "reduced these parameters' gradients in a synchronising backward already, and "
+                "optimizer.step() has not run since: a second synchronising backward before optimizer.step() "
+                "would step them twice, where without overlap_optimizer their gradients add up into one step. "
+                "Accumulate gradients inside ddp.no_sync() (every backward but the last), or call "
+                "optimizer.step() after every synchronising backward. Nothing was stepped in this backward."))
+        if self.probing:
+            self.reduced.remember(bucket.values())
+            return
         per_group: Dict[int, List[Tuple[int, torch.Tensor]]] = {}
         for key, p in bucket.items():
             number, position = places[key]
@@ -226,6 +295,13 @@ class OptimizerOverlap:
         with _narrowed(self.optimizer, in_order):
             _unhooked_step(self.optimizer)()
         self.stepped.update(bucket)
+        self.reduced.remember(bucket.values())
+
+    def _applied(self) -> str:
+        if not self.stepped:
+            return " Nothing was stepped."
+        return (f" The backward had stepped {len(self.stepped)} parameters already with the gradients as reduced; "
+                "the others were not stepped.")
 
     def _placed(self) -> Dict[int, Tuple[int, int]]:
         groups = self.optimizer.param_groups
@@ -244,6 +320,18 @@ class OptimizerOverlap:
                 self.rank, "runs optimizer.step() without a closure only (a closure would run backward, and "
                 "step buckets, from inside the step)."))
         self._refuse_if_changed(None)
+        if _called_by_grad_scaler(self.optimizer):
+            raise RuntimeError(_error(self.rank, _GRAD_SCALER + self._applied()))
+        edited = self.reduced.edited()
+        if edited:
+            names = [self.names.get(id(p), f"a parameter of shape {tuple(p.shape)}") for p in edited]
+            raise RuntimeError(_error(
+                self.rank, f"found the gradients of {_named(names)} changed between backward() and "
+                f"optimizer.step(), by clipping (clip_grad_norm_), GradScaler (unscale_ or step) or an edit. "
+                f"{_EDITS_LOST}{self._applied()}"))
+        self.probing = self.probing and not self.backward_reduced
+        self.backward_reduced = False
+        self.reduced.forget()
         stepped, self.stepped = self.stepped, {}
         if not stepped:
             return self._user_step()
