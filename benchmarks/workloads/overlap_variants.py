@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ddp_ext import DistributedDataParallel as OurDDP
 from benchmarks.workloads import scaleout_variants as sv
+from benchmarks.workloads import tiny_mlp
 from benchmarks.workloads.presets import MODELS as PRESET_MODELS
 from benchmarks.workloads.presets import Workload, input_seed
 from benchmarks.workloads.replicas import LOCAL, OURS, TORCH
@@ -40,12 +41,7 @@ def model_and_batch(model: str, preset: str, seed: int, rank: int):
         torch.manual_seed(seed)
         return sv.ScaleoutMLP(0.0), sv.batch(input_seed(seed, rank))
     if model == TINY:
-        from benchmarks.experiments import fixedcost  # here: the experiments package imports this module
-
-        generator = torch.Generator().manual_seed(input_seed(seed, rank))
-        batch = (torch.randn(fixedcost.BATCH, fixedcost.SIZES[0], generator=generator),
-                 torch.randint(0, fixedcost.SIZES[-1], (fixedcost.BATCH,), generator=generator))
-        return fixedcost.build_mlp(seed), batch
+        return tiny_mlp.build_mlp(seed), tiny_mlp.batch(input_seed(seed, rank))
     workload = Workload(model, preset)
     return workload.build(seed), workload.batch(input_seed(seed, rank))
 
