@@ -186,3 +186,22 @@ def test_bitwise_check_sees_one_ulp_and_fails_naming_the_rank():
     assert overlap.bitwise_check("mlp", [same, same]) == {"equal": True, "ranks": 2, "tensors_per_rank": 7}
     with pytest.raises(RuntimeError, match=r"overlap, mlp: .*not bitwise.*rank 1: 0\.bias, 1\.running_mean"):
         overlap.bitwise_check("mlp", [same, {"differing": ["0.bias", "1.running_mean"], "compared": 7}])
+
+
+def _overlap_options(*argv):
+    from benchmarks.__main__ import _options, _parser
+
+    return _options(_parser().parse_args(["overlap", *argv]), "overlap")
+
+
+def test_hosts_and_ranks_per_host_set_the_world_size():
+    two_by_two = _overlap_options("--link", "1gbit", "--hosts", "2", "--ranks-per-host", "2")
+    assert (two_by_two.world_size, two_by_two.hosts, two_by_two.ranks_per_host) == (4, 2, 2)
+    assert overlap.placement(two_by_two) == (2, 2)
+    assert overlap.placement(_overlap_options("--link", "10gbit", "--world-size", "3")) == (3, 1)
+    assert overlap.placement(_overlap_options("--world-size", "2")) == (1, 2)  # the loopback: one host
+    assert _overlap_options("--models", "tiny").models == ("tiny",)
+    with pytest.raises(SystemExit, match="need --link"):
+        _overlap_options("--hosts", "2")
+    with pytest.raises(SystemExit, match="cannot place --world-size 3"):
+        _overlap_options("--link", "1gbit", "--world-size", "3", "--ranks-per-host", "2")
