@@ -73,6 +73,7 @@ def test_overlap_quick_writes_results_and_checks_bitwise(tmp_path):
     assert result["experiment"] == "overlap" and result["options"]["quick"] is True
     assert set(result["models"]) == {"bert", "mlp"}
     _check_rows(result, ("bert", "mlp"), (1, 2, "loopback"))
+    assert [t["model"] for t in result["targets"]] == ["bert"]  # the peak target: compare models only
     mlp = result["models"]["mlp"]
     timed = {"torch", "ours", "ours_optimizer", "local"} | ({"torch_in_backward"} - set(mlp["unmeasured"]))
     assert set(mlp["summary"]) == timed
@@ -205,3 +206,13 @@ def test_hosts_and_ranks_per_host_set_the_world_size():
         _overlap_options("--hosts", "2")
     with pytest.raises(SystemExit, match="cannot place --world-size 3"):
         _overlap_options("--link", "1gbit", "--world-size", "3", "--ranks-per-host", "2")
+
+
+def test_peak_target_applies_to_the_compare_models_only():
+    def row(model, variant, peak_ratio):
+        return {"model": model, "variant": variant, "peak_ratio_to_torch": peak_ratio, "hosts": 1,
+                "ranks_per_host": 2, "link": "loopback"}
+
+    rows = [row("resnet50", "ours_optimizer", 0.85), row("bert", "ours_optimizer", 0.95),
+            row("bert", "ours", 0.5), row("mlp", "ours_optimizer", 0.5)]
+    assert [(t["model"], t["met"]) for t in overlap.targets(rows)] == [("resnet50", True), ("bert", False)]
