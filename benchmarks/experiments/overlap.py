@@ -310,7 +310,8 @@ def plot(data: dict, path: str) -> None:
     """One panel per model: per configuration, a bar per variant (its median
     per-iteration time) and the bound as a black line across them."""
     models = list(dict.fromkeys(r["model"] for r in data["rows"]))
-    figure, axes = figures.panels(max(1, len(models)), width_per_panel=5.0)
+    # One panel alone is wider, for the title.
+    figure, axes = figures.panels(max(1, len(models)), width_per_panel=5.0 if len(models) > 1 else 8.0)
     width = 0.8 / len(VARIANTS)
     for ax, model in zip(axes, models):
         rows = [r for r in data["rows"] if r["model"] == model]
@@ -327,9 +328,11 @@ def plot(data: dict, path: str) -> None:
         for x, config in enumerate(configs):
             bound = next(r["bound_ms"] for r in rows if _config(r) == config)
             ax.hlines(bound, x - 0.45, x + 0.45, colors="black", label="bound" if x == 0 else None)
+        top = max(max(r["ms"] or 0.0, r["bound_ms"]) for r in rows)
+        ax.set_ylim(0, 1.4 * top)  # room for the legend above the bars
         ax.set_xticks(range(len(configs)), configs, fontsize="small")
         ax.set_title(model, fontsize="small")
         ax.set_ylabel("per-iteration time (ms), median")
-    axes[0].legend(fontsize="x-small")
+    axes[0].legend(fontsize="x-small", loc="upper left", ncol=2)
     figures.save(figure, path, f"overlap_optimizer vs a step after backward ({_where(data['options'])}, "
                                f"{data['options']['preset']} preset)")
