@@ -74,7 +74,7 @@ TITLE = "The optimizer overlapped with communication: overlap_optimizer vs a ste
 MIB = 2**20
 # The peak memory target: overlap_optimizer at most this fraction of torch's DDP's peak, on the compare models.
 PEAK_TARGET = 0.9
-# The issue's variant with the forward overlapped too: ddp_ext has no such mode yet.
+# ddp_ext with the forward overlapped too: no such mode exists yet, so no row stands for it.
 NOT_BUILT = ("ours_overlap",)
 
 
