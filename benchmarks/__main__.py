@@ -86,8 +86,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--link", type=_link_gbit, default=None,
                    help="overlap: each rank a host of its own (a network namespace, needs root) whose link "
                         "sends at this rate, e.g. 1gbit or 10gbit (default: all ranks on the loopback)")
+    p.add_argument("--hosts", type=int, default=None,
+                   help="overlap with --link: how many hosts (default: one per rank); the run has "
+                        "hosts x ranks-per-host ranks, whatever --world-size says")
+    p.add_argument("--ranks-per-host", type=int, default=None,
+                   help="overlap with --link: ranks on each host, talking over its loopback (default 1)")
     p.add_argument("--doc", default=None, help="report: the document to write (default docs/BENCHMARKS.md)")
     return p
+
+
+def _placement(args, experiment: str):
+    """(world size, hosts, ranks per host) from --world-size, --hosts and --ranks-per-host."""
+    if args.hosts is None and args.ranks_per_host is None:
+        return args.world_size, None, None
+    if args.link is None:
+        raise SystemExit(f"python -m benchmarks {experiment}: --hosts and --ranks-per-host need --link")
+    per_host = args.ranks_per_host or 1
+    count = args.hosts or args.world_size // per_host
+    if count < 1 or per_host < 1 or (args.hosts is None and args.world_size % per_host):
+        raise SystemExit(f"python -m benchmarks {experiment}: cannot place --world-size {args.world_size} as "
+                         f"--hosts {args.hosts} x --ranks-per-host {args.ranks_per_host}")
+    return count * per_host, count, per_host
 
 
 def _options(args, experiment: str, part_of_all: bool = False) -> BenchOptions:
@@ -115,14 +134,20 @@ def _options(args, experiment: str, part_of_all: bool = False) -> BenchOptions:
                          f"{' and '.join(BACKEND_EXPERIMENTS)} only")
     if args.link is not None and experiment not in LINK_EXPERIMENTS and not part_of_all:
         raise SystemExit(f"python -m benchmarks {experiment}: --link is for {' and '.join(LINK_EXPERIMENTS)} only")
+    world_size, host_count, per_host = args.world_size, None, None
+    if experiment in LINK_EXPERIMENTS:
+        world_size, host_count, per_host = _placement(args, experiment)
+    elif (args.hosts or args.ranks_per_host) and not part_of_all:
+        raise SystemExit(f"python -m benchmarks {experiment}: --hosts and --ranks-per-host are for "
+                         f"{' and '.join(LINK_EXPERIMENTS)} only")
     return BenchOptions(
-        experiment=experiment, preset=args.preset, world_size=args.world_size, bucket_cap_mb=tuple(caps),
+        experiment=experiment, preset=args.preset, world_size=world_size, bucket_cap_mb=tuple(caps),
         models=tuple(models), out=args.out or BenchOptions.out, tag=args.tag, seed=args.seed, threads=args.threads,
         world_sizes=tuple(args.world_sizes), sync_every=tuple(args.sync_every), rr_groups=tuple(args.rr_groups),
         auto=args.auto and experiment == "bucket", hang_watch_cost=args.hang_watch_cost and experiment == "compare", round_robin=not args.no_round_robin, convergence_iterations=args.convergence_iterations,
         allreduce_elements=args.allreduce_elements, soak_iterations=soak, timeout_s=args.timeout, quick=args.quick,
         device=args.device, backend=args.backend or "",
-        link_gbit=args.link if experiment in LINK_EXPERIMENTS else None,
+        link_gbit=args.link if experiment in LINK_EXPERIMENTS else None, hosts=host_count, ranks_per_host=per_host,
         **lengths,
     )
 

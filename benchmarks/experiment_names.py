@@ -9,4 +9,4 @@ NAMES = ("compare", "allreduce", "breakdown", "bucket", "scale", "nosync", "roun
 # Experiments that train their own models rather than workloads.presets.MODELS, with
 # those models' names (the default of --models for them).
 OWN_MODELS = {"order": ("reversed", "grouped", "switching"), "layerdrop": ("bert",), "timeline": ("bert",), "scaleout": ("mlp",), "fixedcost": ("tinymlp",),
-              "overlap": ("resnet50", "bert", "mlp")}
+              "overlap": ("resnet50", "bert", "mlp", "tiny")}

@@ -25,6 +25,7 @@ from benchmarks.harness.options import BenchOptions
 from benchmarks.harness.product import with_separate_step_check
 from benchmarks.reporting import figures, markdown
 from benchmarks.workloads.replicas import LABELS, LOCAL, OURS, TORCH
+from benchmarks.workloads.tiny_mlp import BATCH, SIZES, build_mlp
 from benchmarks.workloads.training_step import PHASES, TrainingStep
 
 NAME = "fixedcost"
@@ -34,18 +35,9 @@ TITLE = "Fixed cost per iteration on a tiny MLP: ddp_ext vs torch DDP"
 RUN_LENGTHS = {"warmup": 200, "blocks": 20, "block_iterations": 100, "discard_per_block": 10}
 
 MODEL = "tinymlp"
-SIZES = (32, 64, 10)
-BATCH = 8
 SEPARATE_CHECK = "ours_separate_check"
 KINDS = (OURS, TORCH, LOCAL, SEPARATE_CHECK)
 LABELS = {**LABELS, SEPARATE_CHECK: "ddp_ext, separate step check"}
-
-
-def build_mlp(seed: int) -> nn.Module:
-    import torch
-
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(SIZES[0], SIZES[1]), nn.ReLU(), nn.Linear(SIZES[1], SIZES[2]))
 
 
 def make(kind: str, seed: int) -> nn.Module:

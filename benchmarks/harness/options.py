@@ -48,6 +48,9 @@ class BenchOptions:
     backend: str = ""
     # overlap: each rank a host of its own (fake_hosts), links shaped to this rate; None: the loopback.
     link_gbit: Optional[float] = None
+    # overlap with a link: hosts, and ranks on each (sharing its loopback); None: one rank per host.
+    hosts: Optional[int] = None
+    ranks_per_host: Optional[int] = None
 
     def process_group_backend(self) -> str:
         return self.backend or ("nccl" if self.device == "cuda" else "gloo")

@@ -1,0 +1,40 @@
+"""Peak memory of one call on the CPU, from torch's profiler.
+
+`peak_bytes(fn)` runs `fn()` once under
+`torch.profiler.profile(activities=[CPU], profile_memory=True)`. Every
+allocation and free by torch's CPU allocator during the call is a memory
+event carrying a signed byte count (positive allocated, negative freed);
+their running sum, in time order, is the memory the call holds above the
+level at its start, and its maximum is the call's peak. It counts tensors
+from torch's allocator only: not memory that libraries allocate themselves
+(Gloo's send and receive buffers, the Python heap). Profiling slows the
+call down: measure its time elsewhere.
+"""
+
+from typing import Callable, Iterable, Tuple
+
+from torch.autograd.profiler_util import MEMORY_EVENT_NAME
+from torch.profiler import ProfilerActivity, profile
+
+CPU_DEVICE_TYPES = ("CPU", "MKLDNN", "IDEEP")  # DeviceType names of host memory, as the profiler counts it
+
+
+def running_peak(changes: Iterable[Tuple[int, int]]) -> int:
+    """The maximum of the running sum of (time, signed bytes) changes taken
+    in time order, or 0 if it never rises above its start."""
+    held = peak = 0
+    for _, nbytes in sorted(changes, key=lambda change: change[0]):
+        held += nbytes
+        peak = max(peak, held)
+    return peak
+
+
+def peak_bytes(fn: Callable[[], object]) -> int:
+    """Bytes of torch CPU tensors held at the peak of one call of `fn`, above the level at its start."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    # The raw events: prof.events() folds the allocations made inside an
+    # operator into that operator, and keeps only the others as memory events.
+    events = prof.profiler.kineto_results.events()
+    return running_peak((e.start_ns(), e.nbytes()) for e in events
+                        if e.name() == MEMORY_EVENT_NAME and e.device_type().name in CPU_DEVICE_TYPES)
