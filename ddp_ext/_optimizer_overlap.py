@@ -197,6 +197,35 @@ _GRAD_SCALER = (
     "GradScaler without overlap_optimizer.")
 
 
+# Note [Stepping in chunks]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# A foreach optimizer allocates its temporaries (Adam: the denominators,
+# the updates) for every parameter it steps in one call: for a plain step
+# after backward, the size of the model again, on top of the gradients, at
+# the iteration's peak. The overlapped steps are split anyway (Note [Exact
+# overlapped steps]), so each bucket is stepped in chunks of at most
+# STEP_CHUNK_BYTES of parameters (a larger parameter alone), in the
+# bucket's order: the temporaries are those of one chunk, and the result is
+# the same, for the reason that splitting by bucket is exact. Each call
+# costs a little Python; 4 MiB keeps a default 25 MiB bucket to about 7.
+STEP_CHUNK_BYTES = 4 * 2**20
+
+
+def _chunks(params: List[torch.Tensor], limit: int) -> List[List[torch.Tensor]]:
+    """`params` in order, cut into runs of at most `limit` bytes (a larger parameter alone)."""
+    chunks, current, size = [], [], 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if current and size + nbytes > limit:
+            chunks.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        chunks.append(current)
+    return chunks
+
+
 def _called_by_grad_scaler(optimizer) -> bool:
     """Whether optimizer.step() is being called by a GradScaler's step: one
     of its functions is among the callers (its unscale_ changes .grad without
@@ -238,6 +267,7 @@ class OptimizerOverlap:
         # Reduced by a backward since the last optimizer.step(): Note [Gradients edited before the step].
         self.reduced = GradientEdits()
         self.probing = True  # the first synchronising backward steps nothing: the same Note
+        self.step_chunk_bytes = STEP_CHUNK_BYTES  # Note [Stepping in chunks]
         self.backward_reduced = False  # a synchronising backward reduced buckets since the last step
         # Where each parameter is in param_groups, by id: (group, position);
         # recomputed when the groups change (load_state_dict, add_param_group).
@@ -286,16 +316,17 @@ class OptimizerOverlap:
         if self.probing:
             self.reduced.remember(bucket.values())
             return
-        per_group: Dict[int, List[Tuple[int, torch.Tensor]]] = {}
-        for key, p in bucket.items():
-            number, position = places[key]
-            per_group.setdefault(number, []).append((position, p))
-        in_order = {number: [p for _, p in sorted(pairs, key=lambda pair: pair[0])]
-                    for number, pairs in per_group.items()}
-        with _narrowed(self.optimizer, in_order):
-            _unhooked_step(self.optimizer)()
-        self.stepped.update(bucket)
-        self.reduced.remember(bucket.values())
+        for chunk in _chunks(list(bucket.values()), self.step_chunk_bytes):
+            per_group: Dict[int, List[Tuple[int, torch.Tensor]]] = {}
+            for p in chunk:
+                number, position = places[id(p)]
+                per_group.setdefault(number, []).append((position, p))
+            in_order = {number: [p for _, p in sorted(pairs, key=lambda pair: pair[0])]
+                        for number, pairs in per_group.items()}
+            with _narrowed(self.optimizer, in_order):
+                _unhooked_step(self.optimizer)()
+            self.stepped.update((id(p), p) for p in chunk)
+            self.reduced.remember(chunk)
 
     def _applied(self) -> str:
         if not self.stepped:

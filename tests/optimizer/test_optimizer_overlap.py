@@ -58,6 +58,7 @@ class Run:
     checkpoint_at: int = -1  # saved and loaded into a fresh wrapper before this step
     set_to_none: bool = True
     hook: str = ""  # a communication hook of HOOKS, registered on every wrapper
+    chunk_bytes: int = 0  # the overlap's step chunk (Note [Stepping in chunks]); 0: its default
 
     @property
     def layer_drop(self) -> bool:
@@ -68,6 +69,8 @@ class Run:
         parts = [self.model, self.optimizer] + [f"{k}={v}" for k, v in self.ddp]
         if self.hook:
             parts.append(self.hook)
+        if self.chunk_bytes:
+            parts.append(f"chunk{self.chunk_bytes}")
         if self.micro_batches != 1:
             parts.append(f"micro{self.micro_batches}")
         if self.scheduler_first:
@@ -110,6 +113,9 @@ RUNS += [
     run("layerdrop", "adam_foreach", steps=8),
     run("layerdrop", "sgd", steps=8, set_to_none=False, hook="fp16"),
     run("layerdrop", "adamw_loop", steps=8, micro_batches=2, ddp=dict(gradient_as_bucket_view=True)),
+    # Buckets stepped in chunks (Note [Stepping in chunks]).
+    run("conv", "adam_foreach", chunk_bytes=200, ddp=dict(bucket_cap_mb=25)),
+    run("deep", "adamw_loop", chunk_bytes=100, ddp=dict(bucket_cap_mb=0.001)),
 ]
 
 
@@ -156,7 +162,9 @@ class StepLog:
     parameters, as in bucket_indices())."""
 
     def __init__(self, module, optimizer):
-        self.index = {id(p): i for i, p in enumerate(p for p in module.parameters() if p.requires_grad)}
+        reduced = [p for p in module.parameters() if p.requires_grad]
+        self.index = {id(p): i for i, p in enumerate(reduced)}
+        self.sizes = [p.numel() * p.element_size() for p in reduced]
         self.calls: List[Tuple[int, List[int]]] = []
         self.inside_backward = False
         step = type(optimizer).step
@@ -179,6 +187,8 @@ def _setup(c: Run, wrapper: str, overlap: bool, seed: int):
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     if overlap:
         ddp.overlap_optimizer(optimizer)
+        if c.chunk_bytes:
+            ddp._optimizer_overlap.step_chunk_bytes = c.chunk_bytes
     if not c.scheduler_first:
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     return module, ddp, optimizer, scheduler
@@ -234,7 +244,7 @@ def _train(rank: int, world_size: int, c: Run, wrapper: str, overlap: bool) -> D
                     log.inside_backward = False
         if overlap:
             stepped_in_backward.append(len(ddp._optimizer_overlap.stepped))
-            calls.append(dict(threads=sorted({t == main_thread for t, _ in log.calls}),
+            calls.append(dict(threads=sorted({t == main_thread for t, _ in log.calls}), sizes=log.sizes,
                               stepped=[s for _, s in log.calls], buckets=buckets))
         optimizer.step()
         scheduler.step()
@@ -285,12 +295,41 @@ def test_overlapped_optimizer_is_exact(c, world_size):
                 continue
             assert count > 0, f"{what}: step {step}: the backward stepped nothing"
             assert calls["threads"] == [True], f"{what}: step {step}: stepped off the thread that called backward"
-            # One call per bucket, in launch order, each with that bucket's parameters.
-            assert [sorted(b) for b in calls["stepped"]] == [sorted(b) for b in calls["buckets"]], (
+            # Bucket after bucket in launch order, each in one call, or in
+            # several of at most the chunk's bytes (a larger parameter alone).
+            assert _as_buckets(calls["stepped"], calls["buckets"]) == [sorted(b) for b in calls["buckets"]], (
                 f"{what}: step {step}: the steps {calls['stepped']} are not the buckets {calls['buckets']}")
+            chunk = c.chunk_bytes or _default_chunk()
+            for stepped in calls["stepped"]:
+                size = sum(calls["sizes"][i] for i in stepped)
+                assert size <= chunk or len(stepped) == 1, f"{what}: step {step}: {stepped} ({size} bytes) in one call"
+            if c.chunk_bytes:
+                assert len(calls["stepped"]) > len(calls["buckets"]), f"{what}: step {step}: no bucket was cut"
         # Several buckets once the first bucket's cap no longer applies (from the rebuild on).
         if dict(c.ddp)["bucket_cap_mb"] == SMALL_BUCKETS:
             assert max(len(calls["buckets"]) for calls in r["overlap"]["calls"]) >= 2, f"{what}: one bucket only"
+
+
+def _default_chunk() -> int:
+    from ddp_ext._optimizer_overlap import STEP_CHUNK_BYTES
+
+    return STEP_CHUNK_BYTES
+
+
+def _as_buckets(stepped: List[List[int]], buckets: List[List[int]]) -> List[List[int]]:
+    """The calls `stepped` joined into runs that make up the buckets, in
+    order; a call that spans two buckets or comes out of order breaks it."""
+    joined, current = [], []
+    remaining = [sorted(b) for b in buckets]
+    for call in stepped:
+        current = sorted(current + call)
+        if remaining and current == remaining[0]:
+            joined.append(current)
+            remaining.pop(0)
+            current = []
+    if current:
+        joined.append(current)
+    return joined
 
 
 ALONE = [run("deep", "adam_foreach"), run("branches", "sgd", ddp=dict(find_unused_parameters=True))]
