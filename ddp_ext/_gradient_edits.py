@@ -9,8 +9,8 @@ import torch
 
 class GradientEdits:
     """Each parameter's .grad as a bucket's reduction left it: the tensor and
-    its version counter, which every in-place change bumps (clip_grad_norm_'s
-    multiply, GradScaler.unscale_, `grad.mul_(...)`), by id of the parameter.
+    its version counter, which in-place changes through autograd's ops bump
+    (clip_grad_norm_'s multiply, `grad.mul_(...)`), by id of the parameter.
     A parameter whose .grad is then another tensor (replaced, or set to None)
     counts as edited too."""
 

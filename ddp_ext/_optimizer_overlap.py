@@ -358,7 +358,7 @@ class OptimizerOverlap:
             names = [self.names.get(id(p), f"a parameter of shape {tuple(p.shape)}") for p in edited]
             raise RuntimeError(_error(
                 self.rank, f"found the gradients of {_named(names)} changed between backward() and "
-                f"optimizer.step(), by clipping (clip_grad_norm_), GradScaler (unscale_ or step) or an edit. "
+                f"optimizer.step(), by clipping (clip_grad_norm_) or another change. "
                 f"{_EDITS_LOST}{self._applied()}"))
         self.probing = self.probing and not self.backward_reduced
         self.backward_reduced = False
