@@ -5,7 +5,7 @@ import shlex
 import sys
 
 from benchmarks.experiment_names import NAMES, OWN_MODELS
-from benchmarks.harness import extra
+from benchmarks.harness import extra, link_configs
 from benchmarks.harness.options import BenchOptions, device_problem, quick_lengths
 from benchmarks.harness.round_robin import RoundRobinUnavailable
 from benchmarks.workloads.presets import MODELS, PRESETS
@@ -20,12 +20,17 @@ LINK_EXPERIMENTS = ("overlap",)
 def _link_gbit(text: str) -> float:
     """--link's rate: "1gbit", "10gbit", "2.5gbit" -> Gbit/s."""
     try:
-        rate = float(text.lower().removesuffix("gbit"))
-    except ValueError:
-        rate = 0.0
-    if not text.lower().endswith("gbit") or rate <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a rate such as 1gbit or 10gbit")
-    return rate
+        return link_configs.rate_gbit(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _configs(text: str) -> tuple:
+    """--configs: the configurations' names, each spelled once."""
+    try:
+        return tuple(config.name for config in link_configs.parse(text))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -91,6 +96,10 @@ def _parser() -> argparse.ArgumentParser:
                         "hosts x ranks-per-host ranks, whatever --world-size says")
     p.add_argument("--ranks-per-host", type=int, default=None,
                    help="overlap with --link: ranks on each host, talking over its loopback (default 1)")
+    p.add_argument("--configs", type=_configs, default=(),
+                   help="overlap: run these configurations in turn and write one result holding them all: "
+                        f"comma-separated, each {link_configs.SPELLING} (the loopback at --world-size ranks); "
+                        f"`all`: {','.join(link_configs.ALL)}. Not with --link, --hosts or --ranks-per-host")
     p.add_argument("--doc", default=None, help="report: the document to write (default docs/BENCHMARKS.md)")
     return p
 
@@ -134,6 +143,11 @@ def _options(args, experiment: str, part_of_all: bool = False) -> BenchOptions:
                          f"{' and '.join(BACKEND_EXPERIMENTS)} only")
     if args.link is not None and experiment not in LINK_EXPERIMENTS and not part_of_all:
         raise SystemExit(f"python -m benchmarks {experiment}: --link is for {' and '.join(LINK_EXPERIMENTS)} only")
+    if args.configs and experiment not in LINK_EXPERIMENTS and not part_of_all:
+        raise SystemExit(f"python -m benchmarks {experiment}: --configs is for {' and '.join(LINK_EXPERIMENTS)} only")
+    if args.configs and (args.link is not None or args.hosts or args.ranks_per_host):
+        raise SystemExit(f"python -m benchmarks {experiment}: --configs names each configuration's link and "
+                         "placement: leave out --link, --hosts and --ranks-per-host")
     world_size, host_count, per_host = args.world_size, None, None
     if experiment in LINK_EXPERIMENTS:
         world_size, host_count, per_host = _placement(args, experiment)
@@ -148,7 +162,7 @@ def _options(args, experiment: str, part_of_all: bool = False) -> BenchOptions:
         allreduce_elements=args.allreduce_elements, soak_iterations=soak, timeout_s=args.timeout, quick=args.quick,
         device=args.device, backend=args.backend or "",
         link_gbit=args.link if experiment in LINK_EXPERIMENTS else None, hosts=host_count, ranks_per_host=per_host,
-        **lengths,
+        configs=args.configs if experiment in LINK_EXPERIMENTS else (), **lengths,
     )
 
 

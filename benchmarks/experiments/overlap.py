@@ -43,8 +43,12 @@ torch's allocator hands out, not Gloo's own buffers.
 Configurations: the ranks share the loopback; or with --link each host is a
 network namespace whose link sends at the given rate (harness/fake_hosts.py,
 as in `scaleout`), one rank per host, or --hosts H --ranks-per-host R, the
-ranks of one host talking over its loopback. One run measures one
-configuration; `rows` (one per model and variant) carry it.
+ranks of one host talking over its loopback. `rows` (one per model and
+variant) carry the configuration. With --configs (harness/link_configs.py)
+one run measures several configurations in turn, each its own launch of
+ranks: `rows` and `targets` hold those of all, and `configs` each one's
+per-model summaries (`models` of a run of one), or why it was `skipped`
+(links need network namespaces, that is root).
 """
 
 import functools
@@ -55,7 +59,7 @@ import torch
 from torch import nn
 
 from benchmarks.harness import fake_hosts as hosts
-from benchmarks.harness import iteration_bound, peak_memory, stats
+from benchmarks.harness import iteration_bound, link_configs, peak_memory, stats
 from benchmarks.harness.interleave import merge_ranks, run_interleaved
 from benchmarks.harness.launcher import launch
 from benchmarks.harness.options import BenchOptions, effective_bucket_cap_mb
@@ -170,6 +174,8 @@ def _launch(options: BenchOptions, progress) -> List[dict]:
 
 
 def _where(options: dict) -> str:
+    if options.get("configs"):
+        return ", ".join(options["configs"])
     if options.get("link_gbit") is None:
         return f"{options['world_size']} ranks on the loopback"
     count, per_host = placement(BenchOptions(**options))
@@ -202,6 +208,35 @@ def rows_of(model: str, summary: dict, hosts_count: int, per_host: int, link_gbi
 
 
 def run(options: BenchOptions, progress) -> dict:
+    return run_configs(options, progress) if options.configs else run_one(options, progress)
+
+
+def run_configs(options: BenchOptions, progress) -> dict:
+    """Each of options.configs in turn (a launch of ranks each), in one result: every configuration's rows and
+    targets, its per-model summaries under `configs`, the notes of all; a configuration that cannot run here
+    is `skipped`, with the reason in the notes."""
+    rows, sections, notes, skipped = [], {}, [], []
+    for config in map(link_configs.parse_one, options.configs):
+        reason = config.cannot_run()
+        if reason:
+            progress.say(f"{config.name}: skipped: {reason}")
+            sections[config.name] = {"skipped": reason}
+            skipped.append(f"{config.name} not measured: {reason}")
+            continue
+        progress.say(f"configuration {config.name}")
+        alone = config.options(options)
+        one = run_one(alone, progress)
+        count, per_host = placement(alone)
+        sections[config.name] = {"hosts": count, "ranks_per_host": per_host, "models": one["models"]}
+        rows += one["rows"]
+        notes += one["notes"]
+    ranks = sorted({r["ranks"] for r in rows})
+    return {"rows": rows, "targets": targets(rows), "configs": sections, "notes": [*dict.fromkeys(notes), *skipped],
+            **({"ranks": ", ".join(map(str, ranks))} if ranks else {})}
+
+
+def run_one(options: BenchOptions, progress) -> dict:
+    """The configuration of options.link_gbit, .hosts and .ranks_per_host."""
     options.single_bucket_cap()
     count, per_host = placement(options)
     per_rank = _launch(options, progress)
@@ -284,12 +319,21 @@ def table(data: dict) -> str:
     if checks:
         main += "\n\nTargets:\n\n" + markdown.table(["model", "hosts x ranks, link", "target", "measured", ""],
                                                       checks)
-    return main + "\n\n" + _phase_table(data)
+    return main + "\n\n" + _phase_tables(data)
 
 
-def _phase_table(data: dict) -> str:
+def _phase_tables(data: dict) -> str:
+    """The phase table of a run of one configuration, or one per configuration of a --configs run."""
+    if "configs" not in data:
+        return _phase_table(data["models"])
+    return "\n\n".join(f"Configuration `{name}`: skipped ({section['skipped']})" if "skipped" in section
+                        else f"Phases, configuration `{name}`:\n\n{_phase_table(section['models'])}"
+                        for name, section in data["configs"].items())
+
+
+def _phase_table(models: dict) -> str:
     rows = []
-    for model, r in data["models"].items():
+    for model, r in models.items():
         for kind in r["summary"]:
             phases = r["phases_ms"][kind]
             ratios = ([markdown.ratio_spread(r["optimizer_over_torch"]),
@@ -330,7 +374,7 @@ def plot(data: dict, path: str) -> None:
             ax.hlines(bound, x - 0.45, x + 0.45, colors="black", label="bound" if x == 0 else None)
         top = max(max(r["ms"] or 0.0, r["bound_ms"]) for r in rows)
         ax.set_ylim(0, 1.4 * top)  # room for the legend above the bars
-        ax.set_xticks(range(len(configs)), configs, fontsize="small")
+        ax.set_xticks(range(len(configs)), configs, fontsize="small", rotation=30 if len(configs) > 2 else 0)
         ax.set_title(model, fontsize="small")
         ax.set_ylabel("per-iteration time (ms), median")
     axes[0].legend(fontsize="x-small", loc="upper left", ncol=2)

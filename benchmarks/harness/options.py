@@ -51,6 +51,8 @@ class BenchOptions:
     # overlap with a link: hosts, and ranks on each (sharing its loopback); None: one rank per host.
     hosts: Optional[int] = None
     ranks_per_host: Optional[int] = None
+    # overlap: the configurations to run in turn, as harness/link_configs.py spells them; (): the one above.
+    configs: Tuple[str, ...] = ()
 
     def process_group_backend(self) -> str:
         return self.backend or ("nccl" if self.device == "cuda" else "gloo")
