@@ -368,6 +368,12 @@ class OptimizerOverlap:
             return self._user_step()
         rest = {number: [p for p in group["params"] if id(p) not in stepped]
                 for number, group in enumerate(self.optimizer.param_groups)}
+        if not any(rest.values()):
+            # Nothing left (the usual case): no empty step. What an LR
+            # scheduler's wrapper of the user's step would record, recorded.
+            if hasattr(self._user_step, "_wrapped_by_lr_sched"):
+                self.optimizer._opt_called = True
+            return None
         with _narrowed(self.optimizer, rest):
             return self._user_step()
 
