@@ -70,7 +70,7 @@ class CommHooks(Bound):
         self.bind(reducer, group)
 
     def __getstate__(self) -> dict:
-        return {**super().__getstate__(), "registered": [], "stepping": []}
+        return {**super().__getstate__(), "registered": [], "stepping": [], "backward_steps": False}
 
     def check(self, hook) -> None:
         try:

@@ -675,3 +675,5 @@ def test_a_copy_does_not_overlap(single_process_group):
     optimizer.zero_grad()
     _backward(ddp, 0, 1, step=1)
     assert len(ddp._optimizer_overlap.stepped) == len(before), "the original's backward did not step"
+    twin._register_fused_optim(torch.optim.SGD, lr=0.1)  # the copy has no overlap to refuse it for
+    assert twin._comm_hooks, "the copy refused a hook that steps parameters"
