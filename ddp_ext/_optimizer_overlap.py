@@ -68,7 +68,6 @@ attribute it sets on the optimizer before stepping.
 import contextlib
 import sys
 import types
-import weakref
 from typing import Dict, List, Tuple
 
 import torch
@@ -247,15 +246,14 @@ def _left_out():
 
 
 class OptimizerOverlap:
-    """One wrapper's overlapped optimizer. Holds the wrapper weakly: the
-    reducer holds `step_bucket`. A pickled or deep-copied wrapper has none
+    """One wrapper's overlapped optimizer. Holds no reference to the wrapper:
+    the reducer holds `step_bucket`. A pickled or deep-copied wrapper has none
     (its reducer is new): it pickles as None."""
 
     def __reduce__(self):
         return (_left_out, ())
 
     def __init__(self, ddp, optimizer):
-        self._ddp = weakref.ref(ddp)
         self.rank = ddp.process_group.rank()
         self.optimizer = optimizer
         # The reducer's parameter indices (ddp_ext/_reducer_factory.py builds it from the same list).
@@ -288,17 +286,18 @@ class OptimizerOverlap:
         ddp._hooks.backward_steps = True
         ddp.reducer._set_bucket_step(self.step_bucket)
 
-    def _refuse_if_changed(self, ddp) -> None:
-        """What was checked at overlap_optimizer but may have been added since."""
-        for refusal in (_comm_hook_refusal(ddp) if ddp is not None else "", _hooked_step_refusal(self.optimizer)):
-            if refusal:
-                raise RuntimeError(_error(self.rank, refusal))
+    def _refuse_if_changed(self) -> None:
+        """What was checked at overlap_optimizer but may have been added
+        since: step hooks. (A communication hook that steps parameters is
+        refused when it is registered: CommHooks.register.)"""
+        refusal = _hooked_step_refusal(self.optimizer)
+        if refusal:
+            raise RuntimeError(_error(self.rank, refusal))
 
     def step_bucket(self, indices: List[int]) -> None:
         """Called by the reducer, without its lock, when the bucket of these
         parameters has been reduced and written back."""
-        ddp = self._ddp()
-        self._refuse_if_changed(ddp)
+        self._refuse_if_changed()
         places = self._placed()
         bucket = {id(p): p for p in (self.params[i] for i in indices) if id(p) in places}
         if not bucket:
@@ -350,7 +349,7 @@ class OptimizerOverlap:
             raise ValueError(_error(
                 self.rank, "runs optimizer.step() without a closure only (a closure would run backward, and "
                 "step buckets, from inside the step)."))
-        self._refuse_if_changed(None)
+        self._refuse_if_changed()
         if _called_by_grad_scaler(self.optimizer):
             raise RuntimeError(_error(self.rank, _GRAD_SCALER + self._applied()))
         edited = self.reduced.edited()

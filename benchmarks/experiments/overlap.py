@@ -52,7 +52,6 @@ per-model summaries (`models` of a run of one), or why it was `skipped`
 """
 
 import functools
-import os
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -142,13 +141,6 @@ def link_name(link_gbit: Optional[float]) -> str:
     return "loopback" if link_gbit is None else f"{link_gbit:g}gbit"
 
 
-def _enter_host(placed, ranks_per_host: int, rank: int) -> None:
-    """Runs first in each rank's process: into its host, Gloo on its link."""
-    host = placed[rank // ranks_per_host]
-    hosts.enter(host)
-    os.environ["GLOO_SOCKET_IFNAME"] = host.veth
-
-
 def _describe(model: str, preset: str) -> dict:
     if model in PRESET_MODELS:
         return Workload(model, preset).describe()
@@ -170,7 +162,7 @@ def _launch(options: BenchOptions, progress) -> List[dict]:
     count, per_host = placement(options)
     with hosts.fake_hosts(count, "ov", options.link_gbit) as placed:
         return launch(_measure, options.world_size, job, options.threads, options.timeout_s,
-                      setup=functools.partial(_enter_host, placed, per_host))
+                      setup=functools.partial(hosts.enter_rank, placed, per_host))
 
 
 def _where(options: dict) -> str:

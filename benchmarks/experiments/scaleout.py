@@ -47,10 +47,9 @@ BYTES_ITERATIONS = {False: 3, True: 1}
 
 def _enter_host(placed, ranks_per_host, rank):
     """Runs first in each rank's process: into its host, with torchrun's variables."""
-    host = placed[rank // ranks_per_host]
-    hosts.enter(host)
-    os.environ.update(GLOO_SOCKET_IFNAME=host.veth, LOCAL_WORLD_SIZE=str(ranks_per_host),
-                      LOCAL_RANK=str(rank % ranks_per_host), OMP_NUM_THREADS="1")
+    hosts.enter_rank(placed, ranks_per_host, rank)
+    os.environ.update(LOCAL_WORLD_SIZE=str(ranks_per_host), LOCAL_RANK=str(rank % ranks_per_host),
+                      OMP_NUM_THREADS="1")
 
 
 def _measure(rank, world_size, job):

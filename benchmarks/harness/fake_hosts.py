@@ -163,6 +163,16 @@ def enter(host: Host) -> None:
         os.close(fd)
 
 
+def enter_rank(placed: List[Host], ranks_per_host: int, rank: int) -> Host:
+    """Runs first in the process of rank `rank` (ranks numbered host by
+    host, `ranks_per_host` on each of `placed`): into its host, with Gloo on
+    the host's link. Returns the host."""
+    host = placed[rank // ranks_per_host]
+    enter(host)
+    os.environ["GLOO_SOCKET_IFNAME"] = host.veth
+    return host
+
+
 def link_bytes(interface: str = VETH) -> Tuple[int, int]:
     """(received, sent) bytes on `interface` of the caller's namespace."""
     with open("/proc/net/dev") as f:
