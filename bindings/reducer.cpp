@@ -319,6 +319,26 @@ void bind_observation(ReducerClass& cls) {
           },
           py::arg("step"))
       .def(
+          "_set_forward_tail",
+          [](Reducer& r, double fraction) {
+            py::gil_scoped_release no_gil;
+            r.set_forward_tail(fraction);
+          },
+          py::arg("fraction"))
+      .def(
+          "_deferred_buckets",
+          [](Reducer& r) {
+            py::gil_scoped_release no_gil;
+            return r.deferred_buckets();
+          })
+      .def(
+          "_finish_deferred",
+          [](Reducer& r, size_t bucket_index) {
+            py::gil_scoped_release no_gil;
+            r.finish_deferred(bucket_index);
+          },
+          py::arg("bucket_index"))
+      .def(
           "_set_stall_handler",
           [](Reducer& r, int64_t timeout_ms, std::optional<py::function> handler) {
             std::function<void(const StallReport&)> call;

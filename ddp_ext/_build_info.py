@@ -34,6 +34,7 @@ SOURCES = [
     "reducer/core/averaging.cpp",
     "reducer/core/bucket_steps.cpp",
     "reducer/core/errors.cpp",
+    "reducer/core/forward_tail.cpp",
     "reducer/core/gradient_copy.cpp",
     "reducer/core/reducer.cpp",
     "reducer/core/state_lock.cpp",

@@ -14,7 +14,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel.distributed import DistributedDataParallel as TorchDistributedDataParallel
 from torch.nn.parallel.scatter_gather import gather as _gather, scatter_kwargs as _scatter_kwargs
 
-from ddp_ext import _optimizer_overlap, _parameters, _pickling, hierarchy
+from ddp_ext import _forward_tail, _optimizer_overlap, _parameters, _pickling, hierarchy
 from ddp_ext._buffer_sync import BROADCAST_CHUNK_BYTES
 from ddp_ext._comm_hooks import register_fused_optim
 from ddp_ext._delayed_all_reduce import DelayedAllReduce
@@ -124,7 +124,13 @@ class DelegatedNames:
         return Join([self], enable, throw_on_early_termination,
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
-    join_hook = delegate("_join", "hook")
+    def join_hook(self, **kwargs):
+        if self._optimizer_overlap is not None and self._optimizer_overlap.tail is not None:
+            raise RuntimeError(
+                f"DistributedDataParallel on rank {self.process_group.rank()} cannot join uneven inputs with "
+                "overlap_optimizer(..., overlap_forward=True): a joined rank shadows the buckets in the plain "
+                "order, and the overlap launches the first layers' first. Use overlap_forward=False with Join.")
+        return self._join.hook(**kwargs)
     join_device = field("_settings", "device")
     join_process_group = property(lambda self: self.process_group)
     _distributed_rank = field("_join", "rank")
@@ -161,15 +167,31 @@ class DelegatedNames:
 
     _optimizer_overlap = None  # an OptimizerOverlap once overlap_optimizer is called
 
-    def overlap_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+    def overlap_optimizer(self, optimizer: torch.optim.Optimizer, overlap_forward=False) -> None:
         """ddp_ext only. From the next backward on, each bucket's parameters are
         stepped by `optimizer` as soon as the bucket is reduced, while later
         buckets are still being reduced; `optimizer.step()` then steps only
-        the parameters the backward did not. Results are bitwise those of a
-        plain `optimizer.step()` after backward. Call between iterations,
-        once. See docs/OPTIMIZER_OVERLAP.md."""
+        the parameters the backward did not. With `overlap_forward` (True, or
+        the fraction of gradient bytes to hold), the first layers' buckets
+        go on the wire first, at the end of the backward, which returns
+        without waiting for them; their parameters are stepped when the next
+        forward first reads them. Results are bitwise those of a plain
+        `optimizer.step()` after backward. Call between iterations, once. See
+        docs/OPTIMIZER_OVERLAP.md."""
+        held = _forward_tail.fraction(overlap_forward)
         _optimizer_overlap.check(self, optimizer)
-        self._optimizer_overlap = _optimizer_overlap.OptimizerOverlap(self, optimizer)
+        refusal = _forward_tail.refusal(self) if held else None
+        if refusal:
+            raise ValueError(f"DistributedDataParallel.overlap_optimizer on rank {self.process_group.rank()} {refusal}")
+        self._optimizer_overlap = _optimizer_overlap.OptimizerOverlap(self, optimizer, held)
+
+    def finish_forward_tail(self) -> None:
+        """ddp_ext only. With overlap_optimizer(..., overlap_forward=True):
+        waits for the buckets the last backward left on the wire and applies
+        their steps (reads of the parameters do this themselves on the
+        thread that made the line; call this before reading them on another)."""
+        if self._optimizer_overlap is not None:
+            self._optimizer_overlap.finish_forward_tail()
 
     # --- delay_all_reduce_named_params: ddp_ext/_delayed_all_reduce.py ------
 

@@ -68,11 +68,12 @@ attribute it sets on the optimizer before stepping.
 import contextlib
 import sys
 import types
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
+from ddp_ext._forward_tail import ForwardTail
 from ddp_ext._gradient_edits import GradientEdits
 
 _MAX_NAMED = 5
@@ -161,14 +162,19 @@ def check(ddp, optimizer) -> None:
 
 
 @contextlib.contextmanager
-def _narrowed(optimizer, per_group: Dict[int, List[torch.Tensor]]):
+def _narrowed(optimizer, per_group: Dict[int, List[torch.Tensor]], hyperparameters: Optional[List[dict]] = None):
     """The optimizer's param_groups narrowed to `per_group[i]` for group i
-    (none where absent), the groups left empty out; everything restored
+    (none where absent), the groups left empty out, with
+    `hyperparameters[i]` for group i where given; everything restored
     after. Yields whether any parameter is left."""
     groups = optimizer.param_groups
     saved = [group["params"] for group in groups]
+    current = [] if hyperparameters is None else [{key: group[key] for key in given}
+                                                   for group, given in zip(groups, hyperparameters)]
     try:
         for number, group in enumerate(groups):
+            if hyperparameters is not None:
+                group.update(hyperparameters[number])
             group["params"] = per_group.get(number, [])
         optimizer.param_groups = [group for group in groups if group["params"]]
         yield bool(optimizer.param_groups)
@@ -176,6 +182,8 @@ def _narrowed(optimizer, per_group: Dict[int, List[torch.Tensor]]):
         optimizer.param_groups = groups
         for group, params in zip(groups, saved):
             group["params"] = params
+        for group, values in zip(groups, current):
+            group.update(values)
 
 
 def _unhooked_step(optimizer):
@@ -253,7 +261,7 @@ class OptimizerOverlap:
     def __reduce__(self):
         return (_left_out, ())
 
-    def __init__(self, ddp, optimizer):
+    def __init__(self, ddp, optimizer, overlap_forward: float = 0.0):
         self.rank = ddp.process_group.rank()
         self.optimizer = optimizer
         # The reducer's parameter indices (ddp_ext/_reducer_factory.py builds it from the same list).
@@ -285,6 +293,46 @@ class OptimizerOverlap:
         optimizer._ddp_ext_overlapped = True
         ddp._hooks.backward_steps = True
         ddp.reducer._set_bucket_step(self.step_bucket)
+        # See Note [Stepping in the next forward] in ddp_ext/_forward_tail.py.
+        self.tail = ForwardTail(ddp, self, overlap_forward) if overlap_forward else None
+        if self.tail is not None:
+            self._wrap_for_tail(optimizer)
+
+    def _wrap_for_tail(self, optimizer) -> None:
+        """zero_grad() leaves pending gradients to their steps; state_dict()
+        and load_state_dict() finish every pending step first."""
+        tail, user_zero_grad = self.tail, optimizer.zero_grad
+        user_state_dict, user_load_state_dict = optimizer.state_dict, optimizer.load_state_dict
+
+        def zero_grad(opt, set_to_none: bool = True):
+            if not (tail.pending and tail.owed):
+                return user_zero_grad(set_to_none)
+            tail.zero_later(set_to_none)
+            rest = {number: [p for p in group["params"] if id(p) not in tail.pending]
+                    for number, group in enumerate(opt.param_groups)}
+            with _narrowed(opt, rest):
+                return user_zero_grad(set_to_none)
+
+        def state_dict(opt):
+            tail.finish_all()
+            return user_state_dict()
+
+        def load_state_dict(opt, state):
+            tail.finish_all()
+            return user_load_state_dict(state)
+
+        optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
+        optimizer.state_dict = types.MethodType(state_dict, optimizer)
+        optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)
+
+    def forward_done(self) -> None:
+        """The end of the wrapper's forward (before the next backward can reuse a bucket)."""
+        if self.tail is not None:
+            self.tail.forward_done()
+
+    def finish_forward_tail(self) -> None:
+        if self.tail is not None:
+            self.tail.finish_all()
 
     def _refuse_if_changed(self) -> None:
         """What was checked at overlap_optimizer but may have been added
@@ -297,6 +345,8 @@ class OptimizerOverlap:
     def step_bucket(self, indices: List[int]) -> None:
         """Called by the reducer, without its lock, when the bucket of these
         parameters has been reduced and written back."""
+        if self.tail is not None:
+            self.tail.after_backward_bucket()
         self._refuse_if_changed()
         places = self._placed()
         bucket = {id(p): p for p in (self.params[i] for i in indices) if id(p) in places}
@@ -315,17 +365,29 @@ class OptimizerOverlap:
         if self.probing:
             self.reduced.remember(bucket.values())
             return
-        for chunk in _chunks(list(bucket.values()), self.step_chunk_bytes):
+        for chunk in self._stepped_in_chunks(list(bucket.values()), places):
+            self.stepped.update((id(p), p) for p in chunk)
+            self.reduced.remember(chunk)
+
+    def _stepped_in_chunks(self, params: List[torch.Tensor], places, hyperparameters=None):
+        """Steps `params` chunk after chunk (Note [Stepping in chunks]), yielding each chunk once stepped."""
+        for chunk in _chunks(params, self.step_chunk_bytes):
             per_group: Dict[int, List[Tuple[int, torch.Tensor]]] = {}
             for p in chunk:
                 number, position = places[id(p)]
                 per_group.setdefault(number, []).append((position, p))
             in_order = {number: [p for _, p in sorted(pairs, key=lambda pair: pair[0])]
                         for number, pairs in per_group.items()}
-            with _narrowed(self.optimizer, in_order):
+            with _narrowed(self.optimizer, in_order, hyperparameters):
                 _unhooked_step(self.optimizer)()
-            self.stepped.update((id(p), p) for p in chunk)
-            self.reduced.remember(chunk)
+            yield chunk
+
+    def step_owed(self, params: List[torch.Tensor], hyperparameters: List[dict]) -> None:
+        """Steps pending parameters whose bucket is now reduced, as the
+        user's step would have (Note [Stepping in the next forward])."""
+        places = self._placed()
+        for _ in self._stepped_in_chunks([p for p in params if id(p) in places], places, hyperparameters):
+            pass
 
     def _applied(self) -> str:
         if not self.stepped:
@@ -359,13 +421,18 @@ class OptimizerOverlap:
                 self.rank, f"found the gradients of {_named(names)} changed between backward() and "
                 f"optimizer.step(), by clipping (clip_grad_norm_) or another change. "
                 f"{_EDITS_LOST}{self._applied()}"))
+        if self.probing and self.backward_reduced and self.tail is not None:
+            self.tail.start()
         self.probing = self.probing and not self.backward_reduced
         self.backward_reduced = False
         self.reduced.forget()
         stepped, self.stepped = self.stepped, {}
-        if not stepped:
+        pending = self.tail.pending if self.tail is not None else {}
+        if pending:
+            self.tail.owe()  # Note [Stepping in the next forward]
+        if not stepped and not pending:
             return self._user_step()
-        rest = {number: [p for p in group["params"] if id(p) not in stepped]
+        rest = {number: [p for p in group["params"] if id(p) not in stepped and id(p) not in pending]
                 for number, group in enumerate(self.optimizer.param_groups)}
         if not any(rest.values()):
             # Nothing left (the usual case): no empty step. What an LR

@@ -332,6 +332,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
             self._clear_grad_buffer()
             return output
         flags = self._flags  # see _pre_forward
+        if self._optimizer_overlap is not None:
+            self._optimizer_overlap.forward_done()  # Note [Stepping in the next forward]
         grad_enabled = torch.is_grad_enabled()
         search_unused = self._settings.find_unused_parameters and not flags.static_graph
         learning = False

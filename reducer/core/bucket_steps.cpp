@@ -2,6 +2,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
@@ -71,9 +72,20 @@ std::exception_ptr Reducer::step_buckets_as_reduced() {
       return drop_plan_.dropped(index) || (!globally_used.empty() && !globally_used[index]);
     });
   }
+  // See Note [The next forward's buckets first]: the held buckets stay on
+  // the wire (the stashes above waited for them already: then none does).
+  const size_t deferred_from = usage_.stashed_any() ? next_bucket_ : std::min(held_from_, next_bucket_);
+  for (size_t b = next_bucket_; b-- > deferred_from;) {
+    Bucket& bucket = layout_.buckets()[b];
+    deferred_.push_back({b, std::move(bucket.work), bucket.views, bucket.param_indices});
+    bucket.work.reset();
+  }
+  if (!deferred_.empty()) {
+    deferred_used_ = globally_used;
+  }
   const BucketStep step = bucket_step_; // a copy: see Note [Windows without the lock]
   std::exception_ptr failed;
-  for (size_t b = 0; b < next_bucket_; ++b) {
+  for (size_t b = 0; b < deferred_from; ++b) {
     wait_for_bucket(b); // a no-op for a bucket awaited already
     Bucket& bucket = layout_.buckets()[b];
     write_back_bucket(bucket, globally_used);

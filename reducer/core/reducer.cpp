@@ -285,6 +285,7 @@ void Reducer::prepare_for_backward(
     TORCH_CHECK(index < params_.size() && !drop_plan_.dropped(index),
                 "parameter index ", index, " cannot be accumulated-only");
   }
+  check_nothing_deferred("a synchronising backward");
   enter(phase_, Phase::kExpectingGradients);
   ++iterations_;
   observers_.notify(&ReducerObserver::on_backward_armed);
@@ -302,6 +303,7 @@ void Reducer::prepare_for_backward(
   observers_.notify(
       &ReducerObserver::on_iteration_ahead, params_.size(), layout_.buckets().size());
   arm_buckets();
+  held_from_ = first_held_bucket();
   usage_.drop(/*clear=*/false);
   static_graph_.arm();
   std::vector<size_t> unused;
@@ -483,14 +485,18 @@ void Reducer::copy_into_bucket(size_t index, bool scale) {
 
 void Reducer::launch_ready_buckets() {
   const auto& buckets = layout_.buckets();
+  const bool launching = options_.overlap_with_backward && !static_graph_.learning();
   while (next_bucket_ < buckets.size() && buckets[next_bucket_].pending == 0) {
-    if (options_.overlap_with_backward && !static_graph_.learning()) {
+    if (launching && next_bucket_ < held_from_) {
       launch(next_bucket_);
     }
     ++next_bucket_;
   }
   if (next_bucket_ < buckets.size() || static_graph_.learning()) {
     return; // See Note [Static graph] for who finishes a learning iteration.
+  }
+  for (size_t b = buckets.size(); launching && b-- > held_from_;) {
+    launch(b); // See Note [The next forward's buckets first]: first layers first.
   }
   if (usage_.searches() && !static_graph_.on() && !gradients_stay_local_) {
     usage_.launch_allreduce(*process_group_); // a world of one: local is global
@@ -625,21 +631,26 @@ void Reducer::wait_for_launched_buckets() {
   }
 }
 
+void Reducer::wait_for_work(c10d::Work& work, size_t b) {
+  // Over a group not built into torch (one written in Python), as torch's
+  // reducer: through the Work's future, all such a Work must provide. Over
+  // torch's own, and for a Work without a future, the Work itself (the
+  // process group's timeout applies).
+  const auto done = torch_backend(*process_group_) ? nullptr : future_of(work);
+  if (done) {
+    stall_.wait(*done, "bucket", static_cast<int64_t>(b));
+  } else {
+    stall_.wait(work, "bucket", static_cast<int64_t>(b));
+  }
+  timeline_.awaited(b);
+}
+
 void Reducer::wait_for_bucket(size_t b) {
   Bucket& bucket = layout_.buckets()[b];
   if (bucket.work) {
-    // Over a group not built into torch (one written in Python), as
-    // torch's reducer: through the Work's future, all such a Work must
-    // provide. Over torch's own, and for a Work without a future, the
-    // Work itself (the process group's timeout applies).
-    const auto done = torch_backend(*process_group_) ? nullptr : future_of(*bucket.work);
-    if (done) {
-      stall_.wait(*done, "bucket", static_cast<int64_t>(b));
-    } else {
-      stall_.wait(*bucket.work, "bucket", static_cast<int64_t>(b));
-    }
-    timeline_.awaited(b);
+    wait_for_work(*bucket.work, b);
     if (bucket.sparse) {
+      const auto done = torch_backend(*process_group_) ? nullptr : future_of(*bucket.work);
       bucket.sparse_grad = done ? done->value().toTensorVector().front()
                                 : bucket.work->result().front();
     }
@@ -818,6 +829,7 @@ void Reducer::update_process_group(
   layout_.order().restart();
   std::fill(ready_.begin(), ready_.end(), false);
   next_bucket_ = 0;
+  deferred_.clear(); // on the old group too
   drop_plan_.clear();
   phase_ = Phase::kIdle;
   process_group_ = std::move(process_group);

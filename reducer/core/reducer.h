@@ -268,6 +268,18 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   using BucketStep = std::function<void(const std::vector<size_t>& param_indices)>;
   void set_bucket_step(BucketStep step);
 
+  // See Note [The next forward's buckets first] in
+  // reducer/core/forward_tail.cpp: the buckets holding about `fraction` of
+  // the gradient bytes, those of the first layers, are launched first-layer
+  // first once the backward has ended, and left on the wire by it; 0: off.
+  void set_forward_tail(double fraction);
+  // The buckets a backward left on the wire, in launch order: each one's
+  // index and parameter indices.
+  std::vector<std::pair<size_t, std::vector<size_t>>> deferred_buckets() const;
+  // Waits for the deferred bucket `bucket_index` and writes its gradients
+  // back to .grad; a no-op for one not deferred (any more).
+  void finish_deferred(size_t bucket_index);
+
   // Called by the autograd hook of parameter `index` once its gradient
   // accumulator has run. `gradient_arrived` is false when autograd ran the
   // accumulator with no gradient (an output the loss did not use).
@@ -291,6 +303,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void write_back_bucket(Bucket& bucket, const std::vector<bool>& globally_used);
   void wait_for_launched_buckets();
   void wait_for_bucket(size_t bucket_index);
+  void wait_for_work(c10d::Work& work, size_t bucket_index);
+  // See Note [The next forward's buckets first].
+  size_t first_held_bucket() const;
+  void check_nothing_deferred(const char* what) const;
   // See Note [Stepping reduced buckets]: waits for, writes back and steps
   // each bucket in turn; returns what the step raised, if it did.
   std::exception_ptr step_buckets_as_reduced();
@@ -391,6 +407,20 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   // See Note [Stepping reduced buckets]; empty: off.
   BucketStep bucket_step_;
+
+  // See Note [The next forward's buckets first]: the fraction of gradient
+  // bytes held (0: off); the first bucket held in this backward (the
+  // bucket count: none); the buckets the last backward left on the wire.
+  struct DeferredBucket {
+    size_t index;
+    c10::intrusive_ptr<c10d::Work> work;
+    std::vector<at::Tensor> views;
+    std::vector<size_t> param_indices;
+  };
+  double forward_tail_ = 0;
+  size_t held_from_ = static_cast<size_t>(-1);
+  std::vector<DeferredBucket> deferred_;
+  std::vector<bool> deferred_used_; // globally_used of their backward
 
   // See Note [Reducer observers]: timings_ and timeline_.
   ReducerObservers observers_;

@@ -1,0 +1,202 @@
+"""The next forward overlapped with the tail of the backward's communication:
+`ddp.overlap_optimizer(opt, overlap_forward=True)`.
+
+Note [Stepping in the next forward]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The reducer holds back the buckets of the first layers and launches them,
+first layer first, when the backward ends, then returns without waiting for
+them (Note [The next forward's buckets first] in
+reducer/core/forward_tail.cpp). Their parameters are "pending": the user's
+optimizer.step() leaves them out and owes them their step, which is taken
+when something first reads one of them, normally the next forward's first
+layers. A parameter ends up exactly as with a plain step because:
+ - every read of a pending parameter or of its .grad waits for its bucket
+   first: a torch function mode (pushed when the line is made, on that
+   thread; it passes calls through while nothing is pending) sees each call
+   that takes the parameter, and each read or write of its .grad or .data.
+   The forward's layers, state_dict(), an evaluation forward, torch.save,
+   an EMA update, clipping, all wait. The end of each forward finishes the
+   rest (parameters the forward did not read), before the next backward
+   reuses the buckets.
+ - once its bucket is reduced, its gradient is written back as at the end
+   of a backward; if the user's step has run, the bucket's parameters are
+   stepped with the hyperparameters the groups had at that step (an LR
+   scheduler's step after it changes nothing); else the user's step steps
+   them as any other parameter.
+ - optimizer.zero_grad() after the step does not read pending gradients:
+   it is applied to each pending parameter right after its step (None with
+   set_to_none, else zeros), so the next backward accumulates into what a
+   plain loop would leave. optimizer.state_dict() and load_state_dict()
+   finish everything first.
+What the mode cannot see is refused or documented: another thread reading
+parameters while a bucket is pending, and C++ code reading them directly.
+"""
+
+import weakref
+from typing import Dict, List, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+# What holding the first layers' buckets aims at: the forward is about a
+# third of a step's computation (the backward about two thirds), so when
+# communication takes about as long as computation, about a third of the
+# gradient bytes can be reduced behind the next forward.
+FORWARD_SHARE = 1 / 3
+
+# Reads through these descriptors need the reduced, stepped values; other
+# attribute reads (shape, dtype, requires_grad, ...) do not wait.
+_WAITING_ATTRIBUTES = frozenset(("grad", "_grad", "data"))
+
+
+def fraction(overlap_forward) -> float:
+    """The fraction of gradient bytes held for the next forward: `True` is FORWARD_SHARE."""
+    if overlap_forward is True:
+        return FORWARD_SHARE
+    if overlap_forward is False or overlap_forward is None:
+        return 0.0
+    if isinstance(overlap_forward, float) and 0 < overlap_forward < 1:
+        return overlap_forward
+    raise ValueError(f"overlap_forward must be a bool or a fraction of the gradient bytes in (0, 1), "
+                     f"not {overlap_forward!r}")
+
+
+def refusal(ddp) -> Optional[str]:
+    """Why the forward cannot be overlapped with this wrapper, or None."""
+    devices = {p.device.type for p in ddp._module_parameters}
+    if devices != {"cpu"}:
+        return (f"overlaps the next forward for a module on the CPU only (this one is on {sorted(devices)}): "
+                "use overlap_forward=False")
+    if ddp._settings.gradient_as_bucket_view:
+        return ("cannot overlap the next forward with gradient_as_bucket_view=True: each .grad is its bucket, "
+                "still being reduced when the backward returns")
+    if ddp._layer_drop:
+        return "cannot overlap the next forward with layer dropping"
+    if ddp._hooks.registered:
+        return ("cannot overlap the next forward with a communication hook: a hook may rely on the buckets "
+                "arriving in order (PowerSGD ends its iteration at the last one)")
+    return None
+
+
+class ForwardTail:
+    """The buckets one wrapper's backward left on the wire, and when their
+    parameters are stepped. Owned by the wrapper's OptimizerOverlap; holds
+    the wrapper weakly (the reducer holds the overlap's bucket step)."""
+
+    def __init__(self, ddp, overlap, fraction: float):
+        self._ddp = weakref.ref(ddp)
+        self.overlap = overlap
+        self.fraction = fraction
+        self.pending: Dict[int, int] = {}  # id(parameter) -> its deferred bucket
+        self.buckets: Dict[int, List[torch.Tensor]] = {}  # deferred bucket -> its parameters
+        self.owed = False  # the user's step ran: the pending parameters are stepped when finished
+        self.hyperparameters: Optional[List[dict]] = None  # the groups' at that step
+        self.zero_to_none: Optional[bool] = None  # a zero_grad() after that step
+        self.looked = False  # asked the reducer for deferred buckets since the last forward
+        self.finishing = False
+        self.mode = _PendingReads(weakref.ref(self))
+        torch._C._push_on_torch_function_stack(self.mode)
+
+    def start(self) -> None:
+        """From the next backward on, the first layers' buckets are deferred."""
+        self._ddp().reducer._set_forward_tail(self.fraction)
+
+    def after_backward_bucket(self) -> None:
+        """Called with each bucket the backward steps: the first time after a
+        forward, learns which buckets the backward deferred."""
+        if self.looked:
+            return
+        self.looked = True
+        params = self.overlap.params
+        for bucket, indices in self._ddp().reducer._deferred_buckets():
+            members = [params[i] for i in indices]
+            self.buckets[bucket] = members
+            self.pending.update((id(p), bucket) for p in members)
+        self.owed = False
+        self.hyperparameters = None
+        self.zero_to_none = None
+
+    def owe(self) -> None:
+        """The user's step ran without the pending parameters."""
+        self.owed = True
+        self.hyperparameters = [_hyperparameters(group) for group in self.overlap.optimizer.param_groups]
+
+    def zero_later(self, set_to_none: bool) -> None:
+        self.zero_to_none = bool(self.zero_to_none) or set_to_none
+
+    def finish(self, bucket: int) -> None:
+        members = self.buckets.pop(bucket, None)
+        if members is None:
+            return
+        self.finishing = True
+        try:
+            for p in members:
+                self.pending.pop(id(p), None)
+            self._ddp().reducer._finish_deferred(bucket)
+            if not self.owed:
+                self.overlap.reduced.remember(members)  # now as any reduced gradient
+                return
+            self.overlap.step_owed(members, self.hyperparameters)
+            if self.zero_to_none is not None:
+                _zero(members, self.zero_to_none)
+        finally:
+            self.finishing = False
+
+    def finish_all(self) -> None:
+        for bucket in list(self.buckets):
+            self.finish(bucket)
+
+    def forward_done(self) -> None:
+        """The end of a forward: what it did not read is finished now."""
+        self.finish_all()
+        self.looked = False
+
+    def on_call(self, func, args, kwargs) -> None:
+        if getattr(func, "__name__", None) in ("__get__", "__set__", "__delete__"):
+            descriptor = getattr(func, "__self__", None)
+            if func.__name__ == "__get__" and getattr(descriptor, "__name__", None) not in _WAITING_ATTRIBUTES:
+                return
+            args = args[:1]
+        for value in (*args, *(kwargs.values() if kwargs else ())):
+            if type(value) in (list, tuple):
+                for item in value:
+                    bucket = self.pending.get(id(item))
+                    if bucket is not None:
+                        self.finish(bucket)
+            else:
+                bucket = self.pending.get(id(value))
+                if bucket is not None:
+                    self.finish(bucket)
+
+
+class _PendingReads(TorchFunctionMode):
+    """Passes every call through, after finishing the deferred buckets of
+    the pending parameters it takes. See Note [Stepping in the next forward]."""
+
+    def __init__(self, tail_ref):
+        super().__init__()
+        self.tail_ref = tail_ref
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        tail = self.tail_ref()
+        if tail is not None and tail.pending and not tail.finishing:
+            tail.on_call(func, args, kwargs)
+        return func(*args, **(kwargs or {}))
+
+
+def _hyperparameters(group: dict) -> dict:
+    return {key: value.clone() if isinstance(value, torch.Tensor) else value
+            for key, value in group.items() if key != "params"}
+
+
+def _zero(params: List[torch.Tensor], set_to_none: bool) -> None:
+    """What optimizer.zero_grad() does to these parameters' gradients."""
+    for p in params:
+        if set_to_none:
+            p.grad = None
+        elif p.grad is not None:
+            if p.grad.grad_fn is not None:
+                p.grad.detach_()
+            else:
+                p.grad.requires_grad_(False)
+            p.grad.zero_()
