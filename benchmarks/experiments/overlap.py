@@ -16,13 +16,16 @@ measurement]):
 - `ours_optimizer`: ddp_ext after `ddp.overlap_optimizer(optimizer)`, whose
   backward steps each bucket's parameters as soon as the bucket is reduced
   (docs/OPTIMIZER_OVERLAP.md); its optimizer phase is what the backward left
-  to step (nothing, usually).
+  to step (nothing, usually);
+- `ours_overlap`: ddp_ext after `ddp.overlap_optimizer(optimizer,
+  overlap_forward=True)`: the first layers' buckets go on the wire first at
+  the end of the backward, which returns without them, and the next forward
+  waits for each as it reads its parameters.
 
-ddp_ext with the forward overlapped as well does not exist yet: no row
-stands for it. Models: the `compare` models at --preset, the `scaleout` MLP
+Models: the `compare` models at --preset, the `scaleout` MLP
 and the `fixedcost` tiny MLP (`tiny`). Each variant draws its dropout masks
 from a random stream of its own, seeded alike. At the end every rank
-compares the parameters and buffers of ddp_ext with and without the line:
+compares the parameters and buffers of ddp_ext with and without each line:
 they saw the same data and steps, so they must be bitwise equal; the run
 fails if they are not.
 
@@ -64,7 +67,8 @@ from benchmarks.harness.launcher import launch
 from benchmarks.harness.options import BenchOptions, effective_bucket_cap_mb
 from benchmarks.reporting import figures, markdown
 from benchmarks.workloads import overlap_variants as ov
-from benchmarks.workloads.overlap_variants import LABELS, MLP, OURS_OPTIMIZER, TINY, TORCH_IN_BACKWARD, VARIANTS
+from benchmarks.workloads.overlap_variants import (LABELS, MLP, OURS_OPTIMIZER, OURS_OVERLAP, TINY, TORCH_IN_BACKWARD,
+                                                   VARIANTS)
 from benchmarks.workloads.presets import MODELS as PRESET_MODELS
 from benchmarks.workloads.presets import Workload
 from benchmarks.workloads.replicas import LOCAL, OURS, TORCH
@@ -77,8 +81,6 @@ TITLE = "The optimizer overlapped with communication: overlap_optimizer vs a ste
 MIB = 2**20
 # The peak memory target: overlap_optimizer at most this fraction of torch's DDP's peak, on the compare models.
 PEAK_TARGET = 0.9
-# ddp_ext with the forward overlapped too: no such mode exists yet, so no row stands for it.
-NOT_BUILT = ("ours_overlap",)
 
 
 def differing_tensors(a: nn.Module, b: nn.Module) -> List[str]:
@@ -102,8 +104,9 @@ def _measure(rank: int, world_size: int, job):
             unmeasured[TORCH_IN_BACKWARD] = reason
             del steps[TORCH_IN_BACKWARD]
         samples = run_interleaved(steps, **options.run_lengths(), progress=progress, label=model)
-        ours, optimizer = steps[OURS].step.model.module, steps[OURS_OPTIMIZER].step.model.module
-        differing = differing_tensors(ours, optimizer)
+        ours = steps[OURS].step.model.module
+        differing = [f"{kind}: {name}" for kind in (OURS_OPTIMIZER, OURS_OVERLAP)
+                     for name in differing_tensors(ours, steps[kind].step.model.module)]
         # Untimed, after the timed blocks: the profiler slows what it watches.
         peaks = {kind: peak_memory.peak_bytes(step) for kind, step in steps.items()}
         measured[model] = {"samples": samples, "differing": differing, "unmeasured": unmeasured,
@@ -241,6 +244,7 @@ def run_one(options: BenchOptions, progress) -> dict:
             "phases_ms": {kind: {p: stats.median_ms(merged[kind], p) for p in (*PHASES, "total")} for kind in kinds},
             "optimizer_over_torch": stats.ratio(merged[OURS_OPTIMIZER], merged[TORCH]),
             "optimizer_over_ours": stats.ratio(merged[OURS_OPTIMIZER], merged[OURS]),
+            "overlap_over_torch": stats.ratio(merged[OURS_OVERLAP], merged[TORCH]),
             "ours_over_torch": stats.ratio(merged[OURS], merged[TORCH]),
             "computation_ms": stats.median_ms(merged[LOCAL]),
             "gradient_bytes": per_rank[0][model]["gradient_bytes"],
@@ -277,9 +281,9 @@ def _notes(options: BenchOptions, models: dict) -> List[str]:
              "phases: medians per phase; with overlap_optimizer the backward includes stepping each bucket, and "
              "the optimizer phase is what it left (zero_grad, usually). ratio [min-max]: the medians' ratio over "
              "all measured iterations, and its range over back-to-back block pairs. bitwise: parameters and "
-             "buffers of ddp_ext with and without overlap_optimizer, compared on every rank at the end of the run.",
-             f"Not measured: {', '.join(NOT_BUILT)} (ddp_ext with the forward overlapped too): ddp_ext has no "
-             "such mode yet."]
+             "buffers of ddp_ext with and without overlap_optimizer (and with overlap_forward=True), compared on "
+             "every rank at the end of the run. With overlap_forward the forward phase includes waiting for the "
+             "first layers' buckets and stepping them."]
     reasons = sorted({r for m in models.values() for r in m["unmeasured"].values()})
     notes += [f"{TORCH_IN_BACKWARD} not measured: {reason}" for reason in reasons]
     if options.link_gbit is not None:
@@ -328,18 +332,20 @@ def _phase_table(models: dict) -> str:
     for model, r in models.items():
         for kind in r["summary"]:
             phases = r["phases_ms"][kind]
-            ratios = ([markdown.ratio_spread(r["optimizer_over_torch"]),
-                       markdown.ratio_spread(r["optimizer_over_ours"])] if kind == OURS_OPTIMIZER else ["", ""])
-            bitwise = ("equal" if r["bitwise_equal"]["equal"] else "DIFFERENT") if kind == OURS_OPTIMIZER else ""
+            ratios = {OURS_OPTIMIZER: [markdown.ratio_spread(r["optimizer_over_torch"]),
+                                       markdown.ratio_spread(r["optimizer_over_ours"])],
+                      OURS_OVERLAP: [markdown.ratio_spread(r["overlap_over_torch"]), ""]}.get(kind, ["", ""])
+            bitwise = ("equal" if r["bitwise_equal"]["equal"] else "DIFFERENT") if kind in (OURS_OPTIMIZER,
+                                                                                              OURS_OVERLAP) else ""
             rows.append([model, LABELS[kind], markdown.ms_iqr(r["summary"][kind]),
                          *(markdown.ms(phases[p]) for p in PHASES), *ratios, bitwise])
     return markdown.table(["model", "implementation", "ms per iteration (IQR)", *(f"{p} ms" for p in PHASES),
-                           "overlap_optimizer / torch [block range]",
+                           "with the line / torch [block range]",
                            "overlap_optimizer / ddp_ext [block range]",
                            "bitwise vs ddp_ext"], rows)
 
 
-COLORS = {**figures.COLORS, TORCH_IN_BACKWARD: "tab:red", OURS_OPTIMIZER: "tab:green"}
+COLORS = {**figures.COLORS, TORCH_IN_BACKWARD: "tab:red", OURS_OPTIMIZER: "tab:green", OURS_OVERLAP: "tab:purple"}
 
 
 def plot(data: dict, path: str) -> None:

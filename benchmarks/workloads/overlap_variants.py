@@ -28,11 +28,13 @@ MODELS = (*PRESET_MODELS, MLP, TINY)
 
 TORCH_IN_BACKWARD = "torch_in_backward"
 OURS_OPTIMIZER = "ours_optimizer"
+OURS_OVERLAP = "ours_overlap"  # the optimizer and the next forward overlapped
 # The variants a row stands for, and the bare model that gives the computation.
-VARIANTS = (TORCH, TORCH_IN_BACKWARD, OURS, OURS_OPTIMIZER)
+VARIANTS = (TORCH, TORCH_IN_BACKWARD, OURS, OURS_OPTIMIZER, OURS_OVERLAP)
 TIMED = (*VARIANTS, LOCAL)
 LABELS = {TORCH: "torch DDP", TORCH_IN_BACKWARD: "torch DDP + optimizer in backward", OURS: "ddp_ext",
-          OURS_OPTIMIZER: "ddp_ext + overlap_optimizer", LOCAL: "local (no DDP)"}
+          OURS_OPTIMIZER: "ddp_ext + overlap_optimizer", OURS_OVERLAP: "ddp_ext + overlap_optimizer + forward",
+          LOCAL: "local (no DDP)"}
 LEARNING_RATE = 1e-4
 
 
@@ -73,6 +75,8 @@ def build(kind: str, model: str, preset: str, seed: int, rank: int, cap: Optiona
         step.optimizer = adam(module.parameters())
     if kind == OURS_OPTIMIZER:
         wrapped.overlap_optimizer(step.optimizer)
+    if kind == OURS_OVERLAP:
+        wrapped.overlap_optimizer(step.optimizer, overlap_forward=True)
     return OwnRandomness(step, input_seed(seed, rank))
 
 

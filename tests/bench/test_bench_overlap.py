@@ -48,7 +48,7 @@ def _quick_overlap(tmp_path, *extra, models=("mlp",)):
 def _check_rows(result, models, config):
     rows = result["rows"]
     assert [(r["model"], r["variant"]) for r in rows] == [(m, v) for m in models for v in overlap.VARIANTS]
-    assert set(overlap.VARIANTS) == {"torch", "torch_in_backward", "ours", "ours_optimizer"}
+    assert set(overlap.VARIANTS) == {"torch", "torch_in_backward", "ours", "ours_optimizer", "ours_overlap"}
     for r in rows:
         assert ROW_KEYS <= set(r), r
         assert (r["hosts"], r["ranks_per_host"], r["link"]) == config, r
@@ -75,13 +75,13 @@ def test_overlap_quick_writes_results_and_checks_bitwise(tmp_path):
     _check_rows(result, ("bert", "mlp"), (1, 2, "loopback"))
     assert [t["model"] for t in result["targets"]] == ["bert"]  # the peak target: compare models only
     mlp = result["models"]["mlp"]
-    timed = {"torch", "ours", "ours_optimizer", "local"} | ({"torch_in_backward"} - set(mlp["unmeasured"]))
+    timed = {"torch", "ours", "ours_optimizer", "ours_overlap", "local"} | ({"torch_in_backward"} - set(mlp["unmeasured"]))
     assert set(mlp["summary"]) == timed
     for kind in timed:
         assert mlp["summary"][kind]["median_ms"] > 0, kind
         assert mlp["summary"][kind]["iterations"] == 4, kind  # --quick: 2 blocks of 2
         assert set(mlp["phases_ms"][kind]) == {"forward", "backward", "optimizer", "total"}, kind
-    for key in ("optimizer_over_torch", "optimizer_over_ours", "ours_over_torch"):
+    for key in ("optimizer_over_torch", "optimizer_over_ours", "ours_over_torch", "overlap_over_torch"):
         assert mlp[key]["ratio"] > 0 and len(mlp[key]["per_block"]["values"]) == 2, key
     n_params = len(list(sv.ScaleoutMLP(0.0).parameters()))
     assert mlp["bitwise_equal"] == {"equal": True, "ranks": 2, "tensors_per_rank": n_params}
@@ -93,6 +93,7 @@ def test_overlap_quick_writes_results_and_checks_bitwise(tmp_path):
     assert {k: len(v) for k, v in full["models"]["mlp"]["samples_ms"].items()} == {k: 4 for k in timed}
     assert (tmp_path / "overlap.png").stat().st_size > 0
     assert "| mlp | 1x2 loopback | ddp_ext + overlap_optimizer |" in done.stdout and "| equal |" in done.stdout
+    assert "| mlp | 1x2 loopback | ddp_ext + overlap_optimizer + forward |" in done.stdout
 
 
 def test_overlap_over_shaped_links_two_hosts_of_two(tmp_path):
@@ -124,14 +125,16 @@ def test_bound_is_computation_or_ring_bytes_over_the_link():
 
 def test_rows_carry_the_configuration_the_bound_and_the_reason():
     summary = {"summary": {k: {"median_ms": ms, "q25_ms": ms, "q75_ms": ms}
-                           for k, ms in (("torch", 200.0), ("ours", 150.0), ("ours_optimizer", 120.0))},
+                           for k, ms in (("torch", 200.0), ("ours", 150.0), ("ours_optimizer", 120.0),
+                                         ("ours_overlap", 110.0))},
                "computation_ms": 100.0, "gradient_bytes": 12_500_000, "peak_mib": {"torch": 40.0, "ours": 40.0,
-                                                                                  "ours_optimizer": 30.0},
+                                                                                  "ours_optimizer": 30.0,
+                                                                                  "ours_overlap": 30.0},
                "unmeasured": {"torch_in_backward": "RuntimeError: no accelerator"}}
     rows = {r["variant"]: r for r in overlap.rows_of("bert", summary, 2, 2, 1.0)}
     assert set(rows) == set(overlap.VARIANTS)
     # 1.5 x 12.5 MB at 1 Gbit/s = 150 ms, above the 100 ms of computation.
-    assert [r["bound_ms"] for r in rows.values()] == [pytest.approx(150.0)] * 4
+    assert [r["bound_ms"] for r in rows.values()] == [pytest.approx(150.0)] * 5
     assert rows["ours_optimizer"]["ratio_to_torch"] == 0.6
     assert rows["ours_optimizer"]["over_bound"] == pytest.approx(0.8)
     assert rows["ours_optimizer"]["peak_ratio_to_torch"] == 0.75
