@@ -32,6 +32,7 @@ What the mode cannot see is refused or documented: another thread reading
 parameters while a bucket is pending, and C++ code reading them directly.
 """
 
+import threading
 import weakref
 from typing import Dict, List, Optional
 
@@ -94,7 +95,12 @@ class ForwardTail:
         self.zero_to_none: Optional[bool] = None  # a zero_grad() after that step
         self.looked = False  # asked the reducer for deferred buckets since the last forward
         self.finishing = False
+        self.finished_on_read = 0  # buckets finished by a read (the rest by finish_all)
+        # Held only while buckets are pending: a wrapper dropped then still
+        # lets what reads their parameters finish them.
+        self.reducer = None
         self.mode = _PendingReads(weakref.ref(self))
+        self.thread = threading.get_ident()
         torch._C._push_on_torch_function_stack(self.mode)
 
     def start(self) -> None:
@@ -108,13 +114,16 @@ class ForwardTail:
             return
         self.looked = True
         params = self.overlap.params
-        for bucket, indices in self._ddp().reducer._deferred_buckets():
+        self.reducer = self._ddp().reducer
+        for bucket, indices in self.reducer._deferred_buckets():
             members = [params[i] for i in indices]
             self.buckets[bucket] = members
             self.pending.update((id(p), bucket) for p in members)
         self.owed = False
         self.hyperparameters = None
         self.zero_to_none = None
+        if not self.buckets:
+            self.reducer = None
 
     def owe(self) -> None:
         """The user's step ran without the pending parameters."""
@@ -132,7 +141,9 @@ class ForwardTail:
         try:
             for p in members:
                 self.pending.pop(id(p), None)
-            self._ddp().reducer._finish_deferred(bucket)
+            self.reducer._finish_deferred(bucket)
+            if not self.buckets:
+                self.reducer = None
             if not self.owed:
                 self.overlap.reduced.remember(members)  # now as any reduced gradient
                 return
@@ -146,6 +157,18 @@ class ForwardTail:
         for bucket in list(self.buckets):
             self.finish(bucket)
 
+    def forward_begins(self, module) -> None:
+        """A forward whose reads the mode would not see (compiled, on another
+        thread, or with the mode gone from this thread's stack) finishes
+        everything before it reads anything."""
+        if self.pending and (_compiled(module) or threading.get_ident() != self.thread
+                             or not self._mode_on_stack()):
+            self.finish_all()
+
+    def _mode_on_stack(self) -> bool:
+        stack = torch._C._len_torch_function_stack()
+        return any(torch._C._get_function_stack_at(i) is self.mode for i in range(stack))
+
     def forward_done(self) -> None:
         """The end of a forward: what it did not read is finished now."""
         self.finish_all()
@@ -158,14 +181,10 @@ class ForwardTail:
                 return
             args = args[:1]
         for value in (*args, *(kwargs.values() if kwargs else ())):
-            if type(value) in (list, tuple):
-                for item in value:
-                    bucket = self.pending.get(id(item))
-                    if bucket is not None:
-                        self.finish(bucket)
-            else:
-                bucket = self.pending.get(id(value))
+            for item in value if type(value) in (list, tuple) else (value,):
+                bucket = self.pending.get(id(item))
                 if bucket is not None:
+                    self.finished_on_read += 1
                     self.finish(bucket)
 
 
@@ -182,6 +201,14 @@ class _PendingReads(TorchFunctionMode):
         if tail is not None and tail.pending and not tail.finishing:
             tail.on_call(func, args, kwargs)
         return func(*args, **(kwargs or {}))
+
+
+def _compiled(module) -> bool:
+    """Whether this forward runs compiled: torch.compile of the wrapper (its
+    OptimizedModule's forward is under way) or of the wrapped module."""
+    from torch._dynamo import eval_frame
+
+    return eval_frame._is_in_optimized_module() or isinstance(module, eval_frame.OptimizedModule)
 
 
 def _hyperparameters(group: dict) -> dict:

@@ -325,6 +325,10 @@ class OptimizerOverlap:
         optimizer.state_dict = types.MethodType(state_dict, optimizer)
         optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)
 
+    def forward_begins(self, module) -> None:
+        if self.tail is not None:
+            self.tail.forward_begins(module)
+
     def forward_done(self) -> None:
         """The end of the wrapper's forward (before the next backward can reuse a bucket)."""
         if self.tail is not None:

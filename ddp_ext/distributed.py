@@ -252,6 +252,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
     @torch._disable_dynamo
     def _pre_forward(self, *inputs, **kwargs):
         first = not self._hooks.first_forward_done and not torch.compiler.is_compiling()
+        if self._optimizer_overlap is not None:
+            self._optimizer_overlap.forward_begins(self.module)  # Note [Stepping in the next forward]
         if first:
             self._setup_in_backward_optimizers()  # before anything is armed
         if self._delay_all_reduce_all_params:

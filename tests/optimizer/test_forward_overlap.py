@@ -133,9 +133,11 @@ def _train(rank: int, world_size: int, c: Run, wrapper: str, overlap: bool) -> D
         optimizer.zero_grad(set_to_none=c.set_to_none)
         if c.reads:
             reads.append(_reads(ddp, module, spec, args))
-    params, buffers = reference.state_tensors(module)
+    params, buffers = reference.state_tensors(module)  # reads what the last backward left pending
+    on_read = ddp._optimizer_overlap.tail.finished_on_read if overlap else 0
     return dict(params=params, buffers=buffers, optimizer=_optimizer_state(optimizer), reads=reads,
-                pending_after_step=pending_after_step, pending_after_forward=pending_after_forward)
+                pending_after_step=pending_after_step, pending_after_forward=pending_after_forward,
+                finished_on_read=on_read)
 
 
 def _three(rank, world_size, c):
@@ -176,6 +178,13 @@ def test_forward_overlap_is_exact(c, world_size):
         overlapped = [s for s in range(first, c.steps) if s not in (c.checkpoint_at,)]
         assert all(after_step[s] > 0 for s in overlapped), f"{what}: nothing pending after the steps: {after_step}"
         assert not any(r["overlap"]["pending_after_forward"]), f"{what}: a forward left buckets pending"
+        # Each overlapped backward's buckets were finished (at least one of
+        # them) by a read of their parameters: the next forward's layers or,
+        # after the last, the copy of the parameters above (counted by the
+        # last wrapper: the one after the checkpoint, if any).
+        last_wrapper = [s for s in overlapped if s > c.checkpoint_at]
+        assert r["overlap"]["finished_on_read"] >= len(last_wrapper), (
+            f"{what}: {r['overlap']['finished_on_read']} buckets finished on a read for {len(last_wrapper)} backwards")
 
 
 def _refused(rank, world_size, case):
@@ -226,3 +235,55 @@ def test_forward_overlap_refusals(case):
 def test_join_is_refused_with_forward_overlap():
     for rank, r in enumerate(REFUSED.results(2, _Case(id="join", join=True))):
         assert "cannot join uneven inputs" in r["joined"] and f"rank {rank}" in r["joined"], r["joined"]
+
+
+def _compiled_or_threaded(rank, world_size, case):
+    """The same 4 steps with and without the line, the forward compiled
+    (torch.compile of the wrapper) or run on a thread other than the one
+    that made the line: there the mode sees no read, so every pending bucket
+    is finished before the forward."""
+    import threading
+
+    import ddp_ext
+
+    def train(overlap: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
+        ddp = ddp_ext.DistributedDataParallel(model, bucket_cap_mb=1)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        if overlap:
+            ddp.overlap_optimizer(optimizer, overlap_forward=True)
+        net = torch.compile(ddp) if case.id == "compiled" else ddp
+        data = torch.Generator().manual_seed(rank)
+        pending = []
+
+        def loop():
+            for _ in range(4):
+                net(torch.randn(8, 512, generator=data)).pow(2).mean().backward()
+                optimizer.step()
+                if overlap:
+                    pending.append(len(ddp._optimizer_overlap.tail.pending))
+                optimizer.zero_grad()
+
+        if case.id == "threaded":
+            worker = threading.Thread(target=loop)
+            worker.start()
+            worker.join()
+        else:
+            loop()
+        return [p.detach().clone() for p in model.parameters()], pending
+
+    plain, _ = train(False)
+    overlapped, pending = train(True)
+    return dict(equal=[torch.equal(a, b) for a, b in zip(plain, overlapped)], pending=pending)
+
+
+ELSEWHERE = [_Case(id="compiled"), _Case(id="threaded")]
+ELSEWHERE_TABLE = CaseTable(_compiled_or_threaded, ELSEWHERE)
+
+
+@pytest.mark.parametrize("case", ELSEWHERE, ids=lambda c: c.id)
+def test_forward_overlap_where_reads_are_unseen(case):
+    for rank, r in enumerate(ELSEWHERE_TABLE.results(2, case)):
+        assert all(r["equal"]), f"{case.id}, rank {rank}: parameters differ from the plain loop: {r['equal']}"
+        assert any(r["pending"]), f"{case.id}, rank {rank}: nothing was pending after a step: {r['pending']}"
