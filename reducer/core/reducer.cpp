@@ -303,7 +303,6 @@ void Reducer::prepare_for_backward(
   observers_.notify(
       &ReducerObserver::on_iteration_ahead, params_.size(), layout_.buckets().size());
   arm_buckets();
-  held_from_ = first_held_bucket();
   usage_.drop(/*clear=*/false);
   static_graph_.arm();
   std::vector<size_t> unused;
@@ -321,6 +320,7 @@ void Reducer::arm_buckets() {
     bucket.dropped = drop_plan_.drops_all(bucket.param_indices);
     bucket.filled_on.reset();
   }
+  held_from_ = first_held_bucket(); // See Note [The next forward's buckets first].
 }
 
 void Reducer::prepare_for_local_backward() {
