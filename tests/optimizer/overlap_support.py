@@ -4,6 +4,7 @@ buckets, one backward of its model, and snapshots of its parameters."""
 import torch
 
 from tests.support import models
+from tests.support.harness import assert_states_bitwise, assert_states_close
 
 # Tiny buckets: several per model, so that later buckets are still being
 # reduced while the first are stepped.
@@ -36,3 +37,26 @@ def snapshot(module):
 
 def unchanged(module, before) -> bool:
     return all(torch.equal(a, b) for a, b in zip(before, module.parameters()))
+
+
+def trained_three_ways(train, rank, world_size, c):
+    """`train(rank, world_size, c, wrapper, overlap)` with the line, with
+    ddp_ext without it, and with torch's DDP."""
+    return {
+        "overlap": train(rank, world_size, c, "ext", overlap=True),
+        "ext": train(rank, world_size, c, "ext", overlap=False),
+        "torch": train(rank, world_size, c, "torch", overlap=False),
+    }
+
+
+def assert_trained_alike(r, what: str, torch_bitwise: bool, **tolerance) -> None:
+    """Parameters, buffers and optimizer state with the line are bitwise
+    those of ddp_ext without it, and bitwise (or close, within `tolerance`)
+    those of torch's DDP."""
+    for kind in ("params", "buffers", "optimizer"):
+        assert_states_bitwise(r["overlap"][kind], r["ext"][kind], f"{what}: {kind}, overlap vs ddp_ext without")
+        if torch_bitwise:
+            assert_states_bitwise(r["overlap"][kind], r["torch"][kind], f"{what}: {kind}, overlap vs torch DDP")
+        else:
+            assert_states_close(r["overlap"][kind], r["torch"][kind], f"{what}: {kind}, overlap vs torch DDP",
+                                **tolerance)

@@ -25,10 +25,10 @@ from typing import Any, Dict, Tuple
 import pytest
 import torch
 
-from tests.optimizer.overlap_support import SMALL_BUCKETS, raised
+from tests.optimizer.overlap_support import SMALL_BUCKETS, assert_trained_alike, raised, trained_three_ways
 from tests.optimizer.test_optimizer_overlap import _optimizer, _optimizer_state
 from tests.support import models, reference
-from tests.support.harness import CaseTable, assert_states_bitwise, assert_states_close
+from tests.support.harness import CaseTable, assert_states_bitwise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,11 +141,7 @@ def _train(rank: int, world_size: int, c: Run, wrapper: str, overlap: bool) -> D
 
 
 def _three(rank, world_size, c):
-    return {
-        "overlap": _train(rank, world_size, c, "ext", overlap=True),
-        "ext": _train(rank, world_size, c, "ext", overlap=False),
-        "torch": _train(rank, world_size, c, "torch", overlap=False),
-    }
+    return trained_three_ways(_train, rank, world_size, c)
 
 
 TABLE = CaseTable(_three, RUNS)
@@ -157,12 +153,7 @@ def test_forward_overlap_is_exact(c, world_size):
     results = TABLE.results(world_size, c)
     for rank, r in enumerate(results):
         what = f"{c.id}, rank {rank} of {world_size}"
-        for kind in ("params", "buffers", "optimizer"):
-            assert_states_bitwise(r["overlap"][kind], r["ext"][kind], f"{what}: {kind}, overlap vs ddp_ext without")
-            if world_size == 2:
-                assert_states_bitwise(r["overlap"][kind], r["torch"][kind], f"{what}: {kind}, overlap vs torch DDP")
-            else:
-                assert_states_close(r["overlap"][kind], r["torch"][kind], f"{what}: {kind}, overlap vs torch DDP")
+        assert_trained_alike(r, what, torch_bitwise=world_size == 2)
         for step, (mine, plain) in enumerate(zip(r["overlap"]["reads"], r["ext"]["reads"])):
             for key in ("average", "norms"):
                 for a, b in zip(mine[key], plain[key]):

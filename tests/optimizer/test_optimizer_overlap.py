@@ -26,9 +26,10 @@ from typing import Any, Dict, List, Tuple
 import pytest
 import torch
 
-from tests.optimizer.overlap_support import SMALL_BUCKETS, backward, plain_wrapper, snapshot, unchanged
+from tests.optimizer.overlap_support import (SMALL_BUCKETS, assert_trained_alike, backward, plain_wrapper, snapshot,
+                                             trained_three_ways, unchanged)
 from tests.support import models, reference
-from tests.support.harness import CaseTable, assert_states_bitwise, assert_states_close
+from tests.support.harness import CaseTable, assert_states_bitwise
 
 
 
@@ -255,11 +256,7 @@ def _train(rank: int, world_size: int, c: Run, wrapper: str, overlap: bool) -> D
 
 
 def _three(rank, world_size, c):
-    return {
-        "overlap": _train(rank, world_size, c, "ext", overlap=True),
-        "ext": _train(rank, world_size, c, "ext", overlap=False),
-        "torch": _train(rank, world_size, c, "torch", overlap=False),
-    }
+    return trained_three_ways(_train, rank, world_size, c)
 
 
 TABLE = CaseTable(_three, RUNS)
@@ -271,15 +268,10 @@ def test_overlapped_optimizer_is_exact(c, world_size):
     results = TABLE.results(world_size, c)
     for rank, r in enumerate(results):
         what = f"{c.id}, rank {rank} of {world_size}"
-        for kind in ("params", "buffers", "optimizer"):
-            assert_states_bitwise(r["overlap"][kind], r["ext"][kind], f"{what}: {kind}, overlap vs ddp_ext without")
-            if world_size == 2 and not c.layer_drop:  # torch's DDP needs find_unused_parameters there
-                assert_states_bitwise(r["overlap"][kind], r["torch"][kind], f"{what}: {kind}, overlap vs torch DDP")
-            else:
-                # fp16 sums in half precision, in an order that differs with Gloo's ring segments.
-                tol = dict(rtol=1e-2, atol=1e-3) if c.hook == "fp16" else {}
-                assert_states_close(r["overlap"][kind], r["torch"][kind], f"{what}: {kind}, overlap vs torch DDP",
-                                    **tol)
+        # torch's DDP needs find_unused_parameters for dropped layers; fp16
+        # sums in half precision, in an order that differs with Gloo's ring segments.
+        tolerance = dict(rtol=1e-2, atol=1e-3) if c.hook == "fp16" else {}
+        assert_trained_alike(r, what, torch_bitwise=world_size == 2 and not c.layer_drop, **tolerance)
         assert_states_bitwise(r["overlap"]["params"], results[0]["overlap"]["params"], f"{what}: params vs rank 0")
         # The overlap happened: the backward stepped parameters, one call per
         # bucket that holds any, in launch order, on the training thread;
