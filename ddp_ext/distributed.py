@@ -400,6 +400,12 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
         the world without re-wrapping). Communication hooks keep the groups
         they were given."""
         if not dist.distributed_c10d._rank_not_in_group(new_process_group):
+            overlap = self._optimizer_overlap
+            if overlap is not None and overlap.tail is not None and overlap.tail.pending:
+                raise RuntimeError(
+                    f"DistributedDataParallel on rank {self.process_group.rank()} cannot change its process group "
+                    "while buckets of the last backward are still being reduced for the forward overlap "
+                    "(overlap_optimizer(..., overlap_forward=True)): call ddp.finish_forward_tail() first")
             self.process_group = new_process_group
             self.reducer._update_process_group(new_process_group)
             self._bind()

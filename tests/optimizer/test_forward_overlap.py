@@ -25,7 +25,8 @@ from typing import Any, Dict, Tuple
 import pytest
 import torch
 
-from tests.optimizer.overlap_support import SMALL_BUCKETS, assert_trained_alike, raised, trained_three_ways
+from tests.optimizer.overlap_support import (SMALL_BUCKETS, assert_trained_alike, backward, raised,
+                                             trained_three_ways)
 from tests.optimizer.test_optimizer_overlap import _optimizer, _optimizer_state
 from tests.support import models, reference
 from tests.support.harness import CaseTable, assert_states_bitwise
@@ -190,13 +191,23 @@ def _refused(rank, world_size, case):
 
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     before = [p.detach().clone() for p in module.parameters()]
-    message = joined = ""
+    message = joined = regrouped = ""
     if case.get("join"):
         ddp.overlap_optimizer(optimizer, overlap_forward=True)
         joined = raised(lambda: ddp.join().__enter__())
+    elif case.get("regroup"):
+        ddp.overlap_optimizer(optimizer, overlap_forward=True)
+        for step in range(3):  # the first backward only remembers; the second leaves buckets pending
+            backward(ddp, rank, world_size, step)
+            optimizer.step()
+        import torch.distributed as dist
+
+        regrouped = raised(lambda: ddp._update_process_group(dist.group.WORLD))
+        ddp.finish_forward_tail()
+        regrouped += f" | pending after finish_forward_tail: {len(ddp._optimizer_overlap.tail.pending)}"
     else:
         message = raised(lambda: ddp.overlap_optimizer(optimizer, overlap_forward=case.get("fraction", True)))
-    return dict(message=message, joined=joined,
+    return dict(message=message, joined=joined, regrouped=regrouped,
                 unchanged=all(torch.equal(a, b) for a, b in zip(before, module.parameters())),
                 overlapped=ddp._optimizer_overlap is not None)
 
@@ -212,7 +223,7 @@ REFUSALS = [
     _Case(id="hook", hook=True, expect="communication hook"),
     _Case(id="fraction", fraction=1.5, expect="fraction of the gradient bytes in (0, 1)"),
 ]
-REFUSED = CaseTable(_refused, REFUSALS + [_Case(id="join", join=True)])
+REFUSED = CaseTable(_refused, REFUSALS + [_Case(id="join", join=True), _Case(id="regroup", regroup=True)])
 
 
 @pytest.mark.parametrize("case", REFUSALS, ids=lambda c: c.id)
@@ -278,3 +289,9 @@ def test_forward_overlap_where_reads_are_unseen(case):
     for rank, r in enumerate(ELSEWHERE_TABLE.results(2, case)):
         assert all(r["equal"]), f"{case.id}, rank {rank}: parameters differ from the plain loop: {r['equal']}"
         assert any(r["pending"]), f"{case.id}, rank {rank}: nothing was pending after a step: {r['pending']}"
+
+
+def test_process_group_change_is_refused_while_buckets_are_pending():
+    for rank, r in enumerate(REFUSED.results(2, _Case(id="regroup", regroup=True))):
+        assert "cannot change its process group while buckets" in r["regrouped"], r["regrouped"]
+        assert f"rank {rank}" in r["regrouped"] and r["regrouped"].endswith("pending after finish_forward_tail: 0")
