@@ -27,6 +27,7 @@ SOURCES = [
     "process_groups/hierarchical/future_work.cpp",
     "process_groups/ordered_launches.cpp",
     "process_groups/round_robin/backend.cpp",
+    "reducer/agreement/ring_chunks.cpp",
     "reducer/agreement/step_agreement.cpp",
     "reducer/agreement/step_check.cpp",
     "reducer/agreement/step_slots.cpp",

@@ -11,15 +11,22 @@
 namespace ddp_ext::reducer {
 
 bool rides_on_bucket0(const Bucket& first, const c10d::ProcessGroup& group, bool own_check) {
-  // Two ranks only: see point 3 of the Note.
-  return !own_check && group.getSize() == 2 &&
-      group.getBackendType() == c10d::ProcessGroup::BackendType::GLOO &&
-      !first.sparse && first.flat.defined() && first.flat.device().is_cpu() &&
-      (first.flat.scalar_type() == at::kFloat || first.flat.scalar_type() == at::kDouble);
+  // At three ranks or more, where a carrier keeps Gloo's ring chunks: see
+  // point 3 of the Note.
+  if (own_check || group.getBackendType() != c10d::ProcessGroup::BackendType::GLOO ||
+      first.sparse || !first.flat.defined() || !first.flat.device().is_cpu() ||
+      (first.flat.scalar_type() != at::kFloat && first.flat.scalar_type() != at::kDouble) ||
+      first.flat.numel() == 0) {
+    return false;
+  }
+  const int64_t tail = kPieces * StepSlots(group.getSize()).size();
+  return ChunkedCarrier::plan(
+             first.flat.numel(), tail, first.flat.element_size(), group.getSize())
+      .has_value();
 }
 
 StepCheck::StepCheck(int rank, int world_size, c10::Device device)
-    : rank_(rank), layout_(world_size) {
+    : rank_(rank), world_size_(world_size), layout_(world_size) {
   host_ = at::zeros({layout_.size()}, at::kLong);
   slots_ = device.is_cpu() ? host_ : host_.to(device);
 }
@@ -88,16 +95,35 @@ void StepCheck::ride_on_bucket0(
   riding_ = true;
 }
 
+const ChunkedCarrier& StepCheck::layout_for(const at::Tensor& flat) {
+  const int64_t n = flat.numel();
+  if (!carried_ || carried_->elements != n || carried_->tail != tail_.numel() ||
+      !carrier_.defined() || carrier_.scalar_type() != flat.scalar_type()) {
+    carried_ = ChunkedCarrier::plan(n, tail_.numel(), flat.element_size(), world_size_);
+    TORCH_INTERNAL_ASSERT(carried_, "no carrier keeps bucket 0's ring chunks"); // see rides_on_bucket0
+    // Zeros where neither bucket 0 nor the tail goes: they stay zeros.
+    carrier_ = at::zeros({carried_->numel()}, flat.options());
+  }
+  return *carried_;
+}
+
+void StepCheck::pack(const at::Tensor& flat) {
+  const ChunkedCarrier& layout = layout_for(flat);
+  at::NoGradGuard no_grad;
+  for (int64_t c = 0; c < layout.chunks; ++c) {
+    if (const int64_t n = layout.bucket_length(c); n > 0) {
+      carrier_.narrow(0, c * layout.padded, n).copy_(flat.narrow(0, c * layout.chunk, n));
+    }
+    if (const int64_t n = layout.tail_length(c); n > 0) {
+      carrier_.narrow(0, c * layout.padded + layout.chunk, n)
+          .copy_(tail_.narrow(0, c * layout.room(), n));
+    }
+  }
+}
+
 const at::Tensor& StepCheck::carry(const at::Tensor& flat) {
   TORCH_INTERNAL_ASSERT(riding_ && tail_.scalar_type() == flat.scalar_type());
-  const int64_t n = flat.numel();
-  at::NoGradGuard no_grad;
-  if (!carrier_.defined() || carrier_.numel() != n + tail_.numel() ||
-      carrier_.scalar_type() != flat.scalar_type()) {
-    carrier_ = at::empty({n + tail_.numel()}, flat.options());
-  }
-  carrier_.narrow(0, 0, n).copy_(flat);
-  carrier_.narrow(0, n, tail_.numel()).copy_(tail_);
+  pack(flat);
   return carrier_;
 }
 
@@ -105,7 +131,12 @@ std::string StepCheck::read_ridden(const at::Tensor& flat) {
   TORCH_INTERNAL_ASSERT(riding_, "no step check rides on bucket 0");
   riding_ = false;
   at::NoGradGuard no_grad;
-  flat.copy_(carrier_.narrow(0, 0, flat.numel()));
+  const ChunkedCarrier& layout = *carried_;
+  for (int64_t c = 0; c < layout.chunks; ++c) {
+    if (const int64_t n = layout.bucket_length(c); n > 0) {
+      flat.narrow(0, c * layout.chunk, n).copy_(carrier_.narrow(0, c * layout.padded, n));
+    }
+  }
   return read();
 }
 
@@ -113,7 +144,8 @@ void StepCheck::start_shaped_like(
     c10d::ProcessGroup& group, const at::Tensor& flat, const StepEntry& entry) {
   TORCH_INTERNAL_ASSERT(flat.device().is_cpu(), "a step check rides on CPU buckets only");
   write_tail(entry, flat.scalar_type());
-  carrier_ = at::cat({at::zeros({flat.numel()}, flat.options()), tail_});
+  carried_.reset(); // a fresh carrier of zeros, then the tail
+  pack(at::zeros({flat.numel()}, flat.options()));
   std::vector<at::Tensor> tensors{carrier_};
   work_ = group.allreduce(tensors);
 }
@@ -154,7 +186,13 @@ std::string StepCheck::read() {
   at::Tensor slots = slots_.is_same(host_) ? host_ : slots_.cpu();
   if (in_tail_) { // See Note [The step check on bucket 0].
     slots = host_;
-    tail_.copy_(carrier_.narrow(0, carrier_.numel() - tail_.numel(), tail_.numel()));
+    const ChunkedCarrier& layout = *carried_;
+    for (int64_t c = 0; c < layout.chunks; ++c) {
+      if (const int64_t n = layout.tail_length(c); n > 0) {
+        tail_.narrow(0, c * layout.room(), n)
+            .copy_(carrier_.narrow(0, c * layout.padded + layout.chunk, n));
+      }
+    }
     if (tail_.scalar_type() == at::kFloat) {
       decode_pieces(tail_.data_ptr<float>(), layout_.size(), host_.data_ptr<int64_t>());
     } else {
@@ -174,6 +212,7 @@ void StepCheck::drop() {
   }
   if ((work_ || riding_) && in_tail_) {
     carrier_ = at::Tensor(); // an abandoned allreduce may still be writing it
+    carried_.reset();
   }
   work_.reset();
   riding_ = false;

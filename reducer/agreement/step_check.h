@@ -6,9 +6,11 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "reducer/agreement/ring_chunks.h"
 #include "reducer/agreement/step_slots.h"
 #include "reducer/layout/bucket.h"
 #include "reducer/observation/stall_watch.h"
@@ -66,7 +68,7 @@ namespace ddp_ext::reducer {
 //
 // The cost: one latency-bound collective of ((3 + kTimings) * world_size + 1) * 8 bytes
 // per iteration, overlapped with the backward, and with buffer broadcasting
-// one more, awaited, before the broadcast. At two ranks where no hook runs,
+// one more, awaited, before the broadcast. Over Gloo where no hook runs,
 // none: the check rides on bucket 0's allreduce (Note [The step check on
 // bucket 0]).
 
@@ -101,22 +103,24 @@ namespace ddp_ext::reducer {
 // allreduced with (one allreduce of a buffer that holds a copy of bucket 0
 // and then the tail). The divide-by-world-size never touches the tail:
 // gradients are divided as they are copied into the bucket, or the bucket's
-// own elements are, and the tail is written after.
+// own elements are, and the tail is written after. (At three ranks or more
+// the buffer is laid out so that Gloo sums each of bucket 0's elements in
+// the order it sums them in bucket 0 alone: point 3.)
 //
 // What it guarantees is what the separate check did, because collectives pair
 // by order and every collective that can be paired with a check is shaped
 // like the checks it can meet:
-//  1. Where it applies (rides_on_bucket0 and the reducer's own_check: two
-//     ranks, Gloo, bucket 0 dense on the CPU in float32 or float64,
+//  1. Where it applies (rides_on_bucket0 and the reducer's own_check:
+//     Gloo, bucket 0 dense on the CPU in float32 or float64,
 //     no hook that every rank confirmed, no layers
 //     dropped, no buffers broadcast before forwards, not under Join, and
 //     skip_all_reduce_unused_params off), every check of every rank has
-//     bucket 0's shape plus the tail: a backward's rides on bucket 0, which
+//     the carrier's shape: a backward's rides on bucket 0, which
 //     always travels first (buckets launch in index order, bucket 0 is never
 //     skipped there); a check with no bucket to ride on (a forward's, should
 //     one broadcast buffers after all; a rank's whose communication hook was
-//     registered after the first forward) is an allreduce of zeros shaped
-//     like bucket 0 followed by the tail. The conditions are the same on
+//     registered after the first forward) is an allreduce of a carrier of
+//     zeros in bucket 0's place and the tail. The conditions are the same on
 //     every rank: the layout, the options and the model are agreed, all
 //     ranks enter Join together, and a hook registered late still counts as
 //     none until a check confirmed it (its rank sends such a check).
@@ -131,19 +135,31 @@ namespace ddp_ext::reducer {
 //     has at most 22 bits, so float32 adds them without rounding;
 //     decode_pieces raises on a piece that is not a whole number below 2^24,
 //     as a bucket 0 of another layout could give. And the gradients stay
-//     bitwise torch's DDP's only at two ranks: a + b is b + a, whichever rank
-//     Gloo's ring starts a segment on. At three or more, the tail makes the
-//     buffer longer, Gloo's ring cuts it into other segments, and some of
-//     bucket 0's elements would be summed in another order (the last bits
-//     differ from torch's DDP's, and from a process group that is not Gloo).
-//     So it rides at two ranks only.
-//  4. Elsewhere (three ranks or more, a hook registered before the first
-//     forward, layer dropping, Join, buffers broadcast, NCCL, reduced
-//     precision) the separate check of Note [Ranks out of step] runs, on
-//     every rank alike.
+//     bitwise those of bucket 0's own allreduce (torch's DDP's): at two
+//     ranks a + b is b + a, whichever rank Gloo's ring starts a segment on,
+//     and the carrier is bucket 0 then the tail. At three or more, a tail
+//     simply appended would make the buffer longer, Gloo's ring would cut
+//     it into other segments, and some of bucket 0's elements would be
+//     summed in another order; so the carrier keeps each element in the
+//     ring chunk of the index Gloo gives it in bucket 0 alone, which fixes
+//     the order of its additions, and puts the tail in the room after each
+//     chunk (Note [Gloo's ring chunks] in reducer/agreement/ring_chunks.h).
+//     The unused room holds zeros, whose sums stay zeros.
+//  4. Elsewhere (a hook registered before the first forward, layer
+//     dropping, Join, buffers broadcast, NCCL, reduced precision) the
+//     separate check of Note [Ranks out of step] runs, on every rank
+//     alike.
 // The cost: bucket 0 is copied into the buffer before its allreduce and
-// back after it (memory bandwidth, on the CPU), instead of one more
-// latency-bound collective per iteration. Not allreduce_coalesced, which
+// back after it (memory bandwidth, on the CPU), and at three ranks or more
+// the carrier holds a few elements per ring segment of padding besides
+// bucket 0 and the tail, instead of one more latency-bound collective per
+// iteration. That collective costs more than its round trip where ranks
+// share cores: on the 2-core machine, four ranks over Gloo (overlap
+// benchmark, tiny model, 2026-11-27), ddp_ext took 1.2x to 1.5x torch's
+// DDP's iteration with it and 0.7x to 1.35x with the check on bucket 0,
+// on a loaded machine; gathering the slots instead (allgather or
+// all-to-all, fewer messages than a ring allreduce) left 1.0x to 1.4x.
+// Not allreduce_coalesced, which
 // does the same copies: over Gloo it took about 0.1 ms more than a plain
 // allreduce of a few thousand elements on the machine measured.
 
@@ -192,13 +208,13 @@ class StepCheck {
   bool riding() const {
     return riding_;
   }
-  // Bucket 0's `flat` followed by the tail, in one buffer to allreduce
-  // while riding().
+  // Bucket 0's `flat` and the tail, in one buffer laid out as Note [Gloo's
+  // ring chunks] says, to allreduce while riding().
   const at::Tensor& carry(const at::Tensor& flat);
   // After that allreduce completed: copies bucket 0's part back into `flat`
   // and reads the check, as wait() does.
   std::string read_ridden(const at::Tensor& flat);
-  // A check shaped like a bucket 0 of `flat`'s dtype and size, and the tail:
+  // A check shaped like the carrier of a bucket 0 of `flat`'s dtype and size:
   // for a backward that has no bucket 0 to ride on (a communication hook
   // registered after the first forward), and for forwards.
   void launch_backward_shaped_like(
@@ -233,11 +249,16 @@ class StepCheck {
   void start(c10d::ProcessGroup& group, const StepEntry& entry);
   // Writes `entry` into host_ and, as pieces, into a tail of `dtype`.
   void write_tail(const StepEntry& entry, c10::ScalarType dtype);
+  // See Note [Gloo's ring chunks]: the layout of a carrier of `flat`, and the
+  // carrier (carrier_) of `flat`'s elements and the tail.
+  const ChunkedCarrier& layout_for(const at::Tensor& flat);
+  void pack(const at::Tensor& flat);
   void start_shaped_like(
       c10d::ProcessGroup& group, const at::Tensor& flat, const StepEntry& entry);
   std::string read();
 
   int rank_;
+  int world_size_;
   StepSlots layout_;
   int64_t summed_rider_ = 0;
   int64_t written_ = 0; // this rank's slot in the check in flight
@@ -248,7 +269,8 @@ class StepCheck {
   c10::intrusive_ptr<c10d::Work> work_;
   // See Note [The step check on bucket 0].
   at::Tensor tail_; // the slots as pieces, on the CPU
-  at::Tensor carrier_; // what is allreduced: bucket 0 (or zeros like it), then the tail
+  at::Tensor carrier_; // what is allreduced: bucket 0 (or zeros like it) and the tail
+  std::optional<ChunkedCarrier> carried_; // carrier_'s layout
   bool in_tail_ = false; // the check in flight (or riding) reads tail_
   bool riding_ = false;
 };

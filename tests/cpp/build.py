@@ -28,6 +28,7 @@ SOURCES_UNDER_TEST = [
     "process_groups/ordered_launches.cpp",
     "reducer/layout/bucket_assignment.cpp",
     "reducer/layout/gradient_order.cpp",
+    "reducer/agreement/ring_chunks.cpp",
     "reducer/agreement/step_slots.cpp",
 ]
 

@@ -5,9 +5,11 @@ bucket 0's allreduce instead of a collective of its own. These tests count
 the collectives a backward runs (torch's profiler records each Gloo
 allreduce with its tensors' shapes), check that the averaged gradients are
 exactly torch's DDP's (the tail must not disturb the average, nor the
-average the tail), and that ranks out of step are still caught, on the
-bucket 0 that carries the check at two ranks and by the separate check at
-three, where the check does not ride."""
+average the tail), and that ranks out of step are still caught on the
+bucket 0 that carries the check. At three ranks or more the carrier keeps
+each of bucket 0's elements in the chunk of Gloo's ring it has in bucket 0
+alone (Note [Gloo's ring chunks] in reducer/agreement/ring_chunks.h), so the
+gradients are bitwise those of the separate check's run."""
 
 import dataclasses
 from typing import Optional, Tuple
@@ -21,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.profiler import ProfilerActivity, profile
 
 import ddp_ext
-from tests.support.harness import CaseTable
+from tests.support.harness import CaseTable, same_bits
 
 PHASES = 3  # StepSlots::kPhases
 PIECES = 3  # kPieces in reducer/agreement/step_slots.h
@@ -29,6 +31,26 @@ PIECES = 3  # kPieces in reducer/agreement/step_slots.h
 
 def tail_numel(world_size: int) -> int:
     return PIECES * ((3 + PHASES) * world_size + 1)
+
+
+def ring_chunk(elements: int, element_size: int, world_size: int) -> int:
+    """Elements per chunk of Gloo's ring allreduce (Note [Gloo's ring chunks])."""
+    max_segment = element_size * max(1, (1 << 20) // element_size)
+    segments = max(-(-elements * element_size // max_segment), 2 * world_size)
+    segments = -(-segments // world_size) * world_size
+    return segments // world_size * -(-elements // segments)
+
+
+def carried_numel(first_bucket: int, world_size: int, element_size: int = 4) -> int:
+    """The carrier's length: bucket 0 then the tail at two ranks; else world_size
+    chunks, each bucket 0's chunk and room for the tail, a length Gloo cuts alike."""
+    tail = tail_numel(world_size)
+    if world_size == 2:
+        return first_bucket + tail
+    padded = ring_chunk(first_bucket, element_size, world_size) + -(-tail // world_size)
+    while ring_chunk(padded * world_size, element_size, world_size) != padded:
+        padded += 1
+    return padded * world_size
 
 
 def check_numel(world_size: int) -> int:
@@ -135,7 +157,8 @@ def test_step_check_rides_on_bucket0_and_gradients_stay_exact(c, world_size):
                 where = f"rank {rank}, step {step}, parameter {i}"
                 # Every replica gets the same average, exactly torch's DDP's:
                 # at two ranks the tail changed none of bucket 0's elements
-                # (a + b in either order); at three it does not ride.
+                # (a + b in either order); at three the carrier keeps Gloo's
+                # order of the sums (test_the_carrier_keeps_the_order_of_the_sums).
                 assert torch.equal(ours, ours_on_rank0), where
                 if world_size == 2:
                     assert torch.equal(ours, theirs), where
@@ -149,13 +172,12 @@ def test_step_check_rides_on_bucket0_and_gradients_stay_exact(c, world_size):
                     torch.testing.assert_close(ours, theirs, **tol, msg=where)
         shapes = r["shapes"]
         usage = 1 if c.id == "find_unused_parameters" else 0  # the usage bitmap's allreduce
-        # At three ranks a longer buffer would be cut into other ring
-        # segments by Gloo, changing the last bits: the separate check runs.
-        if c.rides and world_size == 2:
+        if c.rides:
             # One collective per bucket: bucket 0's carries the tail.
             assert len(shapes) == r["buckets"] + usage, f"rank {rank}: {shapes}"
             # (The profiler orders events as they ran on Gloo's thread.)
-            assert [[r["first_bucket"] + tail_numel(world_size)]] in shapes, f"rank {rank}: {shapes}"
+            carried = carried_numel(r["first_bucket"], world_size, 8 if c.dtype == torch.float64 else 4)
+            assert [[carried]] in shapes, f"rank {rank}: {shapes}"
             assert [[r["first_bucket"]]] not in shapes, f"rank {rank}: {shapes}"
             assert [[check_numel(world_size)]] not in shapes, f"rank {rank}: {shapes}"
         else:
@@ -220,13 +242,85 @@ def test_ranks_out_of_step_are_caught_on_bucket0(c, world_size):
         in_step = "rank 0" if world_size == 2 else "ranks 0, 1"
         # The in-step ranks' backward of step 2 met the odd rank's of step 3.
         assert f"{in_step} in the backward of training step 2; rank {odd} in the backward of training step 3" in message
-        if world_size == 2:
-            # Caught by the bucket 0 that carried the check: no collective of its own.
-            carried = r["first_bucket"] + tail_numel(world_size)
-            assert r["shapes"] and [[carried]] in r["shapes"], f"rank {rank}: {r['shapes']}"
-            assert [[check_numel(world_size)]] not in r["shapes"], f"rank {rank}: {r['shapes']}"
-        else:
-            # Caught by the separate check, which is what runs at three ranks.
-            assert r["shapes"] and [[check_numel(world_size)]] in r["shapes"], f"rank {rank}: {r['shapes']}"
+        # Caught by the bucket 0 that carried the check: no collective of its own.
+        carried = carried_numel(r["first_bucket"], world_size, 8 if c.id == "float64" else 4)
+        assert r["shapes"] and [[carried]] in r["shapes"], f"rank {rank}: {r['shapes']}"
+        assert [[check_numel(world_size)]] not in r["shapes"], f"rank {rank}: {r['shapes']}"
     # The same text on every rank, but for "this is rank r".
     assert len({m.replace(f"this is rank {r})", "") for r, m in enumerate(messages)}) == 1, messages
+
+
+# --- At three ranks or more the carrier keeps Gloo's order of the sums ------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    id: str
+    features: int  # bucket 0 holds the last layer's weight (3 * features)
+    dtype: torch.dtype = torch.float32
+
+
+SIZES = [
+    Sizes("small", 5),
+    Sizes("odd", 1001),
+    Sizes("float64", 777, torch.float64),
+    # Over 2 * world_size MiB: Gloo cuts more than two segments per rank.
+    Sizes("many_segments", 1_200_000),
+]
+
+
+class Wide(nn.Module):
+    def __init__(self, features: int, dtype: torch.dtype, buffer: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc0 = nn.Linear(4, features)
+        self.fc1 = nn.Linear(features, 3)
+        if buffer:  # broadcast before forwards: the separate check runs
+            self.register_buffer("unused", torch.zeros(1))
+        self.to(dtype)
+
+    def forward(self, x):
+        return self.fc1(torch.tanh(self.fc0(x)))
+
+
+def riding_against_separate(rank: int, world_size: int, c: Sizes):
+    group = dist.new_group()
+    try:
+        runs = {}
+        for name, buffer in (("riding", False), ("separate", True)):
+            ddp = ddp_ext.DistributedDataParallel(
+                Wide(c.features, c.dtype, buffer), process_group=group, bucket_cap_mb=1000)
+            grads, shapes = [], None
+            for step in range(3):
+                # Values of many magnitudes, so that another order of the sums changes bits.
+                x = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * step + rank)).to(c.dtype)
+                x = x * 10.0 ** (rank - 1)
+                ddp.zero_grad(set_to_none=True)
+                with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                    (ddp(x) ** 2).sum().backward()
+                shapes = gloo_allreduces(prof)
+                grads.append([p.grad.clone() for p in ddp.module.parameters()])
+            runs[name] = {"grads": grads, "shapes": shapes, "first_bucket": first_bucket(ddp)}
+        return runs
+    finally:
+        dist.destroy_process_group(group)
+
+
+SIZES_TABLE = CaseTable(riding_against_separate, SIZES, timeout=300.0)
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+@pytest.mark.parametrize("c", SIZES, ids=lambda c: c.id)
+def test_the_carrier_keeps_the_order_of_the_sums(c, world_size):
+    results = SIZES_TABLE.results(world_size, c)
+    element_size = 8 if c.dtype == torch.float64 else 4
+    for rank, runs in enumerate(results):
+        riding, separate = runs["riding"], runs["separate"]
+        assert riding["first_bucket"] == separate["first_bucket"]
+        carried = carried_numel(riding["first_bucket"], world_size, element_size)
+        assert [[carried]] in riding["shapes"], f"rank {rank}: {riding['shapes']}"
+        assert [[check_numel(world_size)]] not in riding["shapes"], f"rank {rank}: {riding['shapes']}"
+        assert [[check_numel(world_size)]] in separate["shapes"], f"rank {rank}: {separate['shapes']}"
+        for step, (ours, theirs) in enumerate(zip(riding["grads"], separate["grads"])):
+            for i, (a, b) in enumerate(zip(ours, theirs)):
+                assert same_bits(a, b), f"rank {rank}, step {step}, parameter {i}: the carrier changed a sum"
