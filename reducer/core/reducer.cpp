@@ -631,7 +631,7 @@ void Reducer::wait_for_launched_buckets() {
   }
 }
 
-void Reducer::wait_for_work(c10d::Work& work, size_t b) {
+c10::intrusive_ptr<c10::ivalue::Future> Reducer::wait_for_work(c10d::Work& work, size_t b) {
   // Over a group not built into torch (one written in Python), as torch's
   // reducer: through the Work's future, all such a Work must provide. Over
   // torch's own, and for a Work without a future, the Work itself (the
@@ -643,14 +643,14 @@ void Reducer::wait_for_work(c10d::Work& work, size_t b) {
     stall_.wait(work, "bucket", static_cast<int64_t>(b));
   }
   timeline_.awaited(b);
+  return done;
 }
 
 void Reducer::wait_for_bucket(size_t b) {
   Bucket& bucket = layout_.buckets()[b];
   if (bucket.work) {
-    wait_for_work(*bucket.work, b);
+    const auto done = wait_for_work(*bucket.work, b);
     if (bucket.sparse) {
-      const auto done = torch_backend(*process_group_) ? nullptr : future_of(*bucket.work);
       bucket.sparse_grad = done ? done->value().toTensorVector().front()
                                 : bucket.work->result().front();
     }

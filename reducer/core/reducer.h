@@ -303,7 +303,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void write_back_bucket(Bucket& bucket, const std::vector<bool>& globally_used);
   void wait_for_launched_buckets();
   void wait_for_bucket(size_t bucket_index);
-  void wait_for_work(c10d::Work& work, size_t bucket_index);
+  // Waits for `work`; returns the future it waited through (null: the Work itself).
+  c10::intrusive_ptr<c10::ivalue::Future> wait_for_work(c10d::Work& work, size_t bucket_index);
   // See Note [The next forward's buckets first].
   size_t first_held_bucket() const;
   void check_nothing_deferred(const char* what) const;

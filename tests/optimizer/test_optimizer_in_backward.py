@@ -21,6 +21,7 @@ from typing import Any, Dict, Tuple
 import pytest
 import torch
 
+from tests.optimizer.overlap_support import raised
 from tests.support import models, reference
 from tests.support.harness import CaseTable, assert_states_bitwise, assert_states_close
 
@@ -123,14 +124,6 @@ def test_optimizers_in_backward_step_like_the_hook(c, world_size):
 # --- refusals --------------------------------------------------------------------
 
 
-def _raised(fn) -> str:
-    try:
-        fn()
-    except Exception as error:  # noqa: BLE001 - the message is the result
-        return f"{type(error).__name__}: {error}"
-    return "nothing raised"
-
-
 def _forward(ddp, rank, world_size):
     args, target = models.rank_batch("deep", 0, 0, rank, world_size, per_rank=4)
     return models.MODELS["deep"].loss(ddp(*args), target)
@@ -145,13 +138,13 @@ def _refusal(rank, world_size, name):  # name: a Refusal
         ddp = reference.ext_ddp(module)
         ddp.overlap_optimizer(torch.optim.SGD(module.parameters(), lr=0.1))
         _apply_optimizer_in_backward(torch.optim.SGD, module.parameters(), {"lr": 0.1})
-        return _raised(lambda: _forward(ddp, rank, world_size))
+        return raised(lambda: _forward(ddp, rank, world_size))
     _apply_optimizer_in_backward(torch.optim.SGD, module.parameters(), {"lr": 0.1})
     ddp = reference.ext_ddp(module)
     if name.id == "overlap_optimizer":
-        return _raised(lambda: ddp.overlap_optimizer(torch.optim.SGD(module.parameters(), lr=0.1)))
+        return raised(lambda: ddp.overlap_optimizer(torch.optim.SGD(module.parameters(), lr=0.1)))
     ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-    return _raised(lambda: _forward(ddp, rank, world_size))
+    return raised(lambda: _forward(ddp, rank, world_size))
 
 
 @dataclasses.dataclass(frozen=True)
