@@ -5,7 +5,7 @@ Note [Communication hooks] in comm_hooks/comm_hook.h for how they run."""
 
 import hashlib
 import inspect
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -67,10 +67,33 @@ class CommHooks(Bound):
         self.first_forward_done = False  # torch's _lazy_init_ran
         self.store_key = None  # where the peers meet in the store (ddp_ext/_diagnosis)
         self.in_backward_set_up = False  # see Note [Optimizers applied in backward] in ddp_ext/_optimizer_overlap.py
+        self.steps_refused: Optional[str] = None  # why nothing may step parameters in the backward
         self.bind(reducer, group)
 
     def __getstate__(self) -> dict:
-        return {**super().__getstate__(), "registered": [], "stepping": [], "backward_steps": False}
+        return {**super().__getstate__(), "registered": [], "stepping": [], "backward_steps": False,
+                "steps_refused": None}
+
+    def refuse_backward_steps(self, because: str) -> None:
+        """From now on nothing may step parameters inside the backward:
+        overlap_optimizer, a hook that steps them, optimizers applied in
+        backward. `because` ends the error; raises it at once where one
+        is in place already."""
+        self.steps_refused = because
+        in_place = ("overlap_optimizer" if self.backward_steps else
+                    self.stepping[0] if self.stepping else
+                    "optimizers applied in backward" if self._optimizers_in_backward() else None)
+        if in_place:
+            self.check_backward_steps(in_place)
+
+    def check_backward_steps(self, what: str) -> None:
+        """Raises if `what`, which steps parameters inside the backward, is refused here."""
+        if self.steps_refused:
+            raise ValueError(f"DistributedDataParallel on rank {self.process_group.rank()} cannot step parameters "
+                             f"inside the backward ({what}): {self.steps_refused}")
+
+    def _optimizers_in_backward(self) -> bool:
+        return any(hasattr(p, "_in_backward_optimizers") for p in self.module_parameters)
 
     def check(self, hook) -> None:
         try:
@@ -85,6 +108,8 @@ class CommHooks(Bound):
         bucket holds gradients not yet divided by the world size; the
         future's value is the reduced buffer). Once only, between iterations."""
         self.check(hook)
+        if steps_parameters(hook):
+            self.check_backward_steps(hook_name(hook))
         if self.backward_steps and steps_parameters(hook):
             raise RuntimeError(
                 f"DistributedDataParallel on rank {self.process_group.rank()}: cannot register "
@@ -128,7 +153,7 @@ class CommHooks(Bound):
     def check_no_optimizer_in_backward(self) -> None:
         if self.in_backward_set_up:
             return
-        if any(hasattr(p, "_in_backward_optimizers") for p in self.module_parameters):
+        if self._optimizers_in_backward():
             raise NotImplementedError(
                 "ddp_ext.DistributedDataParallel does not support optimizers applied in backward "
                 "(torch.distributed.optim._apply_optimizer_in_backward); step the optimizer after "

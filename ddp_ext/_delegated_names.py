@@ -148,6 +148,7 @@ class DelegatedNames:
     register_comm_hook = delegate("_hooks", "register")
     _register_builtin_comm_hook = delegate("_hooks", "register_builtin")
     _check_comm_hook = delegate("_hooks", "check")
+    _refuse_backward_steps = delegate("_hooks", "refuse_backward_steps")
     _comm_hooks = field("_hooks", "registered")
     _lazy_init = delegate("_hooks", "first_forward")
     _lazy_init_ran = field("_hooks", "first_forward_done")
@@ -155,6 +156,8 @@ class DelegatedNames:
     def _setup_in_backward_optimizers(self) -> None:
         """torch's name: optimizers applied in backward step from the reduced
         buckets (Note [Optimizers applied in backward] in ddp_ext/_optimizer_overlap.py)."""
+        if _optimizer_overlap.has_optimizers_in_backward(self._module_parameters):
+            self._hooks.check_backward_steps("optimizers applied in backward")
         if _optimizer_overlap.setup_in_backward_optimizers(self):
             self._hooks.in_backward_set_up = True
         self._hooks.check_no_optimizer_in_backward()
@@ -179,6 +182,7 @@ class DelegatedNames:
         `optimizer.step()` after backward. Call between iterations, once. See
         docs/OPTIMIZER_OVERLAP.md."""
         held = _forward_tail.fraction(overlap_forward)
+        self._hooks.check_backward_steps("overlap_optimizer")
         _optimizer_overlap.check(self, optimizer)
         refusal = _forward_tail.refusal(self) if held else None
         if refusal:

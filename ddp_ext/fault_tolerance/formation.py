@@ -121,6 +121,12 @@ class EpochFormation:
         """The one entry point by which ddp_ext learns that the group changed:
         a fresh wrapper over the new group, carrying the caps and the tuner."""
         ddp = DistributedDataParallel(self.module, process_group=group, init_sync=False, **self._ddp_kwargs)
+        # A step applied inside the backward would be applied before the
+        # quorum decides (Note [Committing a step]); an aborted step, run
+        # again, would apply it twice.
+        ddp._refuse_backward_steps(
+            "under ddp_ext.fault_tolerance.Replica a step is applied only once every member of the quorum "
+            "finished it, and the backward ends before that is known; let Replica(optimizer=...) step it")
         if self._auto_buckets is not None and ddp._auto_buckets is not None:
             ddp._auto_buckets = self._auto_buckets
             ddp._auto_buckets.restart()  # every member restarts it here, at the same step

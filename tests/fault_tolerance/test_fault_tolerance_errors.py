@@ -53,6 +53,24 @@ def test_bad_joiners_are_refused_and_the_run_goes_on(runs, tmp_path):
     assert all(seen["members"] == per_step[0]["members"] for seen in per_step.values())
 
 
+@pytest.mark.parametrize("hook", ["overlap", "overlap-in-step"])
+def test_stepping_inside_the_backward_is_refused(runs, hook):
+    """overlap_optimizer would step before the quorum decides: refused on
+    every replica, from Replica(configure=...) or from a train_step, with
+    no step applied."""
+    r = runs(min_replicas=2)
+    for rid in ("r0", "r1"):
+        r.start(rid, STEPS, hook=hook)
+    assert r.wait(["r0", "r1"], timeout=120) == {"r0": 4, "r1": 4}, r.logs()
+    for rid in ("r0", "r1"):
+        records = r.records(rid)
+        error = [rec for rec in records if rec["kind"] == "error"][0]
+        assert error["type"] == "ValueError", error
+        assert "cannot step parameters inside the backward (overlap_optimizer)" in error["message"], error
+        assert "ddp_ext.fault_tolerance.Replica" in error["message"], error
+        assert error["step"] == 0 and not [rec for rec in records if rec["kind"] == "step"], records
+
+
 def test_the_coordinator_dying_stops_the_replicas_with_a_clear_error(runs):
     r = runs(min_replicas=2)
     for rid in ("r0", "r1"):

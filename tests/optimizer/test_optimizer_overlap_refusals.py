@@ -250,3 +250,40 @@ def test_refusals(r):
         for fragment in r.expected:
             assert fragment.format(rank=rank) in message, f"rank {rank}: {fragment!r} not in {message!r}"
         assert then == r.then, f"rank {rank}: {r.name}: {then!r}"
+
+
+# --- a wrapper whose caller applies the steps (ddp_ext.fault_tolerance) -------
+
+
+def test_a_wrapper_refusing_backward_steps_refuses_each_way_in(single_process_group):
+    """After _refuse_backward_steps nothing installs a step inside the
+    backward: overlap_optimizer, a hook that steps parameters, optimizers
+    applied in backward; each error ends with the caller's reason."""
+    module, ddp = plain_wrapper()
+    ddp._refuse_backward_steps("the caller steps")
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"on rank 0 cannot step parameters inside the backward "
+                                         r"\(overlap_optimizer\): the caller steps"):
+        ddp.overlap_optimizer(optimizer)
+    assert ddp._optimizer_overlap is None and optimizer.step.__func__ is type(optimizer).step
+    with pytest.raises(ValueError, match=r"inside the backward \(.+\): the caller steps"):
+        ddp._register_fused_optim(torch.optim.SGD, lr=0.1)
+    assert not ddp._comm_hooks
+    before = snapshot(module)
+    backward(ddp, 0, 1)  # a plain backward still runs, and steps nothing
+    assert unchanged(module, before)
+
+
+@pytest.mark.parametrize("in_place", ["overlap_optimizer", "optimizers applied in backward"])
+def test_refusing_backward_steps_raises_at_once_where_one_is_in_place(single_process_group, in_place):
+    import ddp_ext
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    module = models.build("deep")
+    if in_place == "optimizers applied in backward":
+        _apply_optimizer_in_backward(torch.optim.SGD, module.parameters(), {"lr": 0.1})
+    ddp = ddp_ext.DistributedDataParallel(module)
+    if in_place == "overlap_optimizer":
+        ddp.overlap_optimizer(torch.optim.SGD(module.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=rf"inside the backward \({in_place}\): the caller steps"):
+        ddp._refuse_backward_steps("the caller steps")

@@ -104,7 +104,9 @@ def main(argv=None):
     parser.add_argument("--model", default="mlp")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds of extra work per step")
     parser.add_argument("--ddp", default="{}", help="JSON of DistributedDataParallel arguments")
-    parser.add_argument("--hook", default="", help='"adaptive": AdaptivePrecision on every new wrapper')
+    parser.add_argument("--hook", default="",
+                        help='"adaptive": AdaptivePrecision on every new wrapper; "overlap": overlap_optimizer '
+                             'on every new wrapper; "overlap-in-step": overlap_optimizer in the first train_step')
     parser.add_argument("--control", default="", help="DIR: paced by DIR/limit, faults armed by DIR/arm-<id>")
     parser.add_argument("--heal-delay", type=float, default=0.0,
                         help="seconds a heal's source waits between the payload's size and the payload")
@@ -142,6 +144,9 @@ def main(argv=None):
     hooks = []  # the hook state of the current wrapper
 
     def configure(ddp, group):
+        if args.hook == "overlap":
+            ddp.overlap_optimizer(opt)
+            return
         from ddp_ext import AdaptivePrecision, adaptive_precision_hook
 
         # Compression kept on (off_when_slower=False): a loopback would turn it off.
@@ -152,7 +157,7 @@ def main(argv=None):
     try:
         replica = Replica(net, opt, coordinator=args.coordinator, replica_id=args.id, run_id=args.run_id,
                           heartbeat_timeout=args.heartbeat, ddp_kwargs=ddp_kwargs,
-                          configure=configure if args.hook == "adaptive" else None)
+                          configure=configure if args.hook in ("adaptive", "overlap") else None)
     except Exception as exc:
         note(kind="refused", type=type(exc).__name__, message=str(exc))
         return 3
@@ -262,6 +267,8 @@ def main(argv=None):
         if m.step in raise_at:
             raise_at.discard(m.step)  # once: the step is run again and commits
             raise RuntimeError(f"injected failure at step {m.step}")
+        if args.hook == "overlap-in-step":
+            replica.ddp.overlap_optimizer(opt)
         opt.zero_grad()
         x, y = shard(m.step, m.rank, m.world_size)
         loss = nn.functional.mse_loss(replica.ddp(x), y)
