@@ -106,7 +106,7 @@ def main(argv=None):
     parser.add_argument("--ddp", default="{}", help="JSON of DistributedDataParallel arguments")
     parser.add_argument("--hook", default="",
                         help='"adaptive": AdaptivePrecision on every new wrapper; "overlap": overlap_optimizer '
-                             'on every new wrapper; "overlap-in-step": overlap_optimizer in the first train_step')
+                             'on every new wrapper; "overlap-in-step": overlap_optimizer in train_step')
     parser.add_argument("--control", default="", help="DIR: paced by DIR/limit, faults armed by DIR/arm-<id>")
     parser.add_argument("--heal-delay", type=float, default=0.0,
                         help="seconds a heal's source waits between the payload's size and the payload")
