@@ -8,7 +8,9 @@ their running sum, in time order, is the memory the call holds above the
 level at its start, and its maximum is the call's peak. It counts tensors
 from torch's allocator only: not memory that libraries allocate themselves
 (Gloo's send and receive buffers, the Python heap). Profiling slows the
-call down: measure its time elsewhere.
+call down: measure its time elsewhere. On a loaded machine a rank has been
+seen to crash (segmentation fault) inside this call, on a thread Python did
+not start: run the experiment again.
 """
 
 from typing import Callable, Iterable, Tuple

@@ -35,11 +35,23 @@ ROW_KEYS = {"model", "hosts", "ranks_per_host", "link", "variant", "ms", "ratio_
             "peak_mib", "peak_ratio_to_torch"}
 
 
+PROFILER_CRASH = "died with exit code -11"
+
+
 def _quick_overlap(tmp_path, *extra, models=("mlp",)):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+               PYTHONFAULTHANDLER="1")  # a crash prints every thread's Python stack
     command = [sys.executable, "-m", "benchmarks", "overlap", "--quick", "--models", *models, "--bucket-cap-mb", "1",
                "--world-size", "2", "--out", str(tmp_path), *extra]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0 and PROFILER_CRASH in done.stderr:
+        # Seen here about once in ten runs on a loaded machine, always inside
+        # the untimed peak-memory iteration (torch's profiler with
+        # profile_memory=True) and on a thread Python did not start; torch
+        # disabled its own test of that profiler with C++ threads for the same
+        # crash (CppThreadTest.test_profile_memory). One more try, said out loud.
+        print(f"overlap --quick: a rank crashed (segmentation fault), run again:\n{done.stderr[-2000:]}")
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}"
     with open(tmp_path / "overlap.json") as f:
         return done, json.load(f)
