@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from ddp_ext import _C, _model_check
 from ddp_ext._bound import Bound
+from ddp_ext._optimizer_overlap import has_optimizers_in_backward
 from ddp_ext.compression import AdaptivePrecision, adaptive_precision_hook
 
 
@@ -82,7 +83,7 @@ class CommHooks(Bound):
         self.steps_refused = because
         in_place = ("overlap_optimizer" if self.backward_steps else
                     self.stepping[0] if self.stepping else
-                    "optimizers applied in backward" if self._optimizers_in_backward() else None)
+                    "optimizers applied in backward" if has_optimizers_in_backward(self.module_parameters) else None)
         if in_place:
             self.check_backward_steps(in_place)
 
@@ -91,9 +92,6 @@ class CommHooks(Bound):
         if self.steps_refused:
             raise ValueError(f"DistributedDataParallel on rank {self.process_group.rank()} cannot step parameters "
                              f"inside the backward ({what}): {self.steps_refused}")
-
-    def _optimizers_in_backward(self) -> bool:
-        return any(hasattr(p, "_in_backward_optimizers") for p in self.module_parameters)
 
     def check(self, hook) -> None:
         try:
@@ -153,7 +151,7 @@ class CommHooks(Bound):
     def check_no_optimizer_in_backward(self) -> None:
         if self.in_backward_set_up:
             return
-        if self._optimizers_in_backward():
+        if has_optimizers_in_backward(self.module_parameters):
             raise NotImplementedError(
                 "ddp_ext.DistributedDataParallel does not support optimizers applied in backward "
                 "(torch.distributed.optim._apply_optimizer_in_backward); step the optimizer after "

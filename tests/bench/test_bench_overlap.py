@@ -35,7 +35,7 @@ ROW_KEYS = {"model", "hosts", "ranks_per_host", "link", "variant", "ms", "ratio_
             "peak_mib", "peak_ratio_to_torch"}
 
 
-PROFILER_CRASH = "died with exit code -11"
+SEGFAULT = "died with exit code -11"
 
 
 def _quick_overlap(tmp_path, *extra, models=("mlp",)):
@@ -44,7 +44,7 @@ def _quick_overlap(tmp_path, *extra, models=("mlp",)):
     command = [sys.executable, "-m", "benchmarks", "overlap", "--quick", "--models", *models, "--bucket-cap-mb", "1",
                "--world-size", "2", "--out", str(tmp_path), *extra]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    if done.returncode != 0 and PROFILER_CRASH in done.stderr:
+    if done.returncode != 0 and SEGFAULT in done.stderr:
         # Seen here about once in ten runs on a loaded machine, always inside
         # the untimed peak-memory iteration (torch's profiler with
         # profile_memory=True) and on a thread Python did not start; torch
