@@ -69,6 +69,20 @@ _next_numbers: Dict[str, int] = {}
 # rebuild's broadcast, at a forward, belongs to the step that forward begins.
 
 
+# Note [Repeated reports]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# A wait that passed hang_timeout_s and was warned about reports again every
+# further hang_timeout_s (StallWatch::slice_passed), to refresh what it
+# published and, with on_hang="auto", to look for a proof. The first report
+# waits up to window_s for the others' reports; a repeat reads them in one
+# pass. Its wait may complete while the handler runs (the late rank arrives),
+# and the handler runs on the thread that waits: a repeat that waited a
+# window would keep this rank from its next collective for that long after it
+# could go on, and with a short hang_timeout_s the rank that just arrived
+# would wait on it there and report this rank, behind by one step, as late.
+# The others had a whole hang_timeout_s to publish since the first report.
+
+
 class HangDiagnosis:
     """The reducer's stall handler for one wrapper. Holds no reference to the
     wrapper or its reducer (the reducer holds this)."""
@@ -96,7 +110,10 @@ class HangDiagnosis:
         store_error = self._publish(report)
         if report["kind"] in ("unfinished", "abandoned", "resolved"):
             return None
+        incident = (report["step"], report["waiting_for"], report["bucket"])
         window = self.settings.failed_window_s if report["kind"] == "failed" else self.settings.window_s
+        if incident in self.warned:
+            window = 0.0  # a repeat: see Note [Repeated reports]
         reports: Dict[int, Optional[dict]] = {r: None for r in range(self.world_size) if r != self.rank}
         if store_error is None:
             try:
@@ -104,7 +121,8 @@ class HangDiagnosis:
             except StoreUnreachable as e:
                 store_error = str(e)
         alive = {r: self.channel.alive(r) for r, rep in reports.items() if rep is None} if store_error is None else {}
-        message = hang_message(report, reports, self.settings.timeout_s, window, alive)
+        # A repeat's others had the whole wait to report, not a window.
+        message = hang_message(report, reports, self.settings.timeout_s, window or report["waited_s"], alive)
         if store_error is not None:
             message += (
                 f"\nThe other ranks' reports could not be read: the store is unreachable ({store_error}); the rank "
@@ -116,7 +134,6 @@ class HangDiagnosis:
             # This rank leaves the reducer's collectives: the others should know.
             self._publish(dict(report, kind="raised", was=report["kind"]))
             return message
-        incident = (report["step"], report["waiting_for"], report["bucket"])
         if incident not in self.warned:
             self.warned.add(incident)
             try:

@@ -115,6 +115,8 @@ def hang_message(
     unknown = [r for r in silent if alive.get(r) is None]
     waiting = [r for r, rep in everyone.items() if rep is not None and rep["kind"] in ("stalled", "failed")]
     left = [r for r, rep in reports.items() if rep is not None and rep["kind"] == "raised"]
+    # Still reporting a wait of the step before: it has not reached this one.
+    behind = [r for r, rep in reports.items() if rep is not None and rep["kind"] == "stalled" and step_of(rep) < step]
     failed = own["kind"] == "failed"
     where = f"{waiting_text(own)} at {place_text(own)}"
     lines = []
@@ -167,6 +169,18 @@ def hang_message(
             "evaluation, a checkpoint, another collective), much slower, or dead without closing "
             f"{'their' if len(silent) > 1 else 'its'} connections; look at {'their' if len(silent) > 1 else 'its'} "
             "stack (py-spy dump --pid <pid>)."
+        )
+    elif behind:
+        earlier = sorted({step_of(everyone[r]) for r in behind})
+        lines.append(
+            f"DistributedDataParallel: {ranks_text(behind)} did not reach {place_text(own)}: rank {rank} has "
+            f"waited {own['waited_s']:.1f} s (hang_timeout_s={timeout_s:g}) for {where}, and "
+            f"{ranks_text(behind)} last reported a wait in training step {', '.join(map(str, earlier))}. Either "
+            f"{'they are' if len(behind) > 1 else 'it is'} slow to leave that step (a loaded machine, work outside "
+            f"DistributedDataParallel), or {'they' if len(behind) > 1 else 'it'} still "
+            f"wait{'' if len(behind) > 1 else 's'} there for a collective that rank {rank} passed, and the ranks "
+            f"ran different collectives: compare the reports below, and look at "
+            f"{'their' if len(behind) > 1 else 'its'} stack (py-spy dump --pid <pid>)."
         )
     elif _same_wait(everyone.values()):
         lines.append(

@@ -396,3 +396,26 @@ def test_on_hang_warn_does_not_probe():
     store.calls.clear()
     assert waiting(_report("waiting", 0, 2, waited_s=5.0)) is None
     assert store.calls == [] and waiting.probes == 0
+
+
+def test_a_repeated_report_does_not_wait_for_the_others():
+    # Note [Repeated reports]: the first report of a wait gives the others a
+    # window to report; the repeats read in one pass, so a wait that completes
+    # meanwhile is not held up by a window it no longer needs.
+    from ddp_ext._diagnosis import HangDiagnosis, resolve_hang_settings
+    from ddp_ext._diagnosis.side_channel import SideChannel
+
+    settings = resolve_hang_settings(2.0, "auto")
+    waiting = HangDiagnosis(settings, SideChannel(_CountingStore(), 0, 2, "test"), 0, 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        start = time.monotonic()
+        assert waiting(_report("stalled", 0, 3, waited_s=2.0)) is None  # rank 1 is silent: warn, wait on
+        first = time.monotonic() - start
+        start = time.monotonic()
+        assert waiting(_report("stalled", 0, 3, waited_s=4.0)) is None
+        repeat = time.monotonic() - start
+    assert first >= settings.window_s, f"the first report waited {first:.2f} s, less than its window"
+    assert repeat < settings.window_s / 2, f"the repeat waited {repeat:.2f} s for reports"
+    assert len(caught) == 1 and "rank 1 did not reach the end of the backward of training step 3" in str(caught[0].message)
+    assert "reported nothing through the store within 4.0 s" in waiting.messages[1], waiting.messages[1]

@@ -26,3 +26,16 @@ def test_ranks_waiting_for_different_collectives_do_not_pair_up():
         message = hang_message(own, {0: other}, timeout_s=1.0, window_s=0.5)
         assert "their collectives do not pair up in training step 4" in message, message
         assert "slow rather than mismatched" not in message, message
+
+
+def test_a_rank_still_reporting_the_step_before_is_named_as_not_there_yet():
+    # Rank 0's last report is a wait of step 3, which rank 1 has left: rank 0
+    # is late for step 4 (or stuck in step 3), not waiting for another
+    # collective of step 4.
+    own = stalled(1, bucket=0, step=4)
+    message = hang_message(own, {0: stalled(0, bucket=0, step=3, waited_s=2.5)}, timeout_s=1.0, window_s=0.5)
+    assert message.startswith("DistributedDataParallel: rank 0 did not reach the end of the backward of training "
+                              "step 4: rank 1 has waited 1.2 s"), message
+    assert "rank 0 last reported a wait in training step 3" in message, message
+    assert "do not pair up" not in message and "slow rather than mismatched" not in message, message
+    assert not proven(own, {0: stalled(0, bucket=0, step=3)})
