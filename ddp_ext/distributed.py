@@ -28,6 +28,14 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.nn.parallel.distributed import DistributedDataParallel as TorchDistributedDataParallel
 
+try:  # Note [Eager forwards]
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _dynamo_callback
+except ImportError:  # a torch without it: every forward goes through dynamo's wrappers
+
+    def _dynamo_callback():
+        return True
+
+
 from ddp_ext import _diagnosis, _exit, _mixed_precision, _parameters, _pickling, _settings
 from ddp_ext._arguments import BucketCaps, check_initialized, resolve_placement
 from ddp_ext._buffer_sync import BufferSync
@@ -229,8 +237,21 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
     # graph-break and recompile counts against torch's DDP, and that no frame
     # of ddp_ext is compiled. Each such wrapper costs a few Python calls per
     # forward, so the forward goes through as few as it can (four; torch's
-    # DDP, whose files dynamo skips, needs one): tests/wrapper/
+    # DDP, whose files dynamo skips, needs one), and none when nothing
+    # compiles (Note [Eager forwards]): tests/wrapper/
     # test_python_calls_per_step.py counts the rest against torch's DDP.
+    #
+    # Note [Eager forwards]
+    # ~~~~~~~~~~~~~~~~~~~~~
+    # Dynamo's wrappers matter only while its frame callback is set on this
+    # thread: under torch.compile, and in what a compiled frame calls. Without
+    # it no frame is traced, and the wrappers only cost time: a recursive one
+    # swaps the frame callback three times per call, together some
+    # microseconds of a forward whose whole iteration, on a small model, is
+    # a millisecond. So forward asks for the callback (one C call) and,
+    # without one, calls the undecorated bodies (the *_eager methods); with
+    # one, the wrapped methods above. test_compile.py fails if the eager
+    # bodies run under torch.compile.
     @torch._disable_dynamo(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         timeline = self._recording  # plain attributes only here: see the Note
@@ -239,18 +260,21 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
         if timeline is not None:
             timeline.forward_begin()
         with torch.autograd.profiler.record_function("DistributedDataParallel.forward"):
-            inputs, kwargs = self._pre_forward(*inputs, **kwargs)
+            if _dynamo_callback() is None:  # See Note [Eager forwards].
+                pre, run, post = self._pre_forward_eager, self._run_ddp_forward_eager, self._post_forward_eager
+            else:
+                pre, run, post = self._pre_forward, self._run_ddp_forward, self._post_forward
+            inputs, kwargs = pre(*inputs, **kwargs)
             if self._delay_all_reduce_all_params:
                 output = self.module(*inputs, **kwargs)
             else:
-                output = self._run_ddp_forward(*inputs, **kwargs)
-            output = self._post_forward(output)
+                output = run(*inputs, **kwargs)
+            output = post(output)
         if timeline is not None:
             timeline.forward_end()
         return output
 
-    @torch._disable_dynamo
-    def _pre_forward(self, *inputs, **kwargs):
+    def _pre_forward_eager(self, *inputs, **kwargs):
         first = not self._hooks.first_forward_done and not torch.compiler.is_compiling()
         if self._optimizer_overlap is not None:
             self._optimizer_overlap.forward_begins(self.module)  # Note [Stepping in the next forward]
@@ -302,8 +326,9 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
             inputs, kwargs = _map_tensors((inputs, kwargs), lambda t: t.to(device, non_blocking=True))
         return inputs, kwargs
 
-    @torch._disable_dynamo(recursive=False)
-    def _run_ddp_forward(self, *inputs, **kwargs):
+    _pre_forward = torch._disable_dynamo(_pre_forward_eager)
+
+    def _run_ddp_forward_eager(self, *inputs, **kwargs):
         settings = self._settings  # not the properties of torch's names: see the Note
         # What _inside_ddp_forward does, without a generator and a context
         # manager on every forward.
@@ -318,6 +343,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
         finally:
             TorchDistributedDataParallel._active_ddp_module = previous
 
+    _run_ddp_forward = torch._disable_dynamo(_run_ddp_forward_eager, recursive=False)
+
     @contextlib.contextmanager
     @torch._disable_dynamo(recursive=False)
     def _inside_ddp_forward(self):
@@ -328,8 +355,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
         finally:
             TorchDistributedDataParallel._active_ddp_module = previous
 
-    @torch._disable_dynamo
-    def _post_forward(self, output):
+    def _post_forward_eager(self, output):
         if self._delay_all_reduce_all_params:
             self._clear_grad_buffer()
             return output
@@ -363,6 +389,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
                                   clone=self._ddp_sink_clone)
         self._clear_grad_buffer()
         return output
+
+    _post_forward = torch._disable_dynamo(_post_forward_eager)
 
     @contextlib.contextmanager
     def no_sync(self):

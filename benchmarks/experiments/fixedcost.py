@@ -12,6 +12,11 @@ A fourth variant, "ddp_ext, separate step check", is ddp_ext with its step
 check on a collective of its own (as when buffers are broadcast), where it
 would ride on bucket 0 otherwise (Note [The step check on bucket 0] in
 reducer/agreement/step_check.h): what that note saves, measured in the same processes.
+
+A fifth, "torch DDP, second replica", is a control: a second torch DDP over
+its own copy of the model, timed as the others. Its ratio to the first is
+what this machine's noise and the order of the variants alone make of two
+identical implementations, the yardstick for ddp_ext's ratio.
 """
 
 from typing import Dict
@@ -36,8 +41,9 @@ RUN_LENGTHS = {"warmup": 200, "blocks": 20, "block_iterations": 100, "discard_pe
 
 MODEL = "tinymlp"
 SEPARATE_CHECK = "ours_separate_check"
-KINDS = (OURS, TORCH, LOCAL, SEPARATE_CHECK)
-LABELS = {**LABELS, SEPARATE_CHECK: "ddp_ext, separate step check"}
+TORCH_CONTROL = "torch_control"
+KINDS = (OURS, TORCH, LOCAL, SEPARATE_CHECK, TORCH_CONTROL)
+LABELS = {**LABELS, SEPARATE_CHECK: "ddp_ext, separate step check", TORCH_CONTROL: "torch DDP, second replica"}
 
 
 def make(kind: str, seed: int) -> nn.Module:
@@ -48,7 +54,7 @@ def make(kind: str, seed: int) -> nn.Module:
     model = build_mlp(seed)
     if kind == LOCAL:
         return model
-    if kind == TORCH:
+    if kind in (TORCH, TORCH_CONTROL):
         return TorchDDP(model)
     if kind == OURS:
         return OurDDP(model)
@@ -81,23 +87,26 @@ def run(options: BenchOptions, progress) -> dict:
         "separate_check_over_torch": stats.ratio(merged[SEPARATE_CHECK], merged[TORCH]),
         "ours_over_separate_check": stats.ratio(merged[OURS], merged[SEPARATE_CHECK]),
         "ours_over_local": stats.ratio(merged[OURS], merged[LOCAL]),
+        "control_over_torch": stats.ratio(merged[TORCH_CONTROL], merged[TORCH]),
         "samples_ms": {kind: stats.values(merged[kind]) for kind in KINDS},
         "workload": f"MLP {' -> '.join(map(str, SIZES))}, batch {BATCH} per rank, SGD, cross-entropy",
     }
     notes = ["phases: medians per phase over all measured iterations (the slowest rank's iteration); "
-             "ratio [min-max]: median ddp_ext / median torch DDP, and its range over back-to-back block pairs."]
+             "ratio [min-max]: median ddp_ext / median torch DDP, and its range over back-to-back block pairs; "
+             "on the second torch DDP replica's row, its ratio to the first: the noise floor of this run."]
     return {"models": {MODEL: result}, "notes": notes}
 
 
 def table(data: dict) -> str:
     rows = []
     for model, r in data["models"].items():
-        for kind in KINDS:
+        for kind in (k for k in KINDS if k in r["phases_ms"]):  # runs before the control lack it
             phases = r["phases_ms"][kind]
             rows.append([model, LABELS[kind], markdown.ms_iqr(r["summary"][kind]),
                          *(markdown.ms(phases[p]) for p in PHASES),
                          markdown.ratio_spread(r["ratio"]) if kind == OURS
-                         else markdown.ratio_spread(r["separate_check_over_torch"]) if kind == SEPARATE_CHECK else ""])
+                         else markdown.ratio_spread(r["separate_check_over_torch"]) if kind == SEPARATE_CHECK
+                         else markdown.ratio_spread(r["control_over_torch"]) if kind == TORCH_CONTROL else ""])
     return markdown.table(["model", "implementation", "ms per iteration (IQR)", *(f"{p} ms" for p in PHASES),
                            "ddp_ext / torch [block range]"], rows)
 

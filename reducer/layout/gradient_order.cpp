@@ -248,25 +248,31 @@ void GradientOrder::update_vote(const std::vector<size_t>& bucket_of, size_t buc
       ? order_cost(candidate_bucket_of_, candidate_buckets_, order_, bytes_).wait
       : current;
   // A fresh layout costs at least 0: it cannot gain more than `current`.
-  std::vector<std::vector<size_t>> fresh_layout;
-  double fresh = current;
-  if (current >= policy_.min_gain) {
-    fresh_layout = layout_for(order_);
-    fresh = order_cost(
-        bucket_of_params(fresh_layout, order_.size()), fresh_layout.size(),
-        order_, bytes_).wait;
-  }
+  const bool consider_fresh = current >= policy_.min_gain;
+  const double fresh = consider_fresh ? fresh_layout().wait : current;
   const WatchStep step = watch_step(streak_, current, candidate, fresh, policy_);
   if (step.adopt_fresh) {
+    TORCH_INTERNAL_ASSERT(consider_fresh, "adopted a fresh layout that was not laid out");
     candidate_order_ = order_;
-    candidate_bucket_of_ = bucket_of_params(fresh_layout, order_.size());
-    candidate_buckets_ = fresh_layout.size();
+    candidate_bucket_of_ = fresh_.bucket_of;
+    candidate_buckets_ = fresh_.buckets;
   }
   streak_ = step.streak;
   vote_ = step.vote;
   if (vote_) {
     voted_order_ = candidate_order_;
   }
+}
+
+const GradientOrder::FreshLayout& GradientOrder::fresh_layout() {
+  if (fresh_.order != order_ || fresh_.bucket_of.empty()) {
+    const std::vector<std::vector<size_t>> layout = layout_for(order_);
+    fresh_.order = order_;
+    fresh_.bucket_of = bucket_of_params(layout, order_.size());
+    fresh_.buckets = layout.size();
+    fresh_.wait = order_cost(fresh_.bucket_of, fresh_.buckets, order_, bytes_).wait;
+  }
+  return fresh_;
 }
 
 std::vector<std::vector<size_t>> GradientOrder::layout_for(
@@ -282,6 +288,7 @@ std::vector<std::vector<size_t>> GradientOrder::layout_for(
 void GradientOrder::set_caps(std::vector<int64_t> caps) {
   TORCH_CHECK(!caps.empty(), "set_caps needs at least one cap");
   caps_ = std::move(caps);
+  fresh_ = FreshLayout(); // laid out with the old caps
   forget_candidate();
   if (!first_pending()) {
     vote_ = false;

@@ -273,6 +273,18 @@ class GradientOrder {
   int64_t observed_ = 0;
   OrderCost last_cost_;
 
+  // The layout a fresh rebuild would give the last order costed, and its
+  // wait: an order that repeats (the steady state) is laid out once, not on
+  // every iteration's critical path. Cleared with the caps.
+  struct FreshLayout {
+    std::vector<size_t> order;
+    std::vector<size_t> bucket_of;
+    size_t buckets = 0;
+    double wait = 0;
+  };
+  const FreshLayout& fresh_layout();
+  FreshLayout fresh_;
+
   int streak_ = 0;
   std::vector<size_t> candidate_order_;
   std::vector<size_t> candidate_bucket_of_;

@@ -159,3 +159,13 @@ def test_compression_records_time_bytes_and_accuracy(tmp_path):
         correct = accuracy / 100 * measured["test_images"]  # a percentage of whole images
         assert 0 <= accuracy <= 100 and abs(correct - round(correct)) < 1e-3, f"{name}: {accuracy}"
     assert "| bert | ddp_ext + adaptive |" in done.stdout
+
+
+def test_fixedcost_measures_a_second_torch_replica_as_its_control(tmp_path):
+    done = _run_bench(tmp_path, "fixedcost", *SHORTEST_RUN)
+    with open(tmp_path / "fixedcost.json") as f:
+        measured = json.load(f)["models"]["tinymlp"]
+    assert set(measured["phases_ms"]) == {"ours", "torch", "local", "ours_separate_check", "torch_control"}
+    for key in ("ratio", "control_over_torch", "separate_check_over_torch"):
+        assert measured[key]["ratio"] > 0, (key, measured[key])
+    assert "| tinymlp | torch DDP, second replica |" in done.stdout, done.stdout

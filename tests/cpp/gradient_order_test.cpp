@@ -249,5 +249,40 @@ TEST(GradientOrder, ARebuildNeedsEveryRank) {
   }
 }
 
+// The layout a repeated order would get is laid out once and kept; new caps
+// forget it. Four gradients of 4 bytes arrive first to last, while the
+// current layout (one per bucket) launches the last one's bucket first, so
+// every gradient waits for the end. Under one cap that holds them all, a
+// fresh layout gains nothing (one bucket also waits for the end): no vote,
+// however often the order repeats. After set_caps to one gradient per
+// bucket, the same order is laid out again and gains: a vote after
+// `patience` iterations.
+TEST(GradientOrder, NewCapsLayTheRepeatedOrderOutAgain) {
+  const std::vector<size_t> reversed_layout = {3, 2, 1, 0}; // bucket of each parameter
+  const RebuildPolicy policy;
+  GradientOrder order(floats({4, 4, 4, 4}), {1 << 20}, BucketRebuild::kContinuous, policy);
+  order.set_first_rebuild(false);
+  auto iterate = [&] {
+    order.begin_iteration();
+    for (size_t index = 0; index < 4; ++index) {
+      order.record(index);
+    }
+    order.observe(reversed_layout, 4, /*launched_at_end=*/false);
+    order.update_vote(reversed_layout, 4);
+    return order.vote();
+  };
+  for (int i = 0; i < 2 * policy.patience; ++i) {
+    EXPECT_EQ(iterate(), 0) << "one bucket under the large cap, iteration " << i;
+  }
+  order.set_caps({4});
+  std::vector<int64_t> votes;
+  for (int i = 0; i < policy.patience; ++i) {
+    votes.push_back(iterate());
+  }
+  std::vector<int64_t> expected(policy.patience, 0);
+  expected.back() = 1;
+  EXPECT_EQ(votes, expected);
+}
+
 } // namespace
 } // namespace ddp_ext::reducer
