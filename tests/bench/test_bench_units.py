@@ -9,7 +9,7 @@ import pytest
 from benchmarks.experiments.allreduce import splits
 from benchmarks.experiments.order import around_last_rebuild
 from benchmarks.harness import stats
-from benchmarks.harness.interleave import merge_ranks, rotated
+from benchmarks.harness.interleave import balanced_order, merge_ranks, rotated
 from benchmarks.harness.machine import git_commit
 from benchmarks.harness.options import ONE_PARAMETER_PER_BUCKET_MB, device_problem, effective_bucket_cap_mb
 from benchmarks.reporting.document import assemble, results_named
@@ -28,6 +28,27 @@ def _blocks(*blocks):
 ])
 def test_rotated(items, by, expected):
     assert rotated(items, by) == expected
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7])
+def test_balanced_order_puts_each_variant_after_each_other_equally_often(n):
+    items = [f"v{i}" for i in range(n)]
+    rounds = n if n % 2 == 0 else 2 * n
+    orders = [balanced_order(items, r) for r in range(rounds)]
+    assert all(sorted(order) == items for order in orders)
+    followers = {}
+    positions = {}
+    for order in orders:
+        for position, item in enumerate(order):
+            positions[(item, position)] = positions.get((item, position), 0) + 1
+        for before, after in zip(order, order[1:]):
+            followers[(before, after)] = followers.get((before, after), 0) + 1
+    pairs = [(a, b) for a in items for b in items if a != b]
+    assert sorted(followers) == sorted(pairs), "a pair never or wrongly follows"
+    assert len(set(followers.values())) <= 1, followers
+    assert len(set(positions.values())) == 1 and len(positions) == n * n, positions
+    # The cycle repeats.
+    assert balanced_order(items, rounds) == orders[0]
 
 
 def test_merge_ranks_keeps_the_slowest_rank_per_iteration():
