@@ -44,6 +44,8 @@ SEPARATE_CHECK = "ours_separate_check"
 TORCH_CONTROL = "torch_control"
 KINDS = (OURS, TORCH, LOCAL, SEPARATE_CHECK, TORCH_CONTROL)
 LABELS = {**LABELS, SEPARATE_CHECK: "ddp_ext, separate step check", TORCH_CONTROL: "torch DDP, second replica"}
+# The ratio to torch's DDP each row of the table shows, by the result's key.
+RATIO_KEYS = {OURS: "ratio", SEPARATE_CHECK: "separate_check_over_torch", TORCH_CONTROL: "control_over_torch"}
 
 
 def make(kind: str, seed: int) -> nn.Module:
@@ -104,9 +106,7 @@ def table(data: dict) -> str:
             phases = r["phases_ms"][kind]
             rows.append([model, LABELS[kind], markdown.ms_iqr(r["summary"][kind]),
                          *(markdown.ms(phases[p]) for p in PHASES),
-                         markdown.ratio_spread(r["ratio"]) if kind == OURS
-                         else markdown.ratio_spread(r["separate_check_over_torch"]) if kind == SEPARATE_CHECK
-                         else markdown.ratio_spread(r["control_over_torch"]) if kind == TORCH_CONTROL else ""])
+                         markdown.ratio_spread(r[RATIO_KEYS[kind]]) if kind in RATIO_KEYS else ""])
     return markdown.table(["model", "implementation", "ms per iteration (IQR)", *(f"{p} ms" for p in PHASES),
                            "ddp_ext / torch [block range]"], rows)
 

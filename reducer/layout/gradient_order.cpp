@@ -265,7 +265,7 @@ void GradientOrder::update_vote(const std::vector<size_t>& bucket_of, size_t buc
 }
 
 const GradientOrder::FreshLayout& GradientOrder::fresh_layout() {
-  if (fresh_.order != order_ || fresh_.bucket_of.empty()) {
+  if (fresh_.order != order_) {
     const std::vector<std::vector<size_t>> layout = layout_for(order_);
     fresh_.order = order_;
     fresh_.bucket_of = bucket_of_params(layout, order_.size());

@@ -406,16 +406,18 @@ def test_a_repeated_report_does_not_wait_for_the_others():
     from ddp_ext._diagnosis.side_channel import SideChannel
 
     settings = resolve_hang_settings(2.0, "auto")
-    waiting = HangDiagnosis(settings, SideChannel(_CountingStore(), 0, 2, "test"), 0, 2)
+    store = _CountingStore()
+    waiting = HangDiagnosis(settings, SideChannel(store, 0, 2, "test"), 0, 2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         start = time.monotonic()
         assert waiting(_report("stalled", 0, 3, waited_s=2.0)) is None  # rank 1 is silent: warn, wait on
         first = time.monotonic() - start
-        start = time.monotonic()
+        store.calls.clear()
         assert waiting(_report("stalled", 0, 3, waited_s=4.0)) is None
-        repeat = time.monotonic() - start
     assert first >= settings.window_s, f"the first report waited {first:.2f} s, less than its window"
-    assert repeat < settings.window_s / 2, f"the repeat waited {repeat:.2f} s for reports"
+    # The repeat: its report written, then one look for rank 1's report and one
+    # for its process; no polling, whatever the machine's load.
+    assert store.calls == ["set", "check", "check"], store.calls
     assert len(caught) == 1 and "rank 1 did not reach the end of the backward of training step 3" in str(caught[0].message)
     assert "reported nothing through the store within 4.0 s" in waiting.messages[1], waiting.messages[1]
