@@ -21,16 +21,14 @@ identical implementations, the yardstick for ddp_ext's ratio.
 
 from typing import Dict
 
-from torch import nn
-
 from benchmarks.harness import stats
 from benchmarks.harness.interleave import merge_ranks, run_interleaved
 from benchmarks.harness.launcher import launch
 from benchmarks.harness.options import BenchOptions
-from benchmarks.harness.product import with_separate_step_check
 from benchmarks.reporting import figures, markdown
-from benchmarks.workloads.replicas import LABELS, LOCAL, OURS, TORCH
-from benchmarks.workloads.tiny_mlp import BATCH, SIZES, build_mlp
+from benchmarks.workloads.replicas import LOCAL, OURS, TORCH
+from benchmarks.workloads.tiny_mlp import BATCH, SIZES
+from benchmarks.workloads.tiny_variants import LABELS, SEPARATE_CHECK, TORCH_CONTROL, make
 from benchmarks.workloads.training_step import PHASES, TrainingStep
 
 NAME = "fixedcost"
@@ -40,27 +38,9 @@ TITLE = "Fixed cost per iteration on a tiny MLP: ddp_ext vs torch DDP"
 RUN_LENGTHS = {"warmup": 200, "blocks": 20, "block_iterations": 100, "discard_per_block": 10}
 
 MODEL = "tinymlp"
-SEPARATE_CHECK = "ours_separate_check"
-TORCH_CONTROL = "torch_control"
 KINDS = (OURS, TORCH, LOCAL, SEPARATE_CHECK, TORCH_CONTROL)
-LABELS = {**LABELS, SEPARATE_CHECK: "ddp_ext, separate step check", TORCH_CONTROL: "torch DDP, second replica"}
 # The ratio to torch's DDP each row of the table shows, by the result's key.
 RATIO_KEYS = {OURS: "ratio", SEPARATE_CHECK: "separate_check_over_torch", TORCH_CONTROL: "control_over_torch"}
-
-
-def make(kind: str, seed: int) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
-    from ddp_ext import DistributedDataParallel as OurDDP
-
-    model = build_mlp(seed)
-    if kind == LOCAL:
-        return model
-    if kind in (TORCH, TORCH_CONTROL):
-        return TorchDDP(model)
-    if kind == OURS:
-        return OurDDP(model)
-    return with_separate_step_check(model)
 
 
 def _measure(rank: int, world_size: int, job):
