@@ -15,7 +15,7 @@ import os
 import re
 from typing import Callable, List
 
-SECTIONS = ("introduction", "compare", "fixedcost", "allreduce", "breakdown", "bucket", "scale", "nosync", "roundrobin", "mpi",
+SECTIONS = ("introduction", "compare", "fixedcost", "instructions", "allreduce", "breakdown", "bucket", "scale", "nosync", "roundrobin", "mpi",
             "faults", "order", "layerdrop", "timeline", "compression", "scaleout", "recovery")
 PLACEHOLDER = re.compile(r"^<!-- RESULT: (\S+) -->$", re.MULTILINE)
 BEGIN = "<!-- BEGIN GENERATED: {name} -->"
