@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from statistics import median
 from typing import Dict, List
 
@@ -57,27 +58,45 @@ def _count(options: BenchOptions, progress) -> List[List[callgrind.Dump]]:
         filter(None, [root, os.environ.get("PYTHONPATH")]))))
     with tempfile.TemporaryDirectory() as folder:
         bases = [os.path.join(folder, f"rank{rank}") for rank in range(options.world_size)]
+        logs = [open(base + ".log", "w") for base in bases]
         ranks = [subprocess.Popen(callgrind.command(base, [
                     sys.executable, "-m", "benchmarks.workloads.counted_rank", str(rank), str(options.world_size),
                     os.path.join(folder, "store"), str(options.block_iterations), str(options.warmup),
                     str(options.seed), str(options.threads), order]),
-                    cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for rank, base in enumerate(bases)]
+                    cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+                 for rank, (base, log) in enumerate(zip(bases, logs))]
         progress.say(f"{options.world_size} ranks under callgrind, turns {order}, "
                      f"{options.block_iterations} iterations each")
-        failures = []
-        for rank, proc in enumerate(ranks):
-            try:
-                output, _ = proc.communicate(timeout=options.timeout_s)
-            except subprocess.TimeoutExpired:
-                for other in ranks:
-                    other.kill()
-                raise RuntimeError(f"rank {rank} did not finish within {options.timeout_s:.0f} s under callgrind")
-            if proc.returncode != 0:
-                failures.append(f"rank {rank} exited with {proc.returncode}:\n{output[-4000:]}")
-        if failures:
-            raise RuntimeError("\n".join(failures))
+        try:
+            failed = _wait(ranks, options.timeout_s)
+        finally:
+            for log in logs:
+                log.close()
+        if failed:
+            raise RuntimeError("\n".join(f"{problem}:\n{_tail(bases[rank] + '.log')}" for rank, problem in failed))
         return [callgrind.read_dumps(base) for base in bases]
+
+
+def _wait(ranks: List[subprocess.Popen], timeout_s: float) -> List[tuple]:
+    """Waits for every rank; once one fails or time is up, stops the others
+    (they would wait for it at the next barrier). Returns (rank, problem) pairs."""
+    deadline = time.monotonic() + timeout_s
+    while any(proc.poll() is None for proc in ranks):
+        failed = [(rank, f"rank {rank} exited with {proc.returncode}")
+                  for rank, proc in enumerate(ranks) if proc.poll() not in (None, 0)]
+        late = time.monotonic() > deadline
+        if failed or late:
+            for proc in ranks:
+                proc.kill()
+                proc.wait()
+            return failed or [(0, f"the ranks did not finish within {timeout_s:.0f} s under callgrind")]
+        time.sleep(0.5)
+    return [(rank, f"rank {rank} exited with {proc.returncode}") for rank, proc in enumerate(ranks) if proc.returncode]
+
+
+def _tail(path: str, characters: int = 4000) -> str:
+    with open(path) as f:
+        return f.read()[-characters:]
 
 
 def per_iteration(dumps: List[callgrind.Dump], iterations: int) -> Dict[str, Dict[str, List[float]]]:

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="the benchmark suite needs matplotlib (the `bench` extra)")
 
-from benchmarks.experiments.instructions import KINDS, per_iteration, turns  # noqa: E402
+from benchmarks.experiments.instructions import KINDS, _wait, per_iteration, turns  # noqa: E402
 from benchmarks.harness import callgrind  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -60,6 +60,13 @@ def test_the_environment_keeps_the_callers_tunables_and_adds_the_copy_thresholds
     assert env["A"] == "1"
     assert env["GLIBC_TUNABLES"].startswith("glibc.malloc.check=0:glibc.cpu.x86_rep_movsb_threshold=")
     assert "x86_rep_stosb_threshold" in callgrind.environment({})["GLIBC_TUNABLES"]
+
+
+def test_a_failed_rank_stops_the_others_at_once():
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    failing = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    assert _wait([sleeper, failing], timeout_s=120) == [(1, "rank 1 exited with 3")]
+    assert sleeper.poll() is not None  # killed, not left to wait at a barrier
 
 
 def test_counted_run_reports_ddp_work_and_a_control_near_torch(tmp_path):
