@@ -1,8 +1,9 @@
 """`instructions`: reading callgrind's dumps, and a counted run end to end.
 
 The pure pieces are checked on dump files written here. The end-to-end run
-needs valgrind; where it is missing the test says so and is skipped (CI
-installs it)."""
+needs valgrind (where it is missing the test says so and is skipped; CI
+installs it), and fails if ddp_ext adds more instructions per iteration to
+local training than torch's DDP does."""
 
 import json
 import os
@@ -76,7 +77,7 @@ def test_counted_run_reports_ddp_work_and_a_control_near_torch(tmp_path):
         pytest.skip(f"{', '.join(missing)} not on PATH")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     command = [sys.executable, "-m", "benchmarks", "instructions", "--world-size", "2", "--out", str(tmp_path),
-               "--warmup", "3", "--blocks", "1", "--block-iterations", "5"]
+               "--warmup", "20", "--blocks", "1", "--block-iterations", "50"]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}"
     with open(tmp_path / "instructions.json") as f:
@@ -88,4 +89,11 @@ def test_counted_run_reports_ddp_work_and_a_control_near_torch(tmp_path):
         assert counts[kind]["ddp_main"] > 0.05 * counts["local"]["main"], (kind, counts)
     # Two identical torch DDPs count within a few percent of each other.
     assert 0.9 < measured["control_over_torch_ddp_main"] < 1.1, measured
+    # ddp_ext's fixed cost, as work: per iteration it adds less to local
+    # training than torch's DDP does (0.96 to 0.97 of it in 50- and
+    # 200-iteration turns). 50 iterations hold one straggler exchange (every
+    # 50 training steps by default), as a long run holds one per 50.
+    assert measured["ours_over_torch_ddp_main"] < 1.0, (
+        "ddp_ext now adds more instructions per iteration than torch's DDP: "
+        f"{counts['ours']['ddp_main']:.0f} against {counts['torch']['ddp_main']:.0f}")
     assert "| tinymlp | torch DDP, second replica |" in done.stdout, done.stdout
