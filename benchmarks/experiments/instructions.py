@@ -53,9 +53,9 @@ def _count(options: BenchOptions, progress) -> List[List[callgrind.Dump]]:
         raise RuntimeError(f"instructions needs valgrind's callgrind: {', '.join(missing)} not found on PATH "
                            "(on Debian or Ubuntu: apt-get install valgrind)")
     order = ",".join(turns(options.blocks))
+    # From the checkout's root, `python -m` finds benchmarks (and ddp_ext, where it is not installed).
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = callgrind.environment(dict(os.environ, PYTHONPATH=os.pathsep.join(
-        filter(None, [root, os.environ.get("PYTHONPATH")]))))
+    env = callgrind.environment(dict(os.environ))
     with tempfile.TemporaryDirectory() as folder:
         bases = [os.path.join(folder, f"rank{rank}") for rank in range(options.world_size)]
         logs = [open(base + ".log", "w") for base in bases]
@@ -120,12 +120,11 @@ def _summary(ranks: List[Dict[str, Dict[str, List[float]]]]) -> dict:
     local = median(counts[LOCAL]["main"])
     result = {"per_iteration": {}}
     for kind in KINDS:
-        main = counts[kind]["main"]
+        main, others = counts[kind]["main"], counts[kind]["other_threads"]
         result["per_iteration"][kind] = {
             "main": median(main), "main_range": [min(main), max(main)],
-            "other_threads": median(counts[kind]["other_threads"]),
-            "other_threads_range": [min(counts[kind]["other_threads"]), max(counts[kind]["other_threads"])],
-            "ddp_main": median(main) - local if kind != LOCAL else 0.0,
+            "other_threads": median(others), "other_threads_range": [min(others), max(others)],
+            "ddp_main": median(main) - local,  # local's own: 0
         }
     added = {kind: result["per_iteration"][kind]["ddp_main"] for kind in DDP_KINDS}
     result["ours_over_torch_main"] = result["per_iteration"][OURS]["main"] / result["per_iteration"][TORCH]["main"]
