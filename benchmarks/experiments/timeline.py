@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from ddp_ext import DistributedDataParallel as OurDDP
 from benchmarks.harness.launcher import launch
 from benchmarks.harness.options import BenchOptions
+from benchmarks.harness.quiet_profiler import quiet_profile
 from benchmarks.reporting import figures, markdown
 from benchmarks.workloads.presets import Workload, input_seed
 from benchmarks.workloads.training_step import LEARNING_RATE
@@ -147,7 +148,8 @@ def _measure(rank, world_size, job):
         theirs = _Step(TorchDDP(workload.build(options.seed), **kwargs), batch)
         for _ in range(options.warmup):
             theirs()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        # Note [Quiet profiler] in benchmarks/harness/quiet_profiler.py: no kineto lines on the console.
+        with quiet_profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
             theirs()
         path = os.path.join(tmp, f"torch-rank{rank}.json")
         prof.export_chrome_trace(path)

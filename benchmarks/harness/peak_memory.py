@@ -1,7 +1,9 @@
 """Peak memory of one call on the CPU, from torch's profiler.
 
 `peak_bytes(fn)` runs `fn()` once under
-`torch.profiler.profile(activities=[CPU], profile_memory=True)`. Every
+`torch.profiler.profile(activities=[CPU], profile_memory=True)`, with
+kineto's console lines off (Note [Quiet profiler] in
+benchmarks/harness/quiet_profiler.py). Every
 allocation and free by torch's CPU allocator during the call is a memory
 event carrying a signed byte count (positive allocated, negative freed);
 their running sum, in time order, is the memory the call holds above the
@@ -16,7 +18,9 @@ not start: run the experiment again.
 from typing import Callable, Iterable, Tuple
 
 from torch.autograd.profiler_util import MEMORY_EVENT_NAME
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity
+
+from benchmarks.harness.quiet_profiler import quiet_profile
 
 CPU_DEVICE_TYPES = ("CPU", "MKLDNN", "IDEEP")  # DeviceType names of host memory, as the profiler counts it
 
@@ -33,7 +37,7 @@ def running_peak(changes: Iterable[Tuple[int, int]]) -> int:
 
 def peak_bytes(fn: Callable[[], object]) -> int:
     """Bytes of torch CPU tensors held at the peak of one call of `fn`, above the level at its start."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     # The raw events: prof.events() folds the allocations made inside an
     # operator into that operator, and keeps only the others as memory events.
