@@ -17,23 +17,30 @@ run with the last replica SIGSTOPped once; then the loopback probe
 
 Figures (top-level keys of recovery.json): kill_to_commit_s (median over the
 kills: from the SIGKILL to the survivors' next committed step beyond the last
-one before it), hang_detect_s (SIGSTOP to the survivors' next commit),
+one before it), hang_detect_s (SIGSTOP to the survivors' first commit without the stopped
+replica),
 heartbeat_timeout_s, heal_s and heal_bytes (the last replacement receiving
 the state), loopback_bytes_per_s (the probe: the heal's bytes sent once over
 Gloo on loopback, median of 5), steps_lost (committed steps the fault-tolerant
 run computed twice or lost), goodput_fraction and
 restart_baseline_goodput_fraction (committed samples per minute over the
 window, with the failures, over the same for the same system fault-free), and
-targets (each target of docs/FAULT_TOLERANCE.md, met or not).
+targets (each target of docs/FAULT_TOLERANCE.md, met or not). A figure the
+runs did not yield is None, and `not_measured` says why; if a run or the
+analysis fails, the runs finished are written to recovery.incomplete.json
+(Note [Finished runs are written] in benchmarks/harness/finished_runs.py).
 """
 
 import statistics
 import tempfile
+from typing import Optional, Tuple
 
+from benchmarks.harness.finished_runs import FinishedRuns
 from benchmarks.harness.options import BenchOptions
 from benchmarks.reporting import figures, markdown
 from benchmarks.workloads.loopback_probe import measure as measure_loopback
-from benchmarks.workloads.recovery import progress_at, progress_series, run_fault_tolerant, run_restart
+from benchmarks.workloads.recovery import (first_commit_without, progress_at, progress_series, run_fault_tolerant,
+                                           run_restart)
 from benchmarks.workloads.recovery_replica import GLOBAL_BATCH
 
 NAME = "recovery"
@@ -54,6 +61,9 @@ KILL_TO_COMMIT_TARGET_S = 1.0
 HANG_SLACK_S = 1.0
 HEAL_SLACK_S = 1.0
 GOODPUT_TARGET = 0.90
+# The runs, in the order they run: each system fault-free, each with the
+# kills, the SIGSTOP run, the loopback probe.
+RUNS = ("ft_clean", "restart_clean", "ft", "restart", "hang", "probe")
 
 
 def _summarize(run: dict, window_s: float) -> dict:
@@ -89,6 +99,7 @@ def _targets(data: dict) -> list:
     worst = max(kills) if kills else None
     hang_bound = data["heartbeat_timeout_s"] + HANG_SLACK_S
     bw = data["loopback_bytes_per_s"]
+    hang = data["hang_detect_s"]
     heal_bound = 2 * data["heal_bytes"] / bw + HEAL_SLACK_S if data["heal_bytes"] and bw else None
     rows = [
         ("kill to the survivors' next committed step <= 1 s",
@@ -97,8 +108,10 @@ def _targets(data: dict) -> list:
          "the dead process's connections close at once: the collective raises and the coordinator drops it"
          if kills else "no kill was followed by a commit within the run"),
         (f"hung replica dropped within heartbeat timeout + 1 s ({hang_bound:g} s)",
-         f"{data['hang_detect_s']:.2f} s to the next commit", data["hang_detect_s"] <= hang_bound,
-         "the collective and the coordinator both wait out the heartbeat timeout"),
+         f"{data['hang_detect_s']:.2f} s to the next commit" if hang is not None else "not measured",
+         hang is not None and hang <= hang_bound,
+         "the collective and the coordinator both wait out the heartbeat timeout" if hang is not None
+         else data["not_measured"]["hang_detect_s"]),
         ("heal within 2 x bytes / loopback bandwidth + 1 s",
          f"{data['heal_s']:.3f} s for {data['heal_bytes']:,} bytes; bound {heal_bound:.3f} s "
          f"(loopback {bw / 1e6:.0f} MB/s)" if heal_bound else "no heal recorded",
@@ -118,39 +131,66 @@ def _targets(data: dict) -> list:
     return [{"target": t, "measured": m, "met": bool(ok), "why": w} for t, m, ok, w in rows]
 
 
+def _schedule(options: BenchOptions) -> Tuple[float, int, float, list]:
+    """(failure every s, failures, window s, kill times s) of a run with these options."""
+    every = QUICK_FAILURE_EVERY_S if options.quick else FAILURE_EVERY_S
+    failures = 1 if options.quick else FAILURES
+    return every, failures, every * failures, [every * (i + 0.5) for i in range(failures)]
+
+
+def hang_detection(hang: dict, replicas: int) -> Tuple[Optional[float], Optional[str]]:
+    """(seconds from the SIGSTOP to the survivors' first step committed
+    without the stopped replica, None) from the SIGSTOP run; (None, why) if
+    they committed none. The first steps past the stop may still commit with
+    it: it voted for them before it stopped."""
+    stop = hang["stop"]
+    alone = first_commit_without(hang["steps"], stop, replicas)
+    if alone is not None:
+        return alone["time"] - stop["time"], None
+    past = [r for r in hang["steps"] if r["time"] > stop["time"] and r["step"] > stop["after_step"]]
+    return None, (f"no step committed without the stopped replica within {stop['wait_limit_s']:g} s of the "
+                  f"SIGSTOP; {len(past)} step(s) past it, each with all {replicas} replicas")
+
+
 def run(options: BenchOptions, progress) -> dict:
     if options.world_size < 2:
         raise ValueError("recovery needs --world-size 2 or more: one replica is killed, the others go on")
-    every = QUICK_FAILURE_EVERY_S if options.quick else FAILURE_EVERY_S
-    failures = 1 if options.quick else FAILURES
-    window = every * failures
-    kill_at = [every * (i + 0.5) for i in range(failures)]
+    _, _, window, kill_at = _schedule(options)
     n = options.world_size
-    with tempfile.TemporaryDirectory() as tmp:
-        progress.say(f"fault tolerant, fault-free: {n} replicas, {window:g} s")
-        ft_clean = run_fault_tolerant(tmp, n, window, [], HEARTBEAT_S)
-        progress.say(f"torchrun --max-restarts, fault-free: {window:g} s, checkpoint every {CHECKPOINT_EVERY} steps")
-        restart_clean = run_restart(tmp, n, window, [], CHECKPOINT_EVERY)
-        progress.say(f"fault tolerant: the last replica killed at {kill_at} s and started again")
-        ft = run_fault_tolerant(tmp, n, window, kill_at, HEARTBEAT_S)
-        progress.say(f"torchrun --max-restarts: the last rank killed at {kill_at} s")
-        restart = run_restart(tmp, n, window, kill_at, CHECKPOINT_EVERY)
-    progress.say(f"fault tolerant with the last replica SIGSTOPped {STOP_AT_S:g} s in")
-    with tempfile.TemporaryDirectory() as tmp:
-        hang = run_fault_tolerant(tmp, n, STOP_AT_S, [], HEARTBEAT_S, stop_at_s=STOP_AT_S)
-    progress.say(f"loopback probe: {ft['heal_bytes']} bytes over Gloo, 5 times")
-    probe = measure_loopback(ft["heal_bytes"]) if ft["heal_bytes"] else None
-    summaries = {key: _summarize(r, window) for key, r in
-                 (("ft", ft), ("ft_clean", ft_clean), ("restart", restart), ("restart_clean", restart_clean))}
-    stop = hang["stop"]
-    # The survivors' first commit without the stopped replica: a step it had
-    # already voted for before the stop may still commit with it, at once.
-    after_stop = [r for r in hang["steps"] if r["time"] > stop["time"] and r["step"] > stop["after_step"]
-                  and r["world_size"] < n]
+    finished = FinishedRuns(RUNS)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            progress.say(f"fault tolerant, fault-free: {n} replicas, {window:g} s")
+            finished.keep("ft_clean", run_fault_tolerant(tmp, n, window, [], HEARTBEAT_S))
+            progress.say(f"torchrun --max-restarts, fault-free: {window:g} s, checkpoint every {CHECKPOINT_EVERY} "
+                         "steps")
+            finished.keep("restart_clean", run_restart(tmp, n, window, [], CHECKPOINT_EVERY))
+            progress.say(f"fault tolerant: the last replica killed at {kill_at} s and started again")
+            ft = finished.keep("ft", run_fault_tolerant(tmp, n, window, kill_at, HEARTBEAT_S))
+            progress.say(f"torchrun --max-restarts: the last rank killed at {kill_at} s")
+            finished.keep("restart", run_restart(tmp, n, window, kill_at, CHECKPOINT_EVERY))
+        progress.say(f"fault tolerant with the last replica SIGSTOPped {STOP_AT_S:g} s in")
+        with tempfile.TemporaryDirectory() as tmp:
+            finished.keep("hang", run_fault_tolerant(tmp, n, STOP_AT_S, [], HEARTBEAT_S, stop_at_s=STOP_AT_S))
+        progress.say(f"loopback probe: {ft['heal_bytes']} bytes over Gloo, 5 times")
+        finished.keep("probe", measure_loopback(ft["heal_bytes"]) if ft["heal_bytes"] else None)
+        return analyze(finished.runs, options)
+    except Exception as error:
+        raise finished.incomplete(error) from error
+
+
+def analyze(runs: dict, options: BenchOptions) -> dict:
+    """The result's payload from the finished runs (by the names of RUNS)."""
+    every, failures, window, kill_at = _schedule(options)
+    n = options.world_size
+    ft, probe = runs["ft"], runs["probe"]
+    summaries = {name: _summarize(runs[name], window) for name in ("ft", "ft_clean", "restart", "restart_clean")}
+    hang_detect_s, hang_why = hang_detection(runs["hang"], n)
+    not_measured = {"hang_detect_s": hang_why} if hang_why else {}
     kills = [p for p in summaries["ft"]["kill_to_progress_s"] if p is not None]
     data = {
         "kill_to_commit_s": statistics.median(kills) if kills else None,
-        "hang_detect_s": after_stop[0]["time"] - stop["time"],
+        "hang_detect_s": hang_detect_s,
         "heartbeat_timeout_s": HEARTBEAT_S,
         "heal_s": ft["heal_s"],
         "heal_bytes": ft["heal_bytes"],
@@ -170,6 +210,7 @@ def run(options: BenchOptions, progress) -> dict:
         "kill_at_s": kill_at,
         "replicas": n,
         "global_batch": GLOBAL_BATCH,
+        "not_measured": not_measured,
     }
     data["targets"] = _targets(data)
     data["notes"] = [
@@ -181,10 +222,12 @@ def run(options: BenchOptions, progress) -> dict:
         f"The failure schedule asked for is a failure every {every:g} s; the shortest run with {failures} such "
         f"failures is {window:g} s, each failure half a period in ({kill_at} s).",
         f"Heartbeat timeout {HEARTBEAT_S:g} s (also the collective timeout). hang_detect_s: from SIGSTOP "
-        f"{STOP_AT_S:g} s into a separate run to the survivors' next committed step.",
+        f"{STOP_AT_S:g} s into a separate run to the survivors' first step committed without the stopped replica "
+        "(a step it voted for before it stopped may still commit with it).",
         "The four runs follow each other on a shared 2-core machine: a change of load between a run and its "
         "fault-free partner moves its goodput fraction as much as the failures do, either way (see the "
         "median step times).",
+        *(f"Not measured: {name}: {why}." for name, why in not_measured.items()),
     ]
     return data
 

@@ -4,7 +4,8 @@ ddp_ext.fault_tolerance (a coordinator process, replicas restarted one by
 one as a per-replica torchrun agent would) or restarted by one
 `torchrun --max-restarts` from checkpoints, each for a fixed time from its
 first step, with one replica SIGKILLed at given times; and one
-fault-tolerant run with a replica SIGSTOPped."""
+fault-tolerant run with a replica SIGSTOPped, which waits (at most
+STOPPED_WAIT_S) for the survivors' first step committed without it."""
 
 import json
 import os
@@ -16,6 +17,9 @@ import time
 from typing import Dict, List, Tuple
 
 DEADLINE_S = 600.0  # beyond the run's own length
+# After a SIGSTOP, how long to wait for a step committed without the stopped
+# replica: many heartbeat timeouts, far beyond any figure worth recording.
+STOPPED_WAIT_S = 60.0
 STEPS_FOREVER = 10**9  # the runs are ended by time
 
 
@@ -57,10 +61,17 @@ class _Coordinator:
 
 
 def _wait_until(predicate, what: str, deadline: float, pause: float = 0.005) -> None:
+    if not _holds_by(predicate, deadline, pause):
+        raise TimeoutError(f"recovery: timed out waiting for {what}")
+
+
+def _holds_by(predicate, deadline: float, pause: float = 0.005) -> bool:
+    """Whether `predicate` came to hold before the monotonic `deadline`."""
     while not predicate():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"recovery: timed out waiting for {what}")
+            return False
         time.sleep(pause)
+    return True
 
 
 def _latest(path: str) -> int:
@@ -76,6 +87,15 @@ def progress_at(steps: List[dict], t: float) -> int:
     return before[-1]["step"] + 1 if before else 0
 
 
+def first_commit_without(steps: List[dict], stop: dict, replicas: int):
+    """The first of r0's `steps` committed after `stop` (its time and the last
+    step committed before it) by fewer than `replicas`: without the stopped
+    replica. None if there is none yet. The first steps past the stop may
+    still carry the stopped replica's vote, cast before it stopped."""
+    return next((r for r in steps if r["time"] > stop["time"] and r["step"] > stop["after_step"]
+                 and r["world_size"] < replicas), None)
+
+
 def progress_series(steps: List[dict], t0: float, window_s: float, every_s: float = 1.0) -> List[Tuple[float, int]]:
     """(seconds since t0, committed steps held) every `every_s` over the window."""
     count = int(window_s / every_s)
@@ -87,7 +107,9 @@ def run_fault_tolerant(tmp: str, replicas: int, window_s: float, kill_at_s: List
     """Runs for `window_s` seconds from r0's first committed step; at each
     time of `kill_at_s` (seconds into the window) SIGKILLs the last replica
     and starts it again at once; with stop_at_s >= 0, SIGSTOPs it there
-    instead, once, and ends when the survivors went on."""
+    instead, once, and ends at the survivors' first step committed without
+    it (first_commit_without), or STOPPED_WAIT_S after the stop if none came:
+    the run's "stop" then says so (its "survivors_alone" is False)."""
     tmp = tempfile.mkdtemp(prefix="ft-", dir=tmp)  # this run's own files
     names = [f"r{i}" for i in range(replicas)]
     victim_id = names[-1]
@@ -119,8 +141,14 @@ def run_fault_tolerant(tmp: str, replicas: int, window_s: float, kill_at_s: List
         if stop_at_s >= 0:
             _wait_until(lambda: time.time() >= t0 + stop_at_s, f"{stop_at_s} s", deadline)
             procs[victim_id].send_signal(signal.SIGSTOP)
-            stop = {"time": time.time(), "after_step": _latest(outs["r0"])}
-            _wait_until(lambda: _latest(outs["r0"]) > stop["after_step"], "the survivors to go on", deadline)
+            stop = {"time": time.time(), "after_step": _latest(outs["r0"]), "wait_limit_s": STOPPED_WAIT_S}
+
+            def alone():
+                return first_commit_without(_steps(outs["r0"]), stop, replicas) is not None
+
+            _holds_by(lambda: alone() or procs["r0"].poll() is not None,
+                      min(deadline, time.monotonic() + STOPPED_WAIT_S), 0.05)
+            stop["survivors_alone"] = alone()
             window_s = time.time() - t0
         _wait_until(lambda: time.time() >= t0 + window_s or procs["r0"].poll() is not None, "the window's end",
                     deadline)
