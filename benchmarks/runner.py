@@ -48,7 +48,7 @@ def run_experiment(options: BenchOptions, command: str) -> dict:
     except Incomplete as incomplete:
         files = results.write_result(options.out, options.output_name + INCOMPLETE_SUFFIX,
                                      record({"runs": incomplete.runs, "not_measured": incomplete.not_measured}))
-        progress.say(f"wrote the {len(incomplete.runs)} finished run(s) to {', '.join(files[k] for k in ('json', 'samples'))}; "
+        progress.say(f"wrote the {len(incomplete.runs)} finished run(s) to {files['json']} and {files['samples']}; "
                      + _not_measured_line(incomplete.not_measured))
         raise
     data = record(payload)

@@ -17,9 +17,8 @@ run with the last replica SIGSTOPped once; then the loopback probe
 
 Figures (top-level keys of recovery.json): kill_to_commit_s (median over the
 kills: from the SIGKILL to the survivors' next committed step beyond the last
-one before it), hang_detect_s (SIGSTOP to the survivors' first commit without the stopped
-replica),
-heartbeat_timeout_s, heal_s and heal_bytes (the last replacement receiving
+one before it), hang_detect_s (SIGSTOP to the survivors' first commit
+without the stopped replica), heartbeat_timeout_s, heal_s and heal_bytes (the last replacement receiving
 the state), loopback_bytes_per_s (the probe: the heal's bytes sent once over
 Gloo on loopback, median of 5), steps_lost (committed steps the fault-tolerant
 run computed twice or lost), goodput_fraction and
@@ -40,7 +39,7 @@ from benchmarks.harness.options import BenchOptions
 from benchmarks.reporting import figures, markdown
 from benchmarks.workloads.loopback_probe import measure as measure_loopback
 from benchmarks.workloads.recovery import (first_commit_without, progress_at, progress_series, run_fault_tolerant,
-                                           run_restart)
+                                           run_restart, steps_past)
 from benchmarks.workloads.recovery_replica import GLOBAL_BATCH
 
 NAME = "recovery"
@@ -108,7 +107,7 @@ def _targets(data: dict) -> list:
          "the dead process's connections close at once: the collective raises and the coordinator drops it"
          if kills else "no kill was followed by a commit within the run"),
         (f"hung replica dropped within heartbeat timeout + 1 s ({hang_bound:g} s)",
-         f"{data['hang_detect_s']:.2f} s to the next commit" if hang is not None else "not measured",
+         f"{hang:.2f} s to the first commit without it" if hang is not None else "not measured",
          hang is not None and hang <= hang_bound,
          "the collective and the coordinator both wait out the heartbeat timeout" if hang is not None
          else data["not_measured"]["hang_detect_s"]),
@@ -147,7 +146,7 @@ def hang_detection(hang: dict, replicas: int) -> Tuple[Optional[float], Optional
     alone = first_commit_without(hang["steps"], stop, replicas)
     if alone is not None:
         return alone["time"] - stop["time"], None
-    past = [r for r in hang["steps"] if r["time"] > stop["time"] and r["step"] > stop["after_step"]]
+    past = steps_past(hang["steps"], stop)
     return None, (f"no step committed without the stopped replica within {stop['wait_limit_s']:g} s of the "
                   f"SIGSTOP; {len(past)} step(s) past it, each with all {replicas} replicas")
 

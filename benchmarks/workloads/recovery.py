@@ -87,13 +87,17 @@ def progress_at(steps: List[dict], t: float) -> int:
     return before[-1]["step"] + 1 if before else 0
 
 
+def steps_past(steps: List[dict], stop: dict) -> List[dict]:
+    """The `steps` committed after `stop` (its time, and the last step committed before it)."""
+    return [r for r in steps if r["time"] > stop["time"] and r["step"] > stop["after_step"]]
+
+
 def first_commit_without(steps: List[dict], stop: dict, replicas: int):
-    """The first of r0's `steps` committed after `stop` (its time and the last
-    step committed before it) by fewer than `replicas`: without the stopped
-    replica. None if there is none yet. The first steps past the stop may
-    still carry the stopped replica's vote, cast before it stopped."""
-    return next((r for r in steps if r["time"] > stop["time"] and r["step"] > stop["after_step"]
-                 and r["world_size"] < replicas), None)
+    """The first of `steps` past `stop` committed by fewer than `replicas`:
+    without the stopped replica. None if there is none yet. The first steps
+    past the stop may still carry the stopped replica's vote, cast before it
+    stopped."""
+    return next((r for r in steps_past(steps, stop) if r["world_size"] < replicas), None)
 
 
 def progress_series(steps: List[dict], t0: float, window_s: float, every_s: float = 1.0) -> List[Tuple[float, int]]:
