@@ -3,21 +3,21 @@
 `peak_bytes(fn)` runs `fn()` once under
 `torch.profiler.profile(activities=[CPU], profile_memory=True)`, with
 kineto's console lines off (Note [Quiet profiler] in
-benchmarks/harness/quiet_profiler.py). Every
-allocation and free by torch's CPU allocator during the call is a memory
-event carrying a signed byte count (positive allocated, negative freed);
-their running sum, in time order, is the memory the call holds above the
-level at its start, and its maximum is the call's peak. It counts tensors
-from torch's allocator only: not memory that libraries allocate themselves
-(Gloo's send and receive buffers, the Python heap). Nor does it see the
-freeing of a block allocated before the call: torch's allocator knows no
-size for it, and says so on stderr at the first such free of a process (and
-now and then after: 2 lines for 1200 frees), "Memory block of unknown size
-was allocated before the profiling started". So a call that frees 1 MiB of
-earlier tensors, then allocates 1 MiB, peaks at 1 MiB here, not 0. Profiling
-slows the call down: measure its time elsewhere. On a loaded machine a rank has been
-seen to crash (segmentation fault) inside this call, on a thread Python did
-not start: run the experiment again.
+benchmarks/harness/quiet_profiler.py). Every allocation and free by torch's
+CPU allocator during the call is a memory event carrying a signed byte count
+(positive allocated, negative freed); their running sum, in time order, is
+the memory the call holds above the level at its start, and its maximum is
+the call's peak. It counts tensors from torch's allocator only: not memory
+that libraries allocate themselves (Gloo's send and receive buffers, the
+Python heap). Nor does it see the freeing of a block allocated before the
+call: torch's allocator knows no size for it, and says so on stderr at the
+first such free of a process (and now and then after: 2 lines for 1200
+frees), "Memory block of unknown size was allocated before the profiling
+started". So a call that frees 1 MiB of earlier tensors, then allocates 1
+MiB, peaks at 1 MiB here, not 0. Profiling slows the call down: measure its
+time elsewhere. On a loaded machine a rank has been seen to crash
+(segmentation fault) inside this call, on a thread Python did not start: run
+the experiment again.
 """
 
 from typing import Callable, Iterable, Tuple

@@ -112,8 +112,8 @@ def run_fault_tolerant(tmp: str, replicas: int, window_s: float, kill_at_s: List
     time of `kill_at_s` (seconds into the window) SIGKILLs the last replica
     and starts it again at once; with stop_at_s >= 0, SIGSTOPs it there
     instead, once, and ends at the survivors' first step committed without
-    it (first_commit_without), or STOPPED_WAIT_S after the stop if none came:
-    the run's "stop" then says so (its "survivors_alone" is False)."""
+    it (first_commit_without), or STOPPED_WAIT_S after the stop if none came
+    (the analysis names the figure then missing)."""
     tmp = tempfile.mkdtemp(prefix="ft-", dir=tmp)  # this run's own files
     names = [f"r{i}" for i in range(replicas)]
     victim_id = names[-1]
@@ -152,7 +152,6 @@ def run_fault_tolerant(tmp: str, replicas: int, window_s: float, kill_at_s: List
 
             _holds_by(lambda: alone() or procs["r0"].poll() is not None,
                       min(deadline, time.monotonic() + STOPPED_WAIT_S), 0.05)
-            stop["survivors_alone"] = alone()
             window_s = time.time() - t0
         _wait_until(lambda: time.time() >= t0 + window_s or procs["r0"].poll() is not None, "the window's end",
                     deadline)

@@ -26,7 +26,7 @@ def _steps(first_step, start, count, world_size=REPLICAS):
 
 
 def _stop(after_step, at):
-    return {"time": at, "after_step": after_step, "wait_limit_s": 60.0, "survivors_alone": False}
+    return {"time": at, "after_step": after_step, "wait_limit_s": 60.0}
 
 
 def _crashed_case():
