@@ -9,6 +9,7 @@ Layout, each layer importing only those below it:
 - `workloads/`: models, data, training steps, the DDP set-ups compared, fault
   worlds and fault injection;
 - `harness/`: launching ranks (spawned, or with mpirun), interleaved
-  measurement, statistics, machine state, progress, the recording process
+  measurement, statistics, machine state, progress, finished runs kept
+  through a failure, torch's profiler kept quiet, the recording process
   group, hosts as network namespaces, and `product`, the one seam into ddp_ext's private modules.
 """

@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import sys
 import tempfile
 import time
 import traceback
@@ -56,8 +57,10 @@ def _rank_main(fn, rank, world_size, store_path, pg_timeout_s, job, results):
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
         # Exits with status 1 and its process group left as it is, as an
-        # uncaught exception leaves a training script.
-        raise
+        # uncaught exception leaves a training script. Its traceback goes
+        # back with the outcome, not to the console: a fault experiment
+        # raises in a rank on purpose, many times.
+        sys.exit(1)
     # Plain pickle: torch's multiprocessing pickler would share tensor storage
     # through file descriptors that die with this process.
     results.put((rank, True, pickle.dumps(value)))
