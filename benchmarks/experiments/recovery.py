@@ -107,7 +107,7 @@ def _targets(data: dict) -> list:
          "the dead process's connections close at once: the collective raises and the coordinator drops it"
          if kills else "no kill was followed by a commit within the run"),
         (f"hung replica dropped within heartbeat timeout + 1 s ({hang_bound:g} s)",
-         f"{hang:.2f} s to the first commit without it" if hang is not None else "not measured",
+         f"{hang:.2f} s to the next commit" if hang is not None else "not measured",
          hang is not None and hang <= hang_bound,
          "the collective and the coordinator both wait out the heartbeat timeout" if hang is not None
          else data["not_measured"]["hang_detect_s"]),
