@@ -5,7 +5,8 @@ by the reducer.
 Their .grad are views into one flat buffer. When the hooked parameter's
 gradient arrives, the buffer is averaged with an asynchronous allreduce, and
 the end of the backward pass waits for it, so the optimizer never reads a
-half-reduced gradient.
+half-reduced gradient. It reduces over the wrapper's group of the moment:
+`_update_process_group` moves it with the reducer (`rebind`).
 """
 
 from typing import List, Optional
@@ -32,6 +33,10 @@ class DelayedAllReduce:
         # Broadcast regardless of init_sync, as torch's DDP does.
         _C.broadcast_coalesced(process_group, [p.detach() for p in params], chunk_bytes, 0)
         self._handle = hooked_param.register_hook(self.start)
+
+    def rebind(self, process_group) -> None:
+        """Reduce over `process_group` from the next backward on."""
+        self.process_group = process_group
 
     def start(self, grad):
         self.buffer.div_(self.process_group.size())

@@ -435,7 +435,10 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
                     "while buckets of the last backward are still being reduced for the forward overlap "
                     "(overlap_optimizer(..., overlap_forward=True)): call ddp.finish_forward_tail() first")
             self.process_group = new_process_group
-            self.reducer._update_process_group(new_process_group)
+            if self.reducer is not None:  # None when every parameter's allreduce is delayed
+                self.reducer._update_process_group(new_process_group)
+            if self._delayed is not None:
+                self._delayed.rebind(new_process_group)
             self._bind()
             self._attach_watchers()
             self._tuning.restart()
