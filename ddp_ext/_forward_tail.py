@@ -39,6 +39,8 @@ from typing import Dict, List, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ddp_ext._hyperparameters import of_group
+
 # What holding the first layers' buckets aims at: the forward is about a
 # third of a step's computation (the backward about two thirds), so when
 # communication takes about as long as computation, about a third of the
@@ -128,7 +130,7 @@ class ForwardTail:
     def owe(self) -> None:
         """The user's step ran without the pending parameters."""
         self.owed = True
-        self.hyperparameters = [_hyperparameters(group) for group in self.overlap.optimizer.param_groups]
+        self.hyperparameters = [of_group(group) for group in self.overlap.optimizer.param_groups]
 
     def zero_later(self, set_to_none: bool) -> None:
         self.zero_to_none = bool(self.zero_to_none) or set_to_none
@@ -149,7 +151,8 @@ class ForwardTail:
                 return
             self.overlap.step_owed(members, self.hyperparameters)
             if self.zero_to_none is not None:
-                _zero(members, self.zero_to_none)
+                # optimizer.zero_grad() reaches the parameters of its groups only.
+                _zero(self.overlap.in_groups(members), self.zero_to_none)
         finally:
             self.finishing = False
 
@@ -209,11 +212,6 @@ def _compiled(module) -> bool:
     from torch._dynamo import eval_frame
 
     return eval_frame._is_in_optimized_module() or isinstance(module, eval_frame.OptimizedModule)
-
-
-def _hyperparameters(group: dict) -> dict:
-    return {key: value.clone() if isinstance(value, torch.Tensor) else value
-            for key, value in group.items() if key != "params"}
 
 
 def _zero(params: List[torch.Tensor], set_to_none: bool) -> None:

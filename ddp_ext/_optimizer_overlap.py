@@ -44,6 +44,36 @@ parameters (a later bucket's hook may run while an earlier bucket is
 stepped); torch's hooks that step parameters themselves (ZeRO's, the fused
 optimizers') are refused.
 
+Note [Hyperparameters fixed at the backward]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A bucket stepped inside the backward is stepped with its group's values
+(lr, weight_decay, betas, momentum, any key) as they are then; a plain step
+uses them as they are at optimizer.step(). A change in between (a warm-up
+written as `g["lr"] = ...` just before the step, a scheduler stepped before
+the optimizer) cannot be undone in the steps already applied, so it is
+refused: the groups (the dicts) and copies of their values are kept at the
+backward's first stepped bucket, and optimizer.step() raises, before
+stepping anything, if a group was removed or replaced or a value differs.
+The first synchronising backward steps nothing (Note [Gradients edited
+before the step]), so a loop that changes them every iteration is refused
+there with nothing applied. A group added since (add_param_group) is no
+change: its parameters were in no group, so the backward stepped none of
+them, and optimizer.step() steps them with the new group's values, as a
+plain step does (pending ones, Note [Stepping in the next forward], with
+the values of that step). Changes after optimizer.step() (an LR scheduler's
+step) reach the next backward's steps, as they reach the next plain step.
+
+The check is local, with no collective. A loop changes its groups from
+what every rank shares (the iteration, a schedule), so every rank finds the
+same change at the same step and raises the same error. A change made on
+some ranks only trains the replicas apart in the plain loop as well (torch's
+DDP is silent about it): there the ranks that made it raise, and the others,
+whose steps used values that did not change, are exact and go on to their
+next collective, which cannot complete without the ranks that stopped (the
+hang diagnosis names them, docs/DIAGNOSIS.md). Agreeing on it at every step
+would cost a collective per optimizer.step() for a loop that is wrong
+without the overlap too.
+
 Note [Gradients edited before the step]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Clipping by the global norm, GradScaler (unscaling, skipping a step with
@@ -75,6 +105,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from ddp_ext._forward_tail import ForwardTail
 from ddp_ext._gradient_edits import GradientEdits
+from ddp_ext._hyperparameters import GroupValues
 
 _MAX_NAMED = 5
 _CALLERS_SEARCHED = 3  # GradScaler.step, then _maybe_opt_step, call optimizer.step()
@@ -275,6 +306,8 @@ class OptimizerOverlap:
         self.probing = True  # the first synchronising backward steps nothing: the same Note
         self.step_chunk_bytes = STEP_CHUNK_BYTES  # Note [Stepping in chunks]
         self.backward_reduced = False  # a synchronising backward reduced buckets since the last step
+        # The groups' values when that backward stepped: Note [Hyperparameters fixed at the backward].
+        self.stepped_with: Optional[GroupValues] = None
         # Where each parameter is in param_groups, by id: (group, position);
         # recomputed when the groups change (load_state_dict, add_param_group).
         self._places: Dict[int, Tuple[int, int]] = {}
@@ -356,6 +389,8 @@ class OptimizerOverlap:
         bucket = {id(p): p for p in (self.params[i] for i in indices) if id(p) in places}
         if not bucket:
             return
+        if not self.backward_reduced:
+            self.stepped_with = GroupValues(self.optimizer.param_groups)
         self.backward_reduced = True
         if any(key in self.reduced for key in bucket):
             # This backward writes the gradients back all the same: not an edit of the user's.
@@ -386,6 +421,10 @@ class OptimizerOverlap:
                 _unhooked_step(self.optimizer)()
             yield chunk
 
+    def in_groups(self, params: List[torch.Tensor]) -> List[torch.Tensor]:
+        places = self._placed()
+        return [p for p in params if id(p) in places]
+
     def step_owed(self, params: List[torch.Tensor], hyperparameters: List[dict]) -> None:
         """Steps pending parameters whose bucket is now reduced, as the
         user's step would have (Note [Stepping in the next forward])."""
@@ -398,6 +437,24 @@ class OptimizerOverlap:
             return " Nothing was stepped."
         return (f" The backward had stepped {len(self.stepped)} parameters already with the gradients as reduced; "
                 "the others were not stepped.")
+
+    def _refuse_changed_hyperparameters(self) -> None:
+        """Note [Hyperparameters fixed at the backward]."""
+        changes = self.stepped_with.changes(self.optimizer.param_groups) if self.stepped_with is not None else []
+        if not changes:
+            return
+        if self.stepped:
+            applied = (f" The backward had stepped {len(self.stepped)} parameters already, with the values as they "
+                       "stood then (before each arrow); those steps are applied, and this optimizer.step() stepped "
+                       "nothing.")
+        else:
+            applied = " Nothing was stepped."
+        raise RuntimeError(_error(
+            self.rank, f"found the optimizer's param groups changed between backward() and optimizer.step(): "
+            f"{_named(changes)}. With overlap_optimizer the backward steps each bucket's parameters as soon as it "
+            f"is reduced, with the param groups' values as they are then.{applied} Set learning rates and other "
+            "group values before the backward (before the forward, say), or use an LR scheduler whose step() is "
+            "called after optimizer.step()."))
 
     def _placed(self) -> Dict[int, Tuple[int, int]]:
         groups = self.optimizer.param_groups
@@ -425,10 +482,12 @@ class OptimizerOverlap:
                 self.rank, f"found the gradients of {_named(names)} changed between backward() and "
                 f"optimizer.step(), by clipping (clip_grad_norm_) or another change. "
                 f"{_EDITS_LOST}{self._applied()}"))
+        self._refuse_changed_hyperparameters()
         if self.probing and self.backward_reduced and self.tail is not None:
             self.tail.start()
         self.probing = self.probing and not self.backward_reduced
         self.backward_reduced = False
+        self.stepped_with = None
         self.reduced.forget()
         stepped, self.stepped = self.stepped, {}
         pending = self.tail.pending if self.tail is not None else {}

@@ -27,7 +27,7 @@ import torch
 
 from tests.optimizer.overlap_support import (SMALL_BUCKETS, assert_trained_alike, backward, raised,
                                              trained_three_ways)
-from tests.optimizer.test_optimizer_overlap import _optimizer, _optimizer_state
+from tests.optimizer.test_optimizer_overlap import _optimizer, _optimizer_state, add_first_group, warm_up_lr
 from tests.support import models, reference
 from tests.support.harness import CaseTable, assert_states_bitwise
 
@@ -43,6 +43,8 @@ class Run:
     checkpoint_at: int = -1
     reads: bool = False  # reads parameters and gradients between the step and the next forward
     fraction: Any = True
+    lr_before_backward: bool = False  # each group's lr set by hand every step, after the forward
+    add_group_at: int = -1  # the first layer's group added between this step's backward and step
 
     @property
     def id(self) -> str:
@@ -57,6 +59,10 @@ class Run:
             parts.append("reads")
         if self.fraction is not True:
             parts.append(f"fraction{self.fraction}")
+        if self.lr_before_backward:
+            parts.append("lr_before_backward")
+        if self.add_group_at >= 0:
+            parts.append(f"add_group{self.add_group_at}")
         return "-".join(parts)
 
 
@@ -76,6 +82,9 @@ RUNS += [
     run("mlp", "sgd", checkpoint_at=2, fraction=0.5),
     run("deep", "adamw_foreach", checkpoint_at=3),
     run("deep", "adam_foreach", reads=True),
+    # Note [Hyperparameters fixed at the backward] in ddp_ext/_optimizer_overlap.py.
+    run("deep", "adamw_foreach", lr_before_backward=True),
+    run("deep", "sgd", add_group_at=2),
 ]
 
 
@@ -83,7 +92,7 @@ def _setup(c: Run, wrapper: str, overlap: bool, seed: int):
     module = models.build(c.model, seed)
     kwargs = dict(c.ddp)
     ddp = reference.torch_ddp(module, **kwargs) if wrapper == "torch" else reference.ext_ddp(module, **kwargs)
-    optimizer = _optimizer(c.optimizer, module)
+    optimizer = _optimizer(c.optimizer, module, first_group=c.add_group_at < 0)
     if overlap:
         ddp.overlap_optimizer(optimizer, overlap_forward=c.fraction)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
@@ -126,7 +135,12 @@ def _train(rank: int, world_size: int, c: Run, wrapper: str, overlap: bool) -> D
                 output = ddp(*args)
                 if overlap and micro == 0:
                     pending_after_forward.append(len(ddp._optimizer_overlap.tail.pending))
+                if c.lr_before_backward:
+                    for number, group in enumerate(optimizer.param_groups):
+                        group["lr"] = warm_up_lr(step, number)
                 spec.loss(output, target).backward()
+        if step == c.add_group_at:
+            add_first_group(optimizer, module)
         optimizer.step()
         if overlap:
             pending_after_step.append(len(ddp._optimizer_overlap.tail.pending))
