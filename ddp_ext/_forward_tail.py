@@ -11,9 +11,11 @@ optimizer.step() leaves them out and owes them their step, which is taken
 when something first reads one of them, normally the next forward's first
 layers. A parameter ends up exactly as with a plain step because:
  - every read of a pending parameter or of its .grad waits for its bucket
-   first: a torch function mode (pushed when the line is made, on that
-   thread; it passes calls through while nothing is pending) sees each call
-   that takes the parameter, and each read or write of its .grad or .data.
+   first: a torch function mode sees each call that takes the parameter,
+   and each read or write of its .grad or .data. It is on the stack of the
+   thread that runs the loop only from the end of a forward whose backward
+   will leave buckets pending until none is (Note [The mode only while
+   pending]).
    The forward's layers, state_dict(), an evaluation forward, torch.save,
    an EMA update, clipping, all wait. The end of each forward finishes the
    rest (parameters the forward did not read), before the next backward
@@ -30,6 +32,30 @@ layers. A parameter ends up exactly as with a plain step because:
    finish everything first.
 What the mode cannot see is refused or documented: another thread reading
 parameters while a bucket is pending, and C++ code reading them directly.
+
+Note [The mode only while pending]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Every torch call on a thread whose stack holds a torch function mode pays a
+Python dispatch, pending or not; so the mode is on the stack only around
+the buckets a backward leaves pending. The backward learns which it leaves,
+but cannot push the mode: autograd's engine restores the thread's torch
+function stack as it was when the backward began, so whatever the backward
+pushes is gone when it returns. So the mode is pushed at the end of each
+synchronising forward once the overlap has started (its backward defers
+buckets), and taken off at the end of a forward that leaves nothing
+pending (an evaluation forward, a forward inside no_sync), at the start of
+a forward that finds nothing pending, or as soon as finish_forward_tail,
+state_dict() or load_state_dict() finish the last bucket. In a training
+loop it stays from one synchronising forward to the next; everything else
+(evaluation, inference, the first iteration, what follows the last
+finish_forward_tail) runs without it. It goes under the modes already on
+the stack, not on top: a `with` block's exit pops whatever is on top, so a
+mode the user entered before the forward and leaves after it would
+otherwise pop ours. A mode left by a wrapper dropped while it was on
+the stack passes calls through, and goes when another wrapper pushes its
+own. It comes off wherever it is in the stack, but not from
+inside its own handler (torch takes a mode off the stack while its handler
+runs and puts it back after), nor from another thread.
 """
 
 import threading
@@ -102,12 +128,13 @@ class ForwardTail:
         # lets what reads their parameters finish them.
         self.reducer = None
         self.mode = _PendingReads(weakref.ref(self))
-        self.thread = threading.get_ident()
-        torch._C._push_on_torch_function_stack(self.mode)
+        self.thread: Optional[int] = None  # the thread whose stack holds the mode, while it does
+        self.started = False  # the reducer defers buckets
 
     def start(self) -> None:
         """From the next backward on, the first layers' buckets are deferred."""
         self._ddp().reducer._set_forward_tail(self.fraction)
+        self.started = True
 
     def after_backward_bucket(self) -> None:
         """Called with each bucket the backward steps: the first time after a
@@ -146,6 +173,7 @@ class ForwardTail:
             self.reducer._finish_deferred(bucket)
             if not self.buckets:
                 self.reducer = None
+                self._release()
             if not self.owed:
                 self.overlap.reduced.remember(members)  # now as any reduced gradient
                 return
@@ -167,15 +195,47 @@ class ForwardTail:
         if self.pending and (_compiled(module) or threading.get_ident() != self.thread
                              or not self._mode_on_stack()):
             self.finish_all()
+        if self.thread is not None and not self.pending:
+            self._release()
 
     def _mode_on_stack(self) -> bool:
         stack = torch._C._len_torch_function_stack()
         return any(torch._C._get_function_stack_at(i) is self.mode for i in range(stack))
 
-    def forward_done(self) -> None:
-        """The end of a forward: what it did not read is finished now."""
+    def _push(self) -> None:
+        """Puts the mode on this thread's stack, under the modes there: Note [The mode only while pending]."""
+        if self.thread == threading.get_ident() and self._mode_on_stack():
+            return
+        above = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
+        torch._C._push_on_torch_function_stack(self.mode)
+        for mode in reversed(above):
+            if not (isinstance(mode, _PendingReads) and mode.tail_ref() is None):  # a dropped wrapper's
+                torch._C._push_on_torch_function_stack(mode)
+        self.thread = threading.get_ident()
+
+    def _release(self) -> None:
+        """Takes the mode off its thread's stack, where it can: the same Note."""
+        if self.thread != threading.get_ident() or self.pending or not self._mode_on_stack():
+            return
+        above = []
+        while True:
+            mode = torch._C._pop_torch_function_stack()
+            if mode is self.mode:
+                break
+            above.append(mode)
+        for mode in reversed(above):
+            torch._C._push_on_torch_function_stack(mode)
+        self.thread = None
+
+    def forward_done(self, synchronising: bool) -> None:
+        """The end of a forward: what it did not read is finished now. Before
+        a synchronising backward that defers buckets, the mode is pushed."""
         self.finish_all()
         self.looked = False
+        if synchronising and self.started:
+            self._push()
+        else:
+            self._release()
 
     def on_call(self, func, args, kwargs) -> None:
         if getattr(func, "__name__", None) in ("__get__", "__set__", "__delete__"):

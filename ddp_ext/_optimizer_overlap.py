@@ -362,10 +362,10 @@ class OptimizerOverlap:
         if self.tail is not None:
             self.tail.forward_begins(module)
 
-    def forward_done(self) -> None:
+    def forward_done(self, synchronising: bool) -> None:
         """The end of the wrapper's forward (before the next backward can reuse a bucket)."""
         if self.tail is not None:
-            self.tail.forward_done()
+            self.tail.forward_done(synchronising)
 
     def finish_forward_tail(self) -> None:
         if self.tail is not None:

@@ -360,9 +360,9 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
             self._clear_grad_buffer()
             return output
         flags = self._flags  # see _pre_forward
-        if self._optimizer_overlap is not None:
-            self._optimizer_overlap.forward_done()  # Note [Stepping in the next forward]
         grad_enabled = torch.is_grad_enabled()
+        if self._optimizer_overlap is not None:  # Note [Stepping in the next forward]
+            self._optimizer_overlap.forward_done(grad_enabled and flags.backward)
         search_unused = self._settings.find_unused_parameters and not flags.static_graph
         learning = False
         if grad_enabled and self._layer_drop:
