@@ -34,7 +34,7 @@ because:
    first bucket, before anything is stepped.
 The per-bucket step calls the optimizer class's step without the step hooks
 of torch.optim (a pre- or post-hook would run once per bucket): an
-optimizer with step hooks is refused.
+optimizer with step hooks (other than the overlap's own) is refused.
 
 With a communication hook (compression, PowerSGD, ddp_ext's adaptive
 precision) a bucket's .grad are what the hook's future returned, written
@@ -95,7 +95,6 @@ optimizer that handles scaling itself (fused) is seen by the grad_scale
 attribute it sets on the optimizer before stepping.
 """
 
-import contextlib
 import sys
 import types
 from typing import Dict, List, Optional, Tuple
@@ -108,7 +107,9 @@ from ddp_ext._gradient_edits import GradientEdits
 from ddp_ext._hyperparameters import GroupValues
 
 _MAX_NAMED = 5
-_CALLERS_SEARCHED = 3  # GradScaler.step, then _maybe_opt_step, call optimizer.step()
+# Above the step pre-hook: torch.optim's step wrapper, maybe an LR
+# scheduler's, then GradScaler's _maybe_opt_step.
+_CALLERS_SEARCHED = 4
 
 
 def _error(rank: int, what: str) -> str:
@@ -120,9 +121,10 @@ def _named(names: List[str]) -> str:
     return shown + (f" and {len(names) - _MAX_NAMED} more" if len(names) > _MAX_NAMED else "")
 
 
-def _hooked_step_refusal(optimizer) -> str:
+def _hooked_step_refusal(optimizer, own: Optional[int] = None) -> str:
+    """Why `optimizer`'s step hooks (but the overlap's own pre-hook, of handle id `own`) are refused."""
     hooks = []
-    if optimizer._optimizer_step_pre_hooks or _global_optimizer_pre_hooks:
+    if any(key != own for key in optimizer._optimizer_step_pre_hooks) or _global_optimizer_pre_hooks:
         hooks.append("pre-hooks")
     if optimizer._optimizer_step_post_hooks or _global_optimizer_post_hooks:
         hooks.append("post-hooks")
@@ -192,34 +194,44 @@ def check(ddp, optimizer) -> None:
             "the others with an optimizer of their own."))
 
 
-@contextlib.contextmanager
-def _narrowed(optimizer, per_group: Dict[int, List[torch.Tensor]], hyperparameters: Optional[List[dict]] = None):
-    """The optimizer's param_groups narrowed to `per_group[i]` for group i
-    (none where absent), the groups left empty out, with
-    `hyperparameters[i]` for group i where given; everything restored
-    after. Yields whether any parameter is left."""
-    groups = optimizer.param_groups
-    saved = [group["params"] for group in groups]
-    current = [] if hyperparameters is None else [{key: group[key] for key in given}
-                                                   for group, given in zip(groups, hyperparameters)]
-    try:
-        for number, group in enumerate(groups):
-            if hyperparameters is not None:
-                group.update(hyperparameters[number])
-            group["params"] = per_group.get(number, [])
-        optimizer.param_groups = [group for group in groups if group["params"]]
-        yield bool(optimizer.param_groups)
-    finally:
-        optimizer.param_groups = groups
-        for group, params in zip(groups, saved):
-            group["params"] = params
-        for group, values in zip(groups, current):
-            group.update(values)
+# Note [Stepping a view of the optimizer]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The overlap steps subsets of the parameters: a bucket in the backward,
+# the parameters left to optimizer.step(), the pending ones with the values
+# of an earlier step. It never changes the user's optimizer for that: it
+# steps a view, an object of the optimizer's class sharing its attributes
+# (state, defaults, hooks) but with param_groups of its own, copies of the
+# groups with the subset as their parameters (and the given values), the
+# groups with none left out. The optimizer's steps write per-parameter
+# state into the shared `state`, so the view's step is the optimizer's.
+# (A value an optimizer wrote into its group during the step would be lost
+# with the copy; torch.optim's do not write any.) optimizer.step() itself
+# is not replaced: the overlap's step pre-hook hands torch.optim's step
+# wrapper the view in place of the optimizer, so the hooks and the LR
+# scheduler's count run as usual, and nothing is left to restore if the
+# step raises. The pre-hook does nothing for a view (a subclass's step that
+# calls super().step() runs the hooks again, with the view).
+
+
+def _view(optimizer, per_group: Dict[int, List[torch.Tensor]], hyperparameters: Optional[List[dict]] = None):
+    """`optimizer` with group i's parameters `per_group[i]` (groups with none
+    left out), and `hyperparameters[i]`'s values where given: Note [Stepping
+    a view of the optimizer]."""
+    view = object.__new__(type(optimizer))
+    view.__dict__.update(optimizer.__dict__)
+    groups = []
+    for number, group in enumerate(optimizer.param_groups):
+        params = per_group.get(number)
+        if params:
+            values = hyperparameters[number] if hyperparameters is not None and number < len(hyperparameters) else {}
+            groups.append({**group, **values, "params": params})
+    view.param_groups = groups
+    return view
 
 
 def _unhooked_step(optimizer):
     """The optimizer class's step without torch.optim's hook-running wrapper
-    (Optimizer._patch_step_function), bound to `optimizer`."""
+    (Optimizer._patch_step_function), bound to `optimizer` (a view)."""
     step = type(optimizer).step
     if getattr(step, "hooked", False):
         step = step.__wrapped__
@@ -270,7 +282,7 @@ def _called_by_grad_scaler(optimizer) -> bool:
     bumping their versions), or it set the scale on a fused optimizer."""
     if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
         return True
-    frame = sys._getframe(2)  # above finish_step and the step that calls it
+    frame = sys._getframe(2)  # above the step pre-hook
     for _ in range(_CALLERS_SEARCHED):
         if frame is None:
             return False
@@ -312,17 +324,8 @@ class OptimizerOverlap:
         # recomputed when the groups change (load_state_dict, add_param_group).
         self._places: Dict[int, Tuple[int, int]] = {}
         self._places_of = None
-        self._user_step = optimizer.step
-        overlap = self
-
-        def step(opt, *args, **kwargs):
-            return overlap.finish_step(args, kwargs)
-
-        # A bound method, as LR schedulers expect (they wrap optimizer.step's
-        # __func__); still marked as a scheduler's when one wrapped it before.
-        if hasattr(self._user_step, "_wrapped_by_lr_sched"):
-            step._wrapped_by_lr_sched = True
-        optimizer.step = types.MethodType(step, optimizer)
+        # Note [Stepping a view of the optimizer].
+        self._step_hook = optimizer.register_step_pre_hook(self.before_step)
         optimizer._ddp_ext_overlapped = True
         ddp._hooks.backward_steps = True
         ddp.reducer._set_bucket_step(self.step_bucket)
@@ -332,31 +335,33 @@ class OptimizerOverlap:
             self._wrap_for_tail(optimizer)
 
     def _wrap_for_tail(self, optimizer) -> None:
-        """zero_grad() leaves pending gradients to their steps; state_dict()
-        and load_state_dict() finish every pending step first."""
+        """state_dict() and load_state_dict() finish every pending step first
+        (their pre-hooks); zero_grad() leaves pending gradients to their
+        steps (Note [zero_grad replaced])."""
         tail, user_zero_grad = self.tail, optimizer.zero_grad
-        user_state_dict, user_load_state_dict = optimizer.state_dict, optimizer.load_state_dict
+        optimizer.register_state_dict_pre_hook(lambda opt: tail.finish_all())
+        optimizer.register_load_state_dict_pre_hook(lambda opt, state: tail.finish_all())
 
+        # Note [zero_grad replaced]
+        # ~~~~~~~~~~~~~~~~~~~~~~~~~
+        # torch.optim has no hook on zero_grad, and a plain zero_grad() reads
+        # every gradient, pending ones included: each read would wait for its
+        # bucket, and the forward overlap would be gone. So the optimizer's
+        # zero_grad is replaced (an attribute of the instance): while steps
+        # are owed it zeroes a view without the pending parameters (Note
+        # [Stepping a view of the optimizer]) and leaves them to be zeroed
+        # right after their step; otherwise it is the user's zero_grad.
         def zero_grad(opt, set_to_none: bool = True):
             if not (tail.pending and tail.owed):
                 return user_zero_grad(set_to_none)
+            if getattr(user_zero_grad, "__self__", None) is not opt:
+                return user_zero_grad(set_to_none)  # someone's wrapper: it reads, and so finishes, everything
             tail.zero_later(set_to_none)
             rest = {number: [p for p in group["params"] if id(p) not in tail.pending]
                     for number, group in enumerate(opt.param_groups)}
-            with _narrowed(opt, rest):
-                return user_zero_grad(set_to_none)
-
-        def state_dict(opt):
-            tail.finish_all()
-            return user_state_dict()
-
-        def load_state_dict(opt, state):
-            tail.finish_all()
-            return user_load_state_dict(state)
+            return user_zero_grad.__func__(_view(opt, rest), set_to_none)
 
         optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
-        optimizer.state_dict = types.MethodType(state_dict, optimizer)
-        optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)
 
     def forward_begins(self, module) -> None:
         if self.tail is not None:
@@ -375,7 +380,7 @@ class OptimizerOverlap:
         """What was checked at overlap_optimizer but may have been added
         since: step hooks. (A communication hook that steps parameters is
         refused when it is registered: CommHooks.register.)"""
-        refusal = _hooked_step_refusal(self.optimizer)
+        refusal = _hooked_step_refusal(self.optimizer, own=self._step_hook.id)
         if refusal:
             raise RuntimeError(_error(self.rank, refusal))
 
@@ -417,8 +422,7 @@ class OptimizerOverlap:
                 per_group.setdefault(number, []).append((position, p))
             in_order = {number: [p for _, p in sorted(pairs, key=lambda pair: pair[0])]
                         for number, pairs in per_group.items()}
-            with _narrowed(self.optimizer, in_order, hyperparameters):
-                _unhooked_step(self.optimizer)()
+            _unhooked_step(_view(self.optimizer, in_order, hyperparameters))()
             yield chunk
 
     def in_groups(self, params: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -465,10 +469,13 @@ class OptimizerOverlap:
             self._places_of = layout
         return self._places
 
-    def finish_step(self, args, kwargs):
-        """The user's optimizer.step(): steps the parameters no backward
-        stepped since the last call (all of them when none did)."""
-        if any(a is not None for a in args) or any(v is not None for v in kwargs.values()):
+    def before_step(self, optimizer, args, kwargs):
+        """The step pre-hook of the user's optimizer.step(): it steps the
+        parameters no backward stepped since the last call (all of them when
+        none did), through a view handed on in place of the optimizer."""
+        if optimizer is not self.optimizer:
+            return None  # a view: Note [Stepping a view of the optimizer]
+        if any(a is not None for a in args[1:]) or any(v is not None for v in kwargs.values()):
             raise ValueError(_error(
                 self.rank, "runs optimizer.step() without a closure only (a closure would run backward, and "
                 "step buckets, from inside the step)."))
@@ -494,17 +501,11 @@ class OptimizerOverlap:
         if pending:
             self.tail.owe()  # Note [Stepping in the next forward]
         if not stepped and not pending:
-            return self._user_step()
+            return None
         rest = {number: [p for p in group["params"] if id(p) not in stepped and id(p) not in pending]
                 for number, group in enumerate(self.optimizer.param_groups)}
-        if not any(rest.values()):
-            # Nothing left (the usual case): no empty step. What an LR
-            # scheduler's wrapper of the user's step would record, recorded.
-            if hasattr(self._user_step, "_wrapped_by_lr_sched"):
-                self.optimizer._opt_called = True
-            return None
-        with _narrowed(self.optimizer, rest):
-            return self._user_step()
+        # Nothing left, the usual case: the view has no group, and its step does nothing.
+        return (_view(self.optimizer, rest), *args[1:]), kwargs
 
 
 # --- torch.distributed.optim._apply_optimizer_in_backward ----------------------------
