@@ -60,12 +60,10 @@ runs and puts it back after), nor from another thread.
 
 import threading
 import weakref
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
-
-from ddp_ext._hyperparameters import of_group
 
 # What holding the first layers' buckets aims at: the forward is about a
 # third of a step's computation (the backward about two thirds), so when
@@ -90,37 +88,39 @@ def fraction(overlap_forward) -> float:
                      f"not {overlap_forward!r}")
 
 
-def refusal(ddp) -> Optional[str]:
-    """Why the forward cannot be overlapped with this wrapper, or None."""
-    devices = {p.device.type for p in ddp._module_parameters}
+def refusal(parameters, gradient_as_bucket_view: bool, layer_drop: bool, hooks: bool) -> Optional[str]:
+    """Why the forward cannot be overlapped with a wrapper of these
+    parameters, settings and communication hooks (any registered), or None."""
+    devices = {p.device.type for p in parameters}
     if devices != {"cpu"}:
         return (f"overlaps the next forward for a module on the CPU only (this one is on {sorted(devices)}): "
                 "use overlap_forward=False")
-    if ddp._settings.gradient_as_bucket_view:
+    if gradient_as_bucket_view:
         return ("cannot overlap the next forward with gradient_as_bucket_view=True: each .grad is its bucket, "
                 "still being reduced when the backward returns")
-    if ddp._layer_drop:
+    if layer_drop:
         return "cannot overlap the next forward with layer dropping"
-    if ddp._hooks.registered:
+    if hooks:
         return ("cannot overlap the next forward with a communication hook: a hook may rely on the buckets "
                 "arriving in order (PowerSGD ends its iteration at the last one)")
     return None
 
 
 class ForwardTail:
-    """The buckets one wrapper's backward left on the wire, and when their
-    parameters are stepped. Owned by the wrapper's OptimizerOverlap; holds
-    the wrapper weakly (the reducer holds the overlap's bucket step)."""
+    """The buckets one wrapper's backward left on the wire, and the mode that
+    finishes them when their parameters are read. Knows nothing of the
+    optimizer: `on_finished(parameters)` is told of each bucket finished (its
+    gradients written back). Holds the reducer weakly, but while buckets are
+    pending (the reducer holds the overlap's bucket step)."""
 
-    def __init__(self, ddp, overlap, fraction: float):
-        self._ddp = weakref.ref(ddp)
-        self.overlap = overlap
+    def __init__(self, reducer, params: List[torch.Tensor], fraction: float,
+                 on_finished: Callable[[List[torch.Tensor]], None]):
+        self._reducer = weakref.ref(reducer)
+        self.params = params  # the reducer's, in its order
         self.fraction = fraction
+        self.on_finished = on_finished
         self.pending: Dict[int, int] = {}  # id(parameter) -> its deferred bucket
         self.buckets: Dict[int, List[torch.Tensor]] = {}  # deferred bucket -> its parameters
-        self.owed = False  # the user's step ran: the pending parameters are stepped when finished
-        self.hyperparameters: Optional[List[dict]] = None  # the groups' at that step
-        self.zero_to_none: Optional[bool] = None  # a zero_grad() after that step
         self.looked = False  # asked the reducer for deferred buckets since the last forward
         self.finishing = False
         self.finished_on_read = 0  # buckets finished by a read (the rest by finish_all)
@@ -133,34 +133,23 @@ class ForwardTail:
 
     def start(self) -> None:
         """From the next backward on, the first layers' buckets are deferred."""
-        self._ddp().reducer._set_forward_tail(self.fraction)
+        self._reducer()._set_forward_tail(self.fraction)
         self.started = True
 
-    def after_backward_bucket(self) -> None:
+    def after_backward_bucket(self) -> bool:
         """Called with each bucket the backward steps: the first time after a
-        forward, learns which buckets the backward deferred."""
+        forward, learns which buckets the backward deferred, and says so."""
         if self.looked:
-            return
+            return False
         self.looked = True
-        params = self.overlap.params
-        self.reducer = self._ddp().reducer
+        self.reducer = self._reducer()
         for bucket, indices in self.reducer._deferred_buckets():
-            members = [params[i] for i in indices]
+            members = [self.params[i] for i in indices]
             self.buckets[bucket] = members
             self.pending.update((id(p), bucket) for p in members)
-        self.owed = False
-        self.hyperparameters = None
-        self.zero_to_none = None
         if not self.buckets:
             self.reducer = None
-
-    def owe(self) -> None:
-        """The user's step ran without the pending parameters."""
-        self.owed = True
-        self.hyperparameters = [of_group(group) for group in self.overlap.optimizer.param_groups]
-
-    def zero_later(self, set_to_none: bool) -> None:
-        self.zero_to_none = bool(self.zero_to_none) or set_to_none
+        return True
 
     def finish(self, bucket: int) -> None:
         members = self.buckets.pop(bucket, None)
@@ -174,13 +163,7 @@ class ForwardTail:
             if not self.buckets:
                 self.reducer = None
                 self._release()
-            if not self.owed:
-                self.overlap.reduced.remember(members)  # now as any reduced gradient
-                return
-            self.overlap.step_owed(members, self.hyperparameters)
-            if self.zero_to_none is not None:
-                # optimizer.zero_grad() reaches the parameters of its groups only.
-                _zero(self.overlap.in_groups(members), self.zero_to_none)
+            self.on_finished(members)
         finally:
             self.finishing = False
 
@@ -272,16 +255,3 @@ def _compiled(module) -> bool:
     from torch._dynamo import eval_frame
 
     return eval_frame._is_in_optimized_module() or isinstance(module, eval_frame.OptimizedModule)
-
-
-def _zero(params: List[torch.Tensor], set_to_none: bool) -> None:
-    """What optimizer.zero_grad() does to these parameters' gradients."""
-    for p in params:
-        if set_to_none:
-            p.grad = None
-        elif p.grad is not None:
-            if p.grad.grad_fn is not None:
-                p.grad.detach_()
-            else:
-                p.grad.requires_grad_(False)
-            p.grad.zero_()

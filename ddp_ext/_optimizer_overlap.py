@@ -16,9 +16,10 @@ because:
    nothing else writes .grad before `opt.step()` (the user must not either:
    no clipping, unscaling or editing of gradients between backward and
    step).
- - the step of a subset is the step of its parameters: `opt`'s param_groups
-   are narrowed, for the duration of the step, to the parameters of the
-   bucket (each group keeps its hyperparameters, lr included), and
+ - the step of a subset is the step of its parameters: the bucket is
+   stepped through a view of `opt` whose groups hold the bucket's
+   parameters only, each with its group's hyperparameters, lr included
+   (Note [Stepping a view of the optimizer]), and
    torch.optim's optimizers (all but LBFGS, which needs a closure) update
    each parameter from its own gradient and state alone, so splitting the
    parameters between calls changes no bit. An optimizer that mixes
@@ -104,7 +105,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from ddp_ext._forward_tail import ForwardTail
 from ddp_ext._gradient_edits import GradientEdits
-from ddp_ext._hyperparameters import GroupValues
+from ddp_ext._hyperparameters import GroupValues, of_group
 
 _MAX_NAMED = 5
 # Above the step pre-hook: torch.optim's step wrapper, maybe an LR
@@ -116,12 +117,12 @@ def _error(rank: int, what: str) -> str:
     return f"DistributedDataParallel on rank {rank}: overlap_optimizer {what}"
 
 
-def _named(names: List[str]) -> str:
+def shown_names(names: List[str]) -> str:
     shown = ", ".join(names[:_MAX_NAMED])
     return shown + (f" and {len(names) - _MAX_NAMED} more" if len(names) > _MAX_NAMED else "")
 
 
-def _hooked_step_refusal(optimizer, own: Optional[int] = None) -> str:
+def hooked_step_refusal(optimizer, own: Optional[int] = None) -> str:
     """Why `optimizer`'s step hooks (but the overlap's own pre-hook, of handle id `own`) are refused."""
     hooks = []
     if any(key != own for key in optimizer._optimizer_step_pre_hooks) or _global_optimizer_pre_hooks:
@@ -136,62 +137,6 @@ def _hooked_step_refusal(optimizer, own: Optional[int] = None) -> str:
         "backward steps each bucket separately, so a hook would run once per bucket. Remove the hooks, or "
         "step without overlap_optimizer."
     )
-
-
-def _comm_hook_refusal(ddp) -> str:
-    if not ddp._hooks.stepping:
-        return ""
-    return (
-        f"cannot overlap the optimizer with a communication hook that steps parameters itself registered "
-        f"({'; '.join(ddp._hooks.stepping)}): ZeroRedundancyOptimizer's and _register_fused_optim's hooks step "
-        "each bucket's parameters once it is reduced, so they would be stepped twice. Use one or the other."
-    )
-
-
-def check(ddp, optimizer) -> None:
-    """Raises, before anything is installed, if `optimizer` cannot be
-    overlapped with `ddp`'s reduction exactly. The same on every rank that
-    built the same wrapper and optimizer."""
-    rank = ddp.process_group.rank()
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(_error(rank, f"needs a torch.optim.Optimizer, got {type(optimizer).__name__}"))
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError(_error(
-            rank, "cannot overlap torch.optim.LBFGS: its step needs a closure that runs forward and backward "
-            "again, and mixes every parameter's gradient in one line search."))
-    if ddp.reducer is None:
-        raise ValueError(_error(
-            rank, "has no bucket to step: every parameter is in delay_all_reduce_named_params, reduced after "
-            "the backward."))
-    if ddp._optimizer_overlap is not None:
-        raise RuntimeError(_error(rank, "was called already on this wrapper; it takes one optimizer, once."))
-    if getattr(optimizer, "_ddp_ext_overlapped", False):
-        raise RuntimeError(_error(rank, "was called already with this optimizer (on another wrapper)."))
-    if ddp.mixed_precision is not None:
-        raise ValueError(_error(
-            rank, "does not support mixed_precision: the backward's gradients belong to the cast copies."))
-    if has_optimizers_in_backward(ddp._module_parameters):
-        raise RuntimeError(_error(
-            rank, "cannot be used with optimizers applied in backward "
-            "(torch.distributed.optim._apply_optimizer_in_backward): use one or the other."))
-    for refusal in (_comm_hook_refusal(ddp), _hooked_step_refusal(optimizer)):
-        if refusal:
-            raise RuntimeError(_error(rank, refusal))
-    reduced = {id(p) for _, p in ddp._params.named(ddp.module)}
-    names = {id(p): name for name, p in ddp.module.named_parameters()}
-    foreign = []
-    for number, group in enumerate(optimizer.param_groups):
-        for p in group["params"]:
-            if p.requires_grad and id(p) not in reduced:
-                foreign.append(f"{names.get(id(p), 'a parameter of shape ' + str(tuple(p.shape)))} "
-                               f"(param group {number})")
-    if foreign:
-        raise ValueError(_error(
-            rank, f"cannot step parameters the wrapper does not reduce in buckets: {_named(foreign)}. Each is "
-            "outside the wrapped module, in parameters_to_ignore or in delay_all_reduce_named_params, so no "
-            "bucket's reduction says when its gradient is final. Give overlap_optimizer an optimizer over the "
-            "wrapper's reduced parameters only (frozen parameters, requires_grad=False, may stay), and step "
-            "the others with an optimizer of their own."))
 
 
 # Note [Stepping a view of the optimizer]
@@ -297,18 +242,20 @@ def _left_out():
 
 
 class OptimizerOverlap:
-    """One wrapper's overlapped optimizer. Holds no reference to the wrapper:
-    the reducer holds `step_bucket`. A pickled or deep-copied wrapper has none
-    (its reducer is new): it pickles as None."""
+    """One wrapper's overlapped optimizer: steps the buckets the reducer
+    hands it, and the rest at optimizer.step(). Given the reducer, the
+    optimizer, the reducer's parameters and the settings; holds neither the
+    wrapper nor the reducer (the reducer holds `step_bucket`). A pickled or
+    deep-copied wrapper has none (its reducer is new): it pickles as None."""
 
     def __reduce__(self):
         return (_left_out, ())
 
-    def __init__(self, ddp, optimizer, overlap_forward: float = 0.0):
-        self.rank = ddp.process_group.rank()
+    def __init__(self, reducer, optimizer, named: List[Tuple[str, torch.Tensor]], rank: int,
+                 overlap_forward: float = 0.0):
+        """`named`: the reducer's parameters, in its order (its indices)."""
+        self.rank = rank
         self.optimizer = optimizer
-        # The reducer's parameter indices (ddp_ext/_reducer_factory.py builds it from the same list).
-        named = list(ddp._params.named(ddp.module))
         self.params = [p for _, p in named]
         self.names = {id(p): name for name, p in named}
         # Stepped by a backward since the last optimizer.step(), by id.
@@ -327,10 +274,13 @@ class OptimizerOverlap:
         # Note [Stepping a view of the optimizer].
         self._step_hook = optimizer.register_step_pre_hook(self.before_step)
         optimizer._ddp_ext_overlapped = True
-        ddp._hooks.backward_steps = True
-        ddp.reducer._set_bucket_step(self.step_bucket)
-        # See Note [Stepping in the next forward] in ddp_ext/_forward_tail.py.
-        self.tail = ForwardTail(ddp, self, overlap_forward) if overlap_forward else None
+        reducer._set_bucket_step(self.step_bucket)
+        # See Note [Stepping in the next forward] in ddp_ext/_forward_tail.py: the
+        # tail holds the buckets; what their parameters owe is kept here.
+        self.tail = ForwardTail(reducer, self.params, overlap_forward, self._finished) if overlap_forward else None
+        self.owed = False  # optimizer.step() ran: the pending parameters are stepped when finished
+        self.owed_values: Optional[List[dict]] = None  # the groups' values at that step
+        self.zero_to_none: Optional[bool] = None  # a zero_grad() after that step
         if self.tail is not None:
             self._wrap_for_tail(optimizer)
 
@@ -338,7 +288,7 @@ class OptimizerOverlap:
         """state_dict() and load_state_dict() finish every pending step first
         (their pre-hooks); zero_grad() leaves pending gradients to their
         steps (Note [zero_grad replaced])."""
-        tail, user_zero_grad = self.tail, optimizer.zero_grad
+        tail, user_zero_grad, overlap = self.tail, optimizer.zero_grad, self
         optimizer.register_state_dict_pre_hook(lambda opt: tail.finish_all())
         optimizer.register_load_state_dict_pre_hook(lambda opt, state: tail.finish_all())
 
@@ -352,11 +302,11 @@ class OptimizerOverlap:
         # [Stepping a view of the optimizer]) and leaves them to be zeroed
         # right after their step; otherwise it is the user's zero_grad.
         def zero_grad(opt, set_to_none: bool = True):
-            if not (tail.pending and tail.owed):
+            if not (tail.pending and overlap.owed):
                 return user_zero_grad(set_to_none)
             if getattr(user_zero_grad, "__self__", None) is not opt:
                 return user_zero_grad(set_to_none)  # someone's wrapper: it reads, and so finishes, everything
-            tail.zero_later(set_to_none)
+            overlap.zero_to_none = bool(overlap.zero_to_none) or set_to_none
             rest = {number: [p for p in group["params"] if id(p) not in tail.pending]
                     for number, group in enumerate(opt.param_groups)}
             return user_zero_grad.__func__(_view(opt, rest), set_to_none)
@@ -376,19 +326,40 @@ class OptimizerOverlap:
         if self.tail is not None:
             self.tail.finish_all()
 
+    @property
+    def overlaps_forward(self) -> bool:
+        return self.tail is not None
+
+    def check_regroup(self) -> None:
+        """Raises if the process group may not change now: buckets are still on the wire."""
+        if self.tail is not None and self.tail.pending:
+            raise RuntimeError(
+                f"DistributedDataParallel on rank {self.rank} cannot change its process group while buckets of the "
+                "last backward are still being reduced for the forward overlap (overlap_optimizer(..., "
+                "overlap_forward=True)): call ddp.finish_forward_tail() first")
+
+    def _finished(self, members: List[torch.Tensor]) -> None:
+        """The tail finished a bucket of these parameters: their gradients are written back."""
+        if not self.owed:
+            self.reduced.remember(members)  # now as any reduced gradient
+            return
+        self.step_owed(members, self.owed_values)
+        if self.zero_to_none is not None:
+            _zero(self.in_groups(members), self.zero_to_none)  # zero_grad() reaches its groups only
+
     def _refuse_if_changed(self) -> None:
         """What was checked at overlap_optimizer but may have been added
         since: step hooks. (A communication hook that steps parameters is
         refused when it is registered: CommHooks.register.)"""
-        refusal = _hooked_step_refusal(self.optimizer, own=self._step_hook.id)
+        refusal = hooked_step_refusal(self.optimizer, own=self._step_hook.id)
         if refusal:
             raise RuntimeError(_error(self.rank, refusal))
 
     def step_bucket(self, indices: List[int]) -> None:
         """Called by the reducer, without its lock, when the bucket of these
         parameters has been reduced and written back."""
-        if self.tail is not None:
-            self.tail.after_backward_bucket()
+        if self.tail is not None and self.tail.after_backward_bucket():
+            self.owed, self.owed_values, self.zero_to_none = False, None, None
         self._refuse_if_changed()
         places = self._placed()
         bucket = {id(p): p for p in (self.params[i] for i in indices) if id(p) in places}
@@ -455,7 +426,7 @@ class OptimizerOverlap:
             applied = " Nothing was stepped."
         raise RuntimeError(_error(
             self.rank, f"found the optimizer's param groups changed between backward() and optimizer.step(): "
-            f"{_named(changes)}. With overlap_optimizer the backward steps each bucket's parameters as soon as it "
+            f"{shown_names(changes)}. With overlap_optimizer the backward steps each bucket's parameters as soon as it "
             f"is reduced, with the param groups' values as they are then.{applied} Set learning rates and other "
             "group values before the backward (before the forward, say), or use an LR scheduler whose step() is "
             "called after optimizer.step()."))
@@ -486,7 +457,7 @@ class OptimizerOverlap:
         if edited:
             names = [self.names.get(id(p), f"a parameter of shape {tuple(p.shape)}") for p in edited]
             raise RuntimeError(_error(
-                self.rank, f"found the gradients of {_named(names)} changed between backward() and "
+                self.rank, f"found the gradients of {shown_names(names)} changed between backward() and "
                 f"optimizer.step(), by clipping (clip_grad_norm_) or another change. "
                 f"{_EDITS_LOST}{self._applied()}"))
         self._refuse_changed_hyperparameters()
@@ -498,8 +469,9 @@ class OptimizerOverlap:
         self.reduced.forget()
         stepped, self.stepped = self.stepped, {}
         pending = self.tail.pending if self.tail is not None else {}
-        if pending:
-            self.tail.owe()  # Note [Stepping in the next forward]
+        if pending:  # Note [Stepping in the next forward]
+            self.owed = True
+            self.owed_values = [of_group(group) for group in self.optimizer.param_groups]
         if not stepped and not pending:
             return None
         rest = {number: [p for p in group["params"] if id(p) not in stepped and id(p) not in pending]
@@ -508,78 +480,14 @@ class OptimizerOverlap:
         return (_view(self.optimizer, rest), *args[1:]), kwargs
 
 
-# --- torch.distributed.optim._apply_optimizer_in_backward ----------------------------
-#
-# Note [Optimizers applied in backward]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# _apply_optimizer_in_backward gives each parameter optimizers of its own
-# (param._in_backward_optimizers) and hooks that step them as soon as the
-# parameter's gradient is accumulated. Under torch's DDP (its
-# _setup_in_backward_optimizers, at the first forward) the hooks of the
-# wrapper's parameters are removed, and a communication hook steps each
-# bucket's parameters once the bucket is reduced, with .grad set to the
-# bucket's gradient (zeros for a parameter no rank used); at the end of the
-# backward those parameters' .grad are None. ddp_ext does the same through
-# the bucket step (Note [Stepping reduced buckets] in
-# reducer/core/bucket_steps.cpp), without a communication hook: the step of
-# each bucket runs when the backward ends, bucket after bucket as each is
-# reduced, and the hook's wait inside the backward is gone. Parameters not
-# reduced by the wrapper (parameters_to_ignore) keep torch's own hooks.
-
-
-def has_optimizers_in_backward(parameters) -> bool:
-    return any(hasattr(p, "_in_backward_optimizers") for p in parameters)
-
-
-class _InBackwardSteps:
-    """The bucket step for optimizers applied in backward."""
-
-    def __init__(self, params):
-        self.params = params  # the reducer's parameter indices
-
-    def __call__(self, indices: List[int]) -> None:
-        for i in indices:
-            p = self.params[i]
-            optimizers = getattr(p, "_in_backward_optimizers", None)
-            if not optimizers:
-                continue
-            if p.grad is None:
-                # Used by no rank: torch's hook steps it with the bucket's zeros.
-                p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
-            for optimizer in optimizers:
-                optimizer.step()
-            p.grad = None
-
-
-def setup_in_backward_optimizers(ddp) -> bool:
-    """At the first forward (torch's DDP._setup_in_backward_optimizers): if
-    parameters of the wrapper have optimizers applied in backward, removes
-    their own hooks and steps them from the bucket step instead. Returns
-    whether it did. Raises, before anything is changed, where that cannot be
-    done exactly."""
-    params = ddp._module_parameters
-    if not has_optimizers_in_backward(params):
-        return False
-    rank = ddp.process_group.rank()
-    what = "cannot apply optimizers in backward (torch.distributed.optim._apply_optimizer_in_backward) "
-    if ddp._optimizer_overlap is not None:
-        raise RuntimeError(f"DistributedDataParallel on rank {rank} {what}and overlap_optimizer together: use one "
-                           "or the other.")
-    if ddp._comm_hooks:
-        names = "; ".join(name for name, _ in ddp._comm_hooks)
-        raise RuntimeError(
-            f"DistributedDataParallel on rank {rank} {what}with a communication hook registered ({names}), as "
-            "torch's DDP cannot either (it registers a hook of its own for them).")
-    if ddp.mixed_precision is not None:
-        raise RuntimeError(f"DistributedDataParallel on rank {rank} {what}with mixed_precision, as torch's DDP "
-                           "cannot either.")
-    if ddp.reducer is None:
-        raise RuntimeError(f"DistributedDataParallel on rank {rank} {what}when every parameter is in "
-                           "delay_all_reduce_named_params.")
-    from torch.distributed.optim import apply_optimizer_in_backward as in_backward
-
+def _zero(params: List[torch.Tensor], set_to_none: bool) -> None:
+    """What optimizer.zero_grad() does to these parameters' gradients."""
     for p in params:
-        for handle in in_backward.param_to_optim_hook_handle_map.get(p, []):
-            handle.remove()
-    ddp.reducer._set_bucket_step(_InBackwardSteps([p for _, p in ddp._params.named(ddp.module)]))
-    return True
+        if set_to_none:
+            p.grad = None
+        elif p.grad is not None:
+            if p.grad.grad_fn is not None:
+                p.grad.detach_()
+            else:
+                p.grad.requires_grad_(False)
+            p.grad.zero_()
