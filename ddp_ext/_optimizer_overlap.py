@@ -350,7 +350,7 @@ class OptimizerOverlap:
     def _refuse_if_changed(self) -> None:
         """What was checked at overlap_optimizer but may have been added
         since: step hooks. (A communication hook that steps parameters is
-        refused when it is registered: CommHooks.register.)"""
+        refused when it is registered: BackwardSteps.check_stepping_hook.)"""
         refusal = hooked_step_refusal(self.optimizer, own=self._step_hook.id)
         if refusal:
             raise RuntimeError(_error(self.rank, refusal))
