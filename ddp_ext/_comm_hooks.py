@@ -5,14 +5,13 @@ Note [Communication hooks] in comm_hooks/comm_hook.h for how they run."""
 
 import hashlib
 import inspect
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.distributed as dist
 
 from ddp_ext import _C, _model_check
 from ddp_ext._bound import Bound
-from ddp_ext._optimizer_overlap import has_optimizers_in_backward
 from ddp_ext.compression import AdaptivePrecision, adaptive_precision_hook
 
 
@@ -57,41 +56,18 @@ class CommHooks(Bound):
     runs at its first forward. A copy starts with none (the default
     reduction): hooks hold process groups and state that do not travel."""
 
-    def __init__(self, reducer, group, device, module_parameters, logging, tuning):
+    def __init__(self, reducer, group, device, logging, tuning, backward_steps):
         self.device = device
-        self.module_parameters = module_parameters
         self.logging = logging  # LoggingData: errors are recorded there, as torch's
         self.tuning = tuning  # CapTuning: a stateful hook stops it
+        self.backward_steps = backward_steps  # BackwardSteps: admits a hook that steps parameters
         self.registered: List[tuple] = []
-        self.stepping: List[str] = []  # the names of registered hooks that step parameters themselves
-        self.backward_steps = False  # overlap_optimizer: the backward steps parameters itself
         self.first_forward_done = False  # torch's _lazy_init_ran
         self.store_key = None  # where the peers meet in the store (ddp_ext/_diagnosis)
-        self.in_backward_set_up = False  # see Note [Optimizers applied in backward] in ddp_ext/_optimizer_overlap.py
-        self.steps_refused: Optional[str] = None  # why nothing may step parameters in the backward
         self.bind(reducer, group)
 
     def __getstate__(self) -> dict:
-        return {**super().__getstate__(), "registered": [], "stepping": [], "backward_steps": False,
-                "steps_refused": None}
-
-    def refuse_backward_steps(self, because: str) -> None:
-        """From now on nothing may step parameters inside the backward:
-        overlap_optimizer, a hook that steps them, optimizers applied in
-        backward. `because` ends the error; raises it at once where one
-        is in place already."""
-        self.steps_refused = because
-        in_place = ("overlap_optimizer" if self.backward_steps else
-                    self.stepping[0] if self.stepping else
-                    "optimizers applied in backward" if has_optimizers_in_backward(self.module_parameters) else None)
-        if in_place:
-            self.check_backward_steps(in_place)
-
-    def check_backward_steps(self, what: str) -> None:
-        """Raises if `what`, which steps parameters inside the backward, is refused here."""
-        if self.steps_refused:
-            raise ValueError(f"DistributedDataParallel on rank {self.process_group.rank()} cannot step parameters "
-                             f"inside the backward ({what}): {self.steps_refused}")
+        return {**super().__getstate__(), "registered": []}
 
     def check(self, hook) -> None:
         try:
@@ -107,15 +83,10 @@ class CommHooks(Bound):
         future's value is the reduced buffer). Once only, between iterations."""
         self.check(hook)
         if steps_parameters(hook):
-            self.check_backward_steps(hook_name(hook))
-        if self.backward_steps and steps_parameters(hook):
-            raise RuntimeError(
-                f"DistributedDataParallel on rank {self.process_group.rank()}: cannot register "
-                f"{hook_name(hook)}, which steps parameters itself, after overlap_optimizer: the parameters would be "
-                "stepped twice. Use one or the other.")
+            self.backward_steps.check_stepping_hook(hook_name(hook))
         self._install(self._native_hook(state, hook), hook_name(hook), state)
         if steps_parameters(hook):
-            self.stepping.append(hook_name(hook))
+            self.backward_steps.stepping_hook_installed(hook_name(hook))
 
     def register_builtin(self, comm_hook_type) -> None:
         """A C++ hook that runs without the GIL: ALLREDUCE or FP16_COMPRESS."""
@@ -144,19 +115,9 @@ class CommHooks(Bound):
     def first_forward(self) -> None:
         """At the first forward, which every rank runs (a rank that joins
         before it runs it from its Join hook)."""
-        self.check_no_optimizer_in_backward()
+        self.backward_steps.check_no_optimizer_in_backward()
         self.agree()
         self.first_forward_done = True
-
-    def check_no_optimizer_in_backward(self) -> None:
-        if self.in_backward_set_up:
-            return
-        if has_optimizers_in_backward(self.module_parameters):
-            raise NotImplementedError(
-                "ddp_ext.DistributedDataParallel does not support optimizers applied in backward "
-                "(torch.distributed.optim._apply_optimizer_in_backward); step the optimizer after "
-                "backward, or use _register_fused_optim."
-            )
 
     def agree(self) -> None:
         """Raises the same RuntimeError on every rank when the ranks

@@ -5,6 +5,7 @@ collaborator that owns it (listed in ddp_ext/distributed.py), or one of
 torch's few methods that need no state of their own (scatter, gather,
 train). A mixin of DistributedDataParallel only."""
 
+import contextlib
 from typing import List, Optional
 
 import torch
@@ -14,7 +15,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel.distributed import DistributedDataParallel as TorchDistributedDataParallel
 from torch.nn.parallel.scatter_gather import gather as _gather, scatter_kwargs as _scatter_kwargs
 
-from ddp_ext import _forward_tail, _optimizer_overlap, _parameters, _pickling, hierarchy
+from ddp_ext import _forward_tail, _parameters, _pickling, hierarchy
 from ddp_ext._buffer_sync import BROADCAST_CHUNK_BYTES
 from ddp_ext._comm_hooks import register_fused_optim
 from ddp_ext._delayed_all_reduce import DelayedAllReduce
@@ -71,6 +72,16 @@ class DelegatedNames:
         nn.Module.train(self, mode)
         return self
 
+    @contextlib.contextmanager
+    @torch._disable_dynamo(recursive=False)
+    def _inside_ddp_forward(self):
+        previous = TorchDistributedDataParallel._active_ddp_module
+        TorchDistributedDataParallel._active_ddp_module = self
+        try:
+            yield
+        finally:
+            TorchDistributedDataParallel._active_ddp_module = previous
+
     @classmethod
     def _get_active_ddp_module(cls):
         """The DDP module whose forward is running (torch.compile's DDPOptimizer
@@ -125,7 +136,7 @@ class DelegatedNames:
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs):
-        if self._optimizer_overlap is not None and self._optimizer_overlap.tail is not None:
+        if self._optimizer_overlap is not None and self._optimizer_overlap.overlaps_forward:
             raise RuntimeError(
                 f"DistributedDataParallel on rank {self.process_group.rank()} cannot join uneven inputs with "
                 "overlap_optimizer(..., overlap_forward=True): a joined rank shadows the buckets in the plain "
@@ -148,19 +159,19 @@ class DelegatedNames:
     register_comm_hook = delegate("_hooks", "register")
     _register_builtin_comm_hook = delegate("_hooks", "register_builtin")
     _check_comm_hook = delegate("_hooks", "check")
-    _refuse_backward_steps = delegate("_hooks", "refuse_backward_steps")
     _comm_hooks = field("_hooks", "registered")
     _lazy_init = delegate("_hooks", "first_forward")
     _lazy_init_ran = field("_hooks", "first_forward_done")
 
+    # --- what steps parameters inside the backward: ddp_ext/_backward_steps.py ---
+
+    _refuse_backward_steps = delegate("_backward_steps", "refuse")
+
     def _setup_in_backward_optimizers(self) -> None:
         """torch's name: optimizers applied in backward step from the reduced
-        buckets (Note [Optimizers applied in backward] in ddp_ext/_optimizer_overlap.py)."""
-        if _optimizer_overlap.has_optimizers_in_backward(self._module_parameters):
-            self._hooks.check_backward_steps("optimizers applied in backward")
-        if _optimizer_overlap.setup_in_backward_optimizers(self):
-            self._hooks.in_backward_set_up = True
-        self._hooks.check_no_optimizer_in_backward()
+        buckets (Note [Optimizers applied in backward] in ddp_ext/_backward_steps.py)."""
+        self._backward_steps.setup_in_backward_optimizers(self._hooks.registered)
+        self._backward_steps.check_no_optimizer_in_backward()
 
     def _register_fused_optim(self, optim: type, *args, optim_params=None, **kwargs) -> None:
         """Steps `optim` on each bucket as soon as it is reduced (torch's overlapped optimizers)."""
@@ -181,13 +192,9 @@ class DelegatedNames:
         forward first reads them. Results are bitwise those of a plain
         `optimizer.step()` after backward. Call between iterations, once. See
         docs/OPTIMIZER_OVERLAP.md."""
-        held = _forward_tail.fraction(overlap_forward)
-        self._hooks.check_backward_steps("overlap_optimizer")
-        _optimizer_overlap.check(self, optimizer)
-        refusal = _forward_tail.refusal(self) if held else None
-        if refusal:
-            raise ValueError(f"DistributedDataParallel.overlap_optimizer on rank {self.process_group.rank()} {refusal}")
-        self._optimizer_overlap = _optimizer_overlap.OptimizerOverlap(self, optimizer, held)
+        refusal = _forward_tail.refusal(self._module_parameters, self._settings.gradient_as_bucket_view,
+                                        self._layer_drop, bool(self._hooks.registered))
+        self._optimizer_overlap = self._backward_steps.overlap_optimizer(optimizer, overlap_forward, refusal)
 
     def finish_forward_tail(self) -> None:
         """ddp_ext only. With overlap_optimizer(..., overlap_forward=True):

@@ -11,9 +11,11 @@ optimizer.step() leaves them out and owes them their step, which is taken
 when something first reads one of them, normally the next forward's first
 layers. A parameter ends up exactly as with a plain step because:
  - every read of a pending parameter or of its .grad waits for its bucket
-   first: a torch function mode (pushed when the line is made, on that
-   thread; it passes calls through while nothing is pending) sees each call
-   that takes the parameter, and each read or write of its .grad or .data.
+   first: a torch function mode sees each call that takes the parameter,
+   and each read or write of its .grad or .data. It is on the stack of the
+   thread that runs the loop only from the end of a forward whose backward
+   will leave buckets pending until none is (Note [The mode only while
+   pending]).
    The forward's layers, state_dict(), an evaluation forward, torch.save,
    an EMA update, clipping, all wait. The end of each forward finishes the
    rest (parameters the forward did not read), before the next backward
@@ -30,11 +32,35 @@ layers. A parameter ends up exactly as with a plain step because:
    finish everything first.
 What the mode cannot see is refused or documented: another thread reading
 parameters while a bucket is pending, and C++ code reading them directly.
+
+Note [The mode only while pending]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Every torch call on a thread whose stack holds a torch function mode pays a
+Python dispatch, pending or not; so the mode is on the stack only around
+the buckets a backward leaves pending. The backward learns which it leaves,
+but cannot push the mode: autograd's engine restores the thread's torch
+function stack as it was when the backward began, so whatever the backward
+pushes is gone when it returns. So the mode is pushed at the end of each
+synchronising forward once the overlap has started (its backward defers
+buckets), and taken off at the end of a forward that leaves nothing
+pending (an evaluation forward, a forward inside no_sync), at the start of
+a forward that finds nothing pending, or as soon as finish_forward_tail,
+state_dict() or load_state_dict() finish the last bucket. In a training
+loop it stays from one synchronising forward to the next; everything else
+(evaluation, inference, the first iteration, what follows the last
+finish_forward_tail) runs without it. It goes under the modes already on
+the stack, not on top: a `with` block's exit pops whatever is on top, so a
+mode the user entered before the forward and leaves after it would
+otherwise pop ours. A mode left by a wrapper dropped while it was on
+the stack passes calls through, and goes when another wrapper pushes its
+own. It comes off wherever it is in the stack, but not from
+inside its own handler (torch takes a mode off the stack while its handler
+runs and puts it back after), nor from another thread.
 """
 
 import threading
 import weakref
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -62,37 +88,39 @@ def fraction(overlap_forward) -> float:
                      f"not {overlap_forward!r}")
 
 
-def refusal(ddp) -> Optional[str]:
-    """Why the forward cannot be overlapped with this wrapper, or None."""
-    devices = {p.device.type for p in ddp._module_parameters}
+def refusal(parameters, gradient_as_bucket_view: bool, layer_drop: bool, hooks: bool) -> Optional[str]:
+    """Why the forward cannot be overlapped with a wrapper of these
+    parameters, settings and communication hooks (any registered), or None."""
+    devices = {p.device.type for p in parameters}
     if devices != {"cpu"}:
         return (f"overlaps the next forward for a module on the CPU only (this one is on {sorted(devices)}): "
                 "use overlap_forward=False")
-    if ddp._settings.gradient_as_bucket_view:
+    if gradient_as_bucket_view:
         return ("cannot overlap the next forward with gradient_as_bucket_view=True: each .grad is its bucket, "
                 "still being reduced when the backward returns")
-    if ddp._layer_drop:
+    if layer_drop:
         return "cannot overlap the next forward with layer dropping"
-    if ddp._hooks.registered:
+    if hooks:
         return ("cannot overlap the next forward with a communication hook: a hook may rely on the buckets "
                 "arriving in order (PowerSGD ends its iteration at the last one)")
     return None
 
 
 class ForwardTail:
-    """The buckets one wrapper's backward left on the wire, and when their
-    parameters are stepped. Owned by the wrapper's OptimizerOverlap; holds
-    the wrapper weakly (the reducer holds the overlap's bucket step)."""
+    """The buckets one wrapper's backward left on the wire, and the mode that
+    finishes them when their parameters are read. Knows nothing of the
+    optimizer: `on_finished(parameters)` is told of each bucket finished (its
+    gradients written back). Holds the reducer weakly, but while buckets are
+    pending (the reducer holds the overlap's bucket step)."""
 
-    def __init__(self, ddp, overlap, fraction: float):
-        self._ddp = weakref.ref(ddp)
-        self.overlap = overlap
+    def __init__(self, reducer, params: List[torch.Tensor], fraction: float,
+                 on_finished: Callable[[List[torch.Tensor]], None]):
+        self._reducer = weakref.ref(reducer)
+        self.params = params  # the reducer's, in its order
         self.fraction = fraction
+        self.on_finished = on_finished
         self.pending: Dict[int, int] = {}  # id(parameter) -> its deferred bucket
         self.buckets: Dict[int, List[torch.Tensor]] = {}  # deferred bucket -> its parameters
-        self.owed = False  # the user's step ran: the pending parameters are stepped when finished
-        self.hyperparameters: Optional[List[dict]] = None  # the groups' at that step
-        self.zero_to_none: Optional[bool] = None  # a zero_grad() after that step
         self.looked = False  # asked the reducer for deferred buckets since the last forward
         self.finishing = False
         self.finished_on_read = 0  # buckets finished by a read (the rest by finish_all)
@@ -100,38 +128,28 @@ class ForwardTail:
         # lets what reads their parameters finish them.
         self.reducer = None
         self.mode = _PendingReads(weakref.ref(self))
-        self.thread = threading.get_ident()
-        torch._C._push_on_torch_function_stack(self.mode)
+        self.thread: Optional[int] = None  # the thread whose stack holds the mode, while it does
+        self.started = False  # the reducer defers buckets
 
     def start(self) -> None:
         """From the next backward on, the first layers' buckets are deferred."""
-        self._ddp().reducer._set_forward_tail(self.fraction)
+        self._reducer()._set_forward_tail(self.fraction)
+        self.started = True
 
-    def after_backward_bucket(self) -> None:
+    def after_backward_bucket(self) -> bool:
         """Called with each bucket the backward steps: the first time after a
-        forward, learns which buckets the backward deferred."""
+        forward, learns which buckets the backward deferred, and says so."""
         if self.looked:
-            return
+            return False
         self.looked = True
-        params = self.overlap.params
-        self.reducer = self._ddp().reducer
+        self.reducer = self._reducer()
         for bucket, indices in self.reducer._deferred_buckets():
-            members = [params[i] for i in indices]
+            members = [self.params[i] for i in indices]
             self.buckets[bucket] = members
             self.pending.update((id(p), bucket) for p in members)
-        self.owed = False
-        self.hyperparameters = None
-        self.zero_to_none = None
         if not self.buckets:
             self.reducer = None
-
-    def owe(self) -> None:
-        """The user's step ran without the pending parameters."""
-        self.owed = True
-        self.hyperparameters = [_hyperparameters(group) for group in self.overlap.optimizer.param_groups]
-
-    def zero_later(self, set_to_none: bool) -> None:
-        self.zero_to_none = bool(self.zero_to_none) or set_to_none
+        return True
 
     def finish(self, bucket: int) -> None:
         members = self.buckets.pop(bucket, None)
@@ -144,12 +162,8 @@ class ForwardTail:
             self.reducer._finish_deferred(bucket)
             if not self.buckets:
                 self.reducer = None
-            if not self.owed:
-                self.overlap.reduced.remember(members)  # now as any reduced gradient
-                return
-            self.overlap.step_owed(members, self.hyperparameters)
-            if self.zero_to_none is not None:
-                _zero(members, self.zero_to_none)
+                self._release()
+            self.on_finished(members)
         finally:
             self.finishing = False
 
@@ -164,15 +178,47 @@ class ForwardTail:
         if self.pending and (_compiled(module) or threading.get_ident() != self.thread
                              or not self._mode_on_stack()):
             self.finish_all()
+        if self.thread is not None and not self.pending:
+            self._release()
 
     def _mode_on_stack(self) -> bool:
         stack = torch._C._len_torch_function_stack()
         return any(torch._C._get_function_stack_at(i) is self.mode for i in range(stack))
 
-    def forward_done(self) -> None:
-        """The end of a forward: what it did not read is finished now."""
+    def _push(self) -> None:
+        """Puts the mode on this thread's stack, under the modes there: Note [The mode only while pending]."""
+        if self.thread == threading.get_ident() and self._mode_on_stack():
+            return
+        above = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
+        torch._C._push_on_torch_function_stack(self.mode)
+        for mode in reversed(above):
+            if not (isinstance(mode, _PendingReads) and mode.tail_ref() is None):  # a dropped wrapper's
+                torch._C._push_on_torch_function_stack(mode)
+        self.thread = threading.get_ident()
+
+    def _release(self) -> None:
+        """Takes the mode off its thread's stack, where it can: the same Note."""
+        if self.thread != threading.get_ident() or self.pending or not self._mode_on_stack():
+            return
+        above = []
+        while True:
+            mode = torch._C._pop_torch_function_stack()
+            if mode is self.mode:
+                break
+            above.append(mode)
+        for mode in reversed(above):
+            torch._C._push_on_torch_function_stack(mode)
+        self.thread = None
+
+    def forward_done(self, synchronising: bool) -> None:
+        """The end of a forward: what it did not read is finished now. Before
+        a synchronising backward that defers buckets, the mode is pushed."""
         self.finish_all()
         self.looked = False
+        if synchronising and self.started:
+            self._push()
+        else:
+            self._release()
 
     def on_call(self, func, args, kwargs) -> None:
         if getattr(func, "__name__", None) in ("__get__", "__set__", "__delete__"):
@@ -209,21 +255,3 @@ def _compiled(module) -> bool:
     from torch._dynamo import eval_frame
 
     return eval_frame._is_in_optimized_module() or isinstance(module, eval_frame.OptimizedModule)
-
-
-def _hyperparameters(group: dict) -> dict:
-    return {key: value.clone() if isinstance(value, torch.Tensor) else value
-            for key, value in group.items() if key != "params"}
-
-
-def _zero(params: List[torch.Tensor], set_to_none: bool) -> None:
-    """What optimizer.zero_grad() does to these parameters' gradients."""
-    for p in params:
-        if set_to_none:
-            p.grad = None
-        elif p.grad is not None:
-            if p.grad.grad_fn is not None:
-                p.grad.detach_()
-            else:
-                p.grad.requires_grad_(False)
-            p.grad.zero_()

@@ -16,9 +16,10 @@ because:
    nothing else writes .grad before `opt.step()` (the user must not either:
    no clipping, unscaling or editing of gradients between backward and
    step).
- - the step of a subset is the step of its parameters: `opt`'s param_groups
-   are narrowed, for the duration of the step, to the parameters of the
-   bucket (each group keeps its hyperparameters, lr included), and
+ - the step of a subset is the step of its parameters: the bucket is
+   stepped through a view of `opt` whose groups hold the bucket's
+   parameters only, each with its group's hyperparameters, lr included
+   (Note [Stepping a view of the optimizer]), and
    torch.optim's optimizers (all but LBFGS, which needs a closure) update
    each parameter from its own gradient and state alone, so splitting the
    parameters between calls changes no bit. An optimizer that mixes
@@ -34,7 +35,7 @@ because:
    first bucket, before anything is stepped.
 The per-bucket step calls the optimizer class's step without the step hooks
 of torch.optim (a pre- or post-hook would run once per bucket): an
-optimizer with step hooks is refused.
+optimizer with step hooks (other than the overlap's own) is refused.
 
 With a communication hook (compression, PowerSGD, ddp_ext's adaptive
 precision) a bucket's .grad are what the hook's future returned, written
@@ -43,6 +44,36 @@ that, so it steps the same gradients. The hook must not read or write
 parameters (a later bucket's hook may run while an earlier bucket is
 stepped); torch's hooks that step parameters themselves (ZeRO's, the fused
 optimizers') are refused.
+
+Note [Hyperparameters fixed at the backward]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A bucket stepped inside the backward is stepped with its group's values
+(lr, weight_decay, betas, momentum, any key) as they are then; a plain step
+uses them as they are at optimizer.step(). A change in between (a warm-up
+written as `g["lr"] = ...` just before the step, a scheduler stepped before
+the optimizer) cannot be undone in the steps already applied, so it is
+refused: the groups (the dicts) and copies of their values are kept at the
+backward's first stepped bucket, and optimizer.step() raises, before
+stepping anything, if a group was removed or replaced or a value differs.
+The first synchronising backward steps nothing (Note [Gradients edited
+before the step]), so a loop that changes them every iteration is refused
+there with nothing applied. A group added since (add_param_group) is no
+change: its parameters were in no group, so the backward stepped none of
+them, and optimizer.step() steps them with the new group's values, as a
+plain step does (pending ones, Note [Stepping in the next forward], with
+the values of that step). Changes after optimizer.step() (an LR scheduler's
+step) reach the next backward's steps, as they reach the next plain step.
+
+The check is local, with no collective. A loop changes its groups from
+what every rank shares (the iteration, a schedule), so every rank finds the
+same change at the same step and raises the same error. A change made on
+some ranks only trains the replicas apart in the plain loop as well (torch's
+DDP is silent about it): there the ranks that made it raise, and the others,
+whose steps used values that did not change, are exact and go on to their
+next collective, which cannot complete without the ranks that stopped (the
+hang diagnosis names them, docs/DIAGNOSIS.md). Agreeing on it at every step
+would cost a collective per optimizer.step() for a loop that is wrong
+without the overlap too.
 
 Note [Gradients edited before the step]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -65,7 +96,6 @@ optimizer that handles scaling itself (fused) is seen by the grad_scale
 attribute it sets on the optimizer before stepping.
 """
 
-import contextlib
 import sys
 import types
 from typing import Dict, List, Optional, Tuple
@@ -75,23 +105,27 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from ddp_ext._forward_tail import ForwardTail
 from ddp_ext._gradient_edits import GradientEdits
+from ddp_ext._hyperparameters import GroupValues, of_group
 
 _MAX_NAMED = 5
-_CALLERS_SEARCHED = 3  # GradScaler.step, then _maybe_opt_step, call optimizer.step()
+# Above the step pre-hook: torch.optim's step wrapper, maybe an LR
+# scheduler's, then GradScaler's _maybe_opt_step.
+_CALLERS_SEARCHED = 4
 
 
 def _error(rank: int, what: str) -> str:
     return f"DistributedDataParallel on rank {rank}: overlap_optimizer {what}"
 
 
-def _named(names: List[str]) -> str:
+def shown_names(names: List[str]) -> str:
     shown = ", ".join(names[:_MAX_NAMED])
     return shown + (f" and {len(names) - _MAX_NAMED} more" if len(names) > _MAX_NAMED else "")
 
 
-def _hooked_step_refusal(optimizer) -> str:
+def hooked_step_refusal(optimizer, own: Optional[int] = None) -> str:
+    """Why `optimizer`'s step hooks (but the overlap's own pre-hook, of handle id `own`) are refused."""
     hooks = []
-    if optimizer._optimizer_step_pre_hooks or _global_optimizer_pre_hooks:
+    if any(key != own for key in optimizer._optimizer_step_pre_hooks) or _global_optimizer_pre_hooks:
         hooks.append("pre-hooks")
     if optimizer._optimizer_step_post_hooks or _global_optimizer_post_hooks:
         hooks.append("post-hooks")
@@ -105,90 +139,44 @@ def _hooked_step_refusal(optimizer) -> str:
     )
 
 
-def _comm_hook_refusal(ddp) -> str:
-    if not ddp._hooks.stepping:
-        return ""
-    return (
-        f"cannot overlap the optimizer with a communication hook that steps parameters itself registered "
-        f"({'; '.join(ddp._hooks.stepping)}): ZeroRedundancyOptimizer's and _register_fused_optim's hooks step "
-        "each bucket's parameters once it is reduced, so they would be stepped twice. Use one or the other."
-    )
+# Note [Stepping a view of the optimizer]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The overlap steps subsets of the parameters: a bucket in the backward,
+# the parameters left to optimizer.step(), the pending ones with the values
+# of an earlier step. It never changes the user's optimizer for that: it
+# steps a view, an object of the optimizer's class sharing its attributes
+# (state, defaults, hooks) but with param_groups of its own, copies of the
+# groups with the subset as their parameters (and the given values), the
+# groups with none left out. The optimizer's steps write per-parameter
+# state into the shared `state`, so the view's step is the optimizer's.
+# (A value an optimizer wrote into its group during the step would be lost
+# with the copy; torch.optim's do not write any.) optimizer.step() itself
+# is not replaced: the overlap's step pre-hook hands torch.optim's step
+# wrapper the view in place of the optimizer, so the hooks and the LR
+# scheduler's count run as usual, and nothing is left to restore if the
+# step raises. The pre-hook does nothing for a view (a subclass's step that
+# calls super().step() runs the hooks again, with the view).
 
 
-def check(ddp, optimizer) -> None:
-    """Raises, before anything is installed, if `optimizer` cannot be
-    overlapped with `ddp`'s reduction exactly. The same on every rank that
-    built the same wrapper and optimizer."""
-    rank = ddp.process_group.rank()
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(_error(rank, f"needs a torch.optim.Optimizer, got {type(optimizer).__name__}"))
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError(_error(
-            rank, "cannot overlap torch.optim.LBFGS: its step needs a closure that runs forward and backward "
-            "again, and mixes every parameter's gradient in one line search."))
-    if ddp.reducer is None:
-        raise ValueError(_error(
-            rank, "has no bucket to step: every parameter is in delay_all_reduce_named_params, reduced after "
-            "the backward."))
-    if ddp._optimizer_overlap is not None:
-        raise RuntimeError(_error(rank, "was called already on this wrapper; it takes one optimizer, once."))
-    if getattr(optimizer, "_ddp_ext_overlapped", False):
-        raise RuntimeError(_error(rank, "was called already with this optimizer (on another wrapper)."))
-    if ddp.mixed_precision is not None:
-        raise ValueError(_error(
-            rank, "does not support mixed_precision: the backward's gradients belong to the cast copies."))
-    if has_optimizers_in_backward(ddp._module_parameters):
-        raise RuntimeError(_error(
-            rank, "cannot be used with optimizers applied in backward "
-            "(torch.distributed.optim._apply_optimizer_in_backward): use one or the other."))
-    for refusal in (_comm_hook_refusal(ddp), _hooked_step_refusal(optimizer)):
-        if refusal:
-            raise RuntimeError(_error(rank, refusal))
-    reduced = {id(p) for _, p in ddp._params.named(ddp.module)}
-    names = {id(p): name for name, p in ddp.module.named_parameters()}
-    foreign = []
+def _view(optimizer, per_group: Dict[int, List[torch.Tensor]], hyperparameters: Optional[List[dict]] = None):
+    """`optimizer` with group i's parameters `per_group[i]` (groups with none
+    left out), and `hyperparameters[i]`'s values where given: Note [Stepping
+    a view of the optimizer]."""
+    view = object.__new__(type(optimizer))
+    view.__dict__.update(optimizer.__dict__)
+    groups = []
     for number, group in enumerate(optimizer.param_groups):
-        for p in group["params"]:
-            if p.requires_grad and id(p) not in reduced:
-                foreign.append(f"{names.get(id(p), 'a parameter of shape ' + str(tuple(p.shape)))} "
-                               f"(param group {number})")
-    if foreign:
-        raise ValueError(_error(
-            rank, f"cannot step parameters the wrapper does not reduce in buckets: {_named(foreign)}. Each is "
-            "outside the wrapped module, in parameters_to_ignore or in delay_all_reduce_named_params, so no "
-            "bucket's reduction says when its gradient is final. Give overlap_optimizer an optimizer over the "
-            "wrapper's reduced parameters only (frozen parameters, requires_grad=False, may stay), and step "
-            "the others with an optimizer of their own."))
-
-
-@contextlib.contextmanager
-def _narrowed(optimizer, per_group: Dict[int, List[torch.Tensor]], hyperparameters: Optional[List[dict]] = None):
-    """The optimizer's param_groups narrowed to `per_group[i]` for group i
-    (none where absent), the groups left empty out, with
-    `hyperparameters[i]` for group i where given; everything restored
-    after. Yields whether any parameter is left."""
-    groups = optimizer.param_groups
-    saved = [group["params"] for group in groups]
-    current = [] if hyperparameters is None else [{key: group[key] for key in given}
-                                                   for group, given in zip(groups, hyperparameters)]
-    try:
-        for number, group in enumerate(groups):
-            if hyperparameters is not None:
-                group.update(hyperparameters[number])
-            group["params"] = per_group.get(number, [])
-        optimizer.param_groups = [group for group in groups if group["params"]]
-        yield bool(optimizer.param_groups)
-    finally:
-        optimizer.param_groups = groups
-        for group, params in zip(groups, saved):
-            group["params"] = params
-        for group, values in zip(groups, current):
-            group.update(values)
+        params = per_group.get(number)
+        if params:
+            values = hyperparameters[number] if hyperparameters is not None and number < len(hyperparameters) else {}
+            groups.append({**group, **values, "params": params})
+    view.param_groups = groups
+    return view
 
 
 def _unhooked_step(optimizer):
     """The optimizer class's step without torch.optim's hook-running wrapper
-    (Optimizer._patch_step_function), bound to `optimizer`."""
+    (Optimizer._patch_step_function), bound to `optimizer` (a view)."""
     step = type(optimizer).step
     if getattr(step, "hooked", False):
         step = step.__wrapped__
@@ -239,7 +227,7 @@ def _called_by_grad_scaler(optimizer) -> bool:
     bumping their versions), or it set the scale on a fused optimizer."""
     if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
         return True
-    frame = sys._getframe(2)  # above finish_step and the step that calls it
+    frame = sys._getframe(2)  # above the step pre-hook
     for _ in range(_CALLERS_SEARCHED):
         if frame is None:
             return False
@@ -254,18 +242,20 @@ def _left_out():
 
 
 class OptimizerOverlap:
-    """One wrapper's overlapped optimizer. Holds no reference to the wrapper:
-    the reducer holds `step_bucket`. A pickled or deep-copied wrapper has none
-    (its reducer is new): it pickles as None."""
+    """One wrapper's overlapped optimizer: steps the buckets the reducer
+    hands it, and the rest at optimizer.step(). Given the reducer, the
+    optimizer, the reducer's parameters and the settings; holds neither the
+    wrapper nor the reducer (the reducer holds `step_bucket`). A pickled or
+    deep-copied wrapper has none (its reducer is new): it pickles as None."""
 
     def __reduce__(self):
         return (_left_out, ())
 
-    def __init__(self, ddp, optimizer, overlap_forward: float = 0.0):
-        self.rank = ddp.process_group.rank()
+    def __init__(self, reducer, optimizer, named: List[Tuple[str, torch.Tensor]], rank: int,
+                 overlap_forward: float = 0.0):
+        """`named`: the reducer's parameters, in its order (its indices)."""
+        self.rank = rank
         self.optimizer = optimizer
-        # The reducer's parameter indices (ddp_ext/_reducer_factory.py builds it from the same list).
-        named = list(ddp._params.named(ddp.module))
         self.params = [p for _, p in named]
         self.names = {id(p): name for name, p in named}
         # Stepped by a backward since the last optimizer.step(), by id.
@@ -275,87 +265,108 @@ class OptimizerOverlap:
         self.probing = True  # the first synchronising backward steps nothing: the same Note
         self.step_chunk_bytes = STEP_CHUNK_BYTES  # Note [Stepping in chunks]
         self.backward_reduced = False  # a synchronising backward reduced buckets since the last step
+        # The groups' values when that backward stepped: Note [Hyperparameters fixed at the backward].
+        self.stepped_with: Optional[GroupValues] = None
         # Where each parameter is in param_groups, by id: (group, position);
         # recomputed when the groups change (load_state_dict, add_param_group).
         self._places: Dict[int, Tuple[int, int]] = {}
         self._places_of = None
-        self._user_step = optimizer.step
-        overlap = self
-
-        def step(opt, *args, **kwargs):
-            return overlap.finish_step(args, kwargs)
-
-        # A bound method, as LR schedulers expect (they wrap optimizer.step's
-        # __func__); still marked as a scheduler's when one wrapped it before.
-        if hasattr(self._user_step, "_wrapped_by_lr_sched"):
-            step._wrapped_by_lr_sched = True
-        optimizer.step = types.MethodType(step, optimizer)
+        # Note [Stepping a view of the optimizer].
+        self._step_hook = optimizer.register_step_pre_hook(self.before_step)
         optimizer._ddp_ext_overlapped = True
-        ddp._hooks.backward_steps = True
-        ddp.reducer._set_bucket_step(self.step_bucket)
-        # See Note [Stepping in the next forward] in ddp_ext/_forward_tail.py.
-        self.tail = ForwardTail(ddp, self, overlap_forward) if overlap_forward else None
+        reducer._set_bucket_step(self.step_bucket)
+        # See Note [Stepping in the next forward] in ddp_ext/_forward_tail.py: the
+        # tail holds the buckets; what their parameters owe is kept here.
+        self.tail = ForwardTail(reducer, self.params, overlap_forward, self._finished) if overlap_forward else None
+        self.owed = False  # optimizer.step() ran: the pending parameters are stepped when finished
+        self.owed_values: Optional[List[dict]] = None  # the groups' values at that step
+        self.zero_to_none: Optional[bool] = None  # a zero_grad() after that step
         if self.tail is not None:
             self._wrap_for_tail(optimizer)
 
     def _wrap_for_tail(self, optimizer) -> None:
-        """zero_grad() leaves pending gradients to their steps; state_dict()
-        and load_state_dict() finish every pending step first."""
-        tail, user_zero_grad = self.tail, optimizer.zero_grad
-        user_state_dict, user_load_state_dict = optimizer.state_dict, optimizer.load_state_dict
+        """state_dict() and load_state_dict() finish every pending step first
+        (their pre-hooks); zero_grad() leaves pending gradients to their
+        steps (Note [zero_grad replaced])."""
+        tail, user_zero_grad, overlap = self.tail, optimizer.zero_grad, self
+        optimizer.register_state_dict_pre_hook(lambda opt: tail.finish_all())
+        optimizer.register_load_state_dict_pre_hook(lambda opt, state: tail.finish_all())
 
+        # Note [zero_grad replaced]
+        # ~~~~~~~~~~~~~~~~~~~~~~~~~
+        # torch.optim has no hook on zero_grad, and a plain zero_grad() reads
+        # every gradient, pending ones included: each read would wait for its
+        # bucket, and the forward overlap would be gone. So the optimizer's
+        # zero_grad is replaced (an attribute of the instance): while steps
+        # are owed it zeroes a view without the pending parameters (Note
+        # [Stepping a view of the optimizer]) and leaves them to be zeroed
+        # right after their step; otherwise it is the user's zero_grad.
         def zero_grad(opt, set_to_none: bool = True):
-            if not (tail.pending and tail.owed):
+            if not (tail.pending and overlap.owed):
                 return user_zero_grad(set_to_none)
-            tail.zero_later(set_to_none)
+            if getattr(user_zero_grad, "__self__", None) is not opt:
+                return user_zero_grad(set_to_none)  # someone's wrapper: it reads, and so finishes, everything
+            overlap.zero_to_none = bool(overlap.zero_to_none) or set_to_none
             rest = {number: [p for p in group["params"] if id(p) not in tail.pending]
                     for number, group in enumerate(opt.param_groups)}
-            with _narrowed(opt, rest):
-                return user_zero_grad(set_to_none)
-
-        def state_dict(opt):
-            tail.finish_all()
-            return user_state_dict()
-
-        def load_state_dict(opt, state):
-            tail.finish_all()
-            return user_load_state_dict(state)
+            return user_zero_grad.__func__(_view(opt, rest), set_to_none)
 
         optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
-        optimizer.state_dict = types.MethodType(state_dict, optimizer)
-        optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)
 
     def forward_begins(self, module) -> None:
         if self.tail is not None:
             self.tail.forward_begins(module)
 
-    def forward_done(self) -> None:
+    def forward_done(self, synchronising: bool) -> None:
         """The end of the wrapper's forward (before the next backward can reuse a bucket)."""
         if self.tail is not None:
-            self.tail.forward_done()
+            self.tail.forward_done(synchronising)
 
     def finish_forward_tail(self) -> None:
         if self.tail is not None:
             self.tail.finish_all()
 
+    @property
+    def overlaps_forward(self) -> bool:
+        return self.tail is not None
+
+    def check_regroup(self) -> None:
+        """Raises if the process group may not change now: buckets are still on the wire."""
+        if self.tail is not None and self.tail.pending:
+            raise RuntimeError(
+                f"DistributedDataParallel on rank {self.rank} cannot change its process group while buckets of the "
+                "last backward are still being reduced for the forward overlap (overlap_optimizer(..., "
+                "overlap_forward=True)): call ddp.finish_forward_tail() first")
+
+    def _finished(self, members: List[torch.Tensor]) -> None:
+        """The tail finished a bucket of these parameters: their gradients are written back."""
+        if not self.owed:
+            self.reduced.remember(members)  # now as any reduced gradient
+            return
+        self.step_owed(members, self.owed_values)
+        if self.zero_to_none is not None:
+            _zero(self.in_groups(members), self.zero_to_none)  # zero_grad() reaches its groups only
+
     def _refuse_if_changed(self) -> None:
         """What was checked at overlap_optimizer but may have been added
         since: step hooks. (A communication hook that steps parameters is
-        refused when it is registered: CommHooks.register.)"""
-        refusal = _hooked_step_refusal(self.optimizer)
+        refused when it is registered: BackwardSteps.check_stepping_hook.)"""
+        refusal = hooked_step_refusal(self.optimizer, own=self._step_hook.id)
         if refusal:
             raise RuntimeError(_error(self.rank, refusal))
 
     def step_bucket(self, indices: List[int]) -> None:
         """Called by the reducer, without its lock, when the bucket of these
         parameters has been reduced and written back."""
-        if self.tail is not None:
-            self.tail.after_backward_bucket()
+        if self.tail is not None and self.tail.after_backward_bucket():
+            self.owed, self.owed_values, self.zero_to_none = False, None, None
         self._refuse_if_changed()
         places = self._placed()
         bucket = {id(p): p for p in (self.params[i] for i in indices) if id(p) in places}
         if not bucket:
             return
+        if not self.backward_reduced:
+            self.stepped_with = GroupValues(self.optimizer.param_groups)
         self.backward_reduced = True
         if any(key in self.reduced for key in bucket):
             # This backward writes the gradients back all the same: not an edit of the user's.
@@ -382,9 +393,12 @@ class OptimizerOverlap:
                 per_group.setdefault(number, []).append((position, p))
             in_order = {number: [p for _, p in sorted(pairs, key=lambda pair: pair[0])]
                         for number, pairs in per_group.items()}
-            with _narrowed(self.optimizer, in_order, hyperparameters):
-                _unhooked_step(self.optimizer)()
+            _unhooked_step(_view(self.optimizer, in_order, hyperparameters))()
             yield chunk
+
+    def in_groups(self, params: List[torch.Tensor]) -> List[torch.Tensor]:
+        places = self._placed()
+        return [p for p in params if id(p) in places]
 
     def step_owed(self, params: List[torch.Tensor], hyperparameters: List[dict]) -> None:
         """Steps pending parameters whose bucket is now reduced, as the
@@ -399,6 +413,24 @@ class OptimizerOverlap:
         return (f" The backward had stepped {len(self.stepped)} parameters already with the gradients as reduced; "
                 "the others were not stepped.")
 
+    def _refuse_changed_hyperparameters(self) -> None:
+        """Note [Hyperparameters fixed at the backward]."""
+        changes = self.stepped_with.changes(self.optimizer.param_groups) if self.stepped_with is not None else []
+        if not changes:
+            return
+        if self.stepped:
+            applied = (f" The backward had stepped {len(self.stepped)} parameters already, with the values as they "
+                       "stood then (before each arrow); those steps are applied, and this optimizer.step() stepped "
+                       "nothing.")
+        else:
+            applied = " Nothing was stepped."
+        raise RuntimeError(_error(
+            self.rank, f"found the optimizer's param groups changed between backward() and optimizer.step(): "
+            f"{shown_names(changes)}. With overlap_optimizer the backward steps each bucket's parameters as soon as it "
+            f"is reduced, with the param groups' values as they are then.{applied} Set learning rates and other "
+            "group values before the backward (before the forward, say), or use an LR scheduler whose step() is "
+            "called after optimizer.step()."))
+
     def _placed(self) -> Dict[int, Tuple[int, int]]:
         groups = self.optimizer.param_groups
         layout = [(id(group), id(group["params"]), len(group["params"])) for group in groups]
@@ -408,10 +440,13 @@ class OptimizerOverlap:
             self._places_of = layout
         return self._places
 
-    def finish_step(self, args, kwargs):
-        """The user's optimizer.step(): steps the parameters no backward
-        stepped since the last call (all of them when none did)."""
-        if any(a is not None for a in args) or any(v is not None for v in kwargs.values()):
+    def before_step(self, optimizer, args, kwargs):
+        """The step pre-hook of the user's optimizer.step(): it steps the
+        parameters no backward stepped since the last call (all of them when
+        none did), through a view handed on in place of the optimizer."""
+        if optimizer is not self.optimizer:
+            return None  # a view: Note [Stepping a view of the optimizer]
+        if any(a is not None for a in args[1:]) or any(v is not None for v in kwargs.values()):
             raise ValueError(_error(
                 self.rank, "runs optimizer.step() without a closure only (a closure would run backward, and "
                 "step buckets, from inside the step)."))
@@ -422,104 +457,37 @@ class OptimizerOverlap:
         if edited:
             names = [self.names.get(id(p), f"a parameter of shape {tuple(p.shape)}") for p in edited]
             raise RuntimeError(_error(
-                self.rank, f"found the gradients of {_named(names)} changed between backward() and "
+                self.rank, f"found the gradients of {shown_names(names)} changed between backward() and "
                 f"optimizer.step(), by clipping (clip_grad_norm_) or another change. "
                 f"{_EDITS_LOST}{self._applied()}"))
+        self._refuse_changed_hyperparameters()
         if self.probing and self.backward_reduced and self.tail is not None:
             self.tail.start()
         self.probing = self.probing and not self.backward_reduced
         self.backward_reduced = False
+        self.stepped_with = None
         self.reduced.forget()
         stepped, self.stepped = self.stepped, {}
         pending = self.tail.pending if self.tail is not None else {}
-        if pending:
-            self.tail.owe()  # Note [Stepping in the next forward]
+        if pending:  # Note [Stepping in the next forward]
+            self.owed = True
+            self.owed_values = [of_group(group) for group in self.optimizer.param_groups]
         if not stepped and not pending:
-            return self._user_step()
+            return None
         rest = {number: [p for p in group["params"] if id(p) not in stepped and id(p) not in pending]
                 for number, group in enumerate(self.optimizer.param_groups)}
-        if not any(rest.values()):
-            # Nothing left (the usual case): no empty step. What an LR
-            # scheduler's wrapper of the user's step would record, recorded.
-            if hasattr(self._user_step, "_wrapped_by_lr_sched"):
-                self.optimizer._opt_called = True
-            return None
-        with _narrowed(self.optimizer, rest):
-            return self._user_step()
+        # Nothing left, the usual case: the view has no group, and its step does nothing.
+        return (_view(self.optimizer, rest), *args[1:]), kwargs
 
 
-# --- torch.distributed.optim._apply_optimizer_in_backward ----------------------------
-#
-# Note [Optimizers applied in backward]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# _apply_optimizer_in_backward gives each parameter optimizers of its own
-# (param._in_backward_optimizers) and hooks that step them as soon as the
-# parameter's gradient is accumulated. Under torch's DDP (its
-# _setup_in_backward_optimizers, at the first forward) the hooks of the
-# wrapper's parameters are removed, and a communication hook steps each
-# bucket's parameters once the bucket is reduced, with .grad set to the
-# bucket's gradient (zeros for a parameter no rank used); at the end of the
-# backward those parameters' .grad are None. ddp_ext does the same through
-# the bucket step (Note [Stepping reduced buckets] in
-# reducer/core/bucket_steps.cpp), without a communication hook: the step of
-# each bucket runs when the backward ends, bucket after bucket as each is
-# reduced, and the hook's wait inside the backward is gone. Parameters not
-# reduced by the wrapper (parameters_to_ignore) keep torch's own hooks.
-
-
-def has_optimizers_in_backward(parameters) -> bool:
-    return any(hasattr(p, "_in_backward_optimizers") for p in parameters)
-
-
-class _InBackwardSteps:
-    """The bucket step for optimizers applied in backward."""
-
-    def __init__(self, params):
-        self.params = params  # the reducer's parameter indices
-
-    def __call__(self, indices: List[int]) -> None:
-        for i in indices:
-            p = self.params[i]
-            optimizers = getattr(p, "_in_backward_optimizers", None)
-            if not optimizers:
-                continue
-            if p.grad is None:
-                # Used by no rank: torch's hook steps it with the bucket's zeros.
-                p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
-            for optimizer in optimizers:
-                optimizer.step()
-            p.grad = None
-
-
-def setup_in_backward_optimizers(ddp) -> bool:
-    """At the first forward (torch's DDP._setup_in_backward_optimizers): if
-    parameters of the wrapper have optimizers applied in backward, removes
-    their own hooks and steps them from the bucket step instead. Returns
-    whether it did. Raises, before anything is changed, where that cannot be
-    done exactly."""
-    params = ddp._module_parameters
-    if not has_optimizers_in_backward(params):
-        return False
-    rank = ddp.process_group.rank()
-    what = "cannot apply optimizers in backward (torch.distributed.optim._apply_optimizer_in_backward) "
-    if ddp._optimizer_overlap is not None:
-        raise RuntimeError(f"DistributedDataParallel on rank {rank} {what}and overlap_optimizer together: use one "
-                           "or the other.")
-    if ddp._comm_hooks:
-        names = "; ".join(name for name, _ in ddp._comm_hooks)
-        raise RuntimeError(
-            f"DistributedDataParallel on rank {rank} {what}with a communication hook registered ({names}), as "
-            "torch's DDP cannot either (it registers a hook of its own for them).")
-    if ddp.mixed_precision is not None:
-        raise RuntimeError(f"DistributedDataParallel on rank {rank} {what}with mixed_precision, as torch's DDP "
-                           "cannot either.")
-    if ddp.reducer is None:
-        raise RuntimeError(f"DistributedDataParallel on rank {rank} {what}when every parameter is in "
-                           "delay_all_reduce_named_params.")
-    from torch.distributed.optim import apply_optimizer_in_backward as in_backward
-
+def _zero(params: List[torch.Tensor], set_to_none: bool) -> None:
+    """What optimizer.zero_grad() does to these parameters' gradients."""
     for p in params:
-        for handle in in_backward.param_to_optim_hook_handle_map.get(p, []):
-            handle.remove()
-    ddp.reducer._set_bucket_step(_InBackwardSteps([p for _, p in ddp._params.named(ddp.module)]))
-    return True
+        if set_to_none:
+            p.grad = None
+        elif p.grad is not None:
+            if p.grad.grad_fn is not None:
+                p.grad.detach_()
+            else:
+                p.grad.requires_grad_(False)
+            p.grad.zero_()

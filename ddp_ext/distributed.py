@@ -12,6 +12,7 @@ delegates, gathered in ddp_ext/_delegated_names.py.
     _dropped_layers DroppedLayers: LayerDrop's dropped parameters
     _tuning         CapTuning: the bucket caps and their tuner
     _hooks          CommHooks: communication hooks, the first forward's checks
+    _backward_steps BackwardSteps: what steps parameters inside the backward
     _logging        LoggingData: _get_ddp_logging_data and runtime statistics
     _join           JoinShadow: uneven inputs (Join)
     _delayed        DelayedAllReduce: delay_all_reduce_named_params
@@ -38,6 +39,7 @@ except ImportError:  # a torch without it: every forward goes through dynamo's w
 
 from ddp_ext import _diagnosis, _exit, _mixed_precision, _parameters, _pickling, _settings
 from ddp_ext._arguments import BucketCaps, check_initialized, resolve_placement
+from ddp_ext._backward_steps import BackwardSteps
 from ddp_ext._buffer_sync import BufferSync
 from ddp_ext._cap_tuning import CapTuning
 from ddp_ext._comm_hooks import CommHooks
@@ -192,7 +194,9 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
         self._tuning = CapTuning(reducer, group, device, settings.caps)
         self._logging = LoggingData(reducer, group, self.module, self._module_parameters, settings, self._flags,
                                     self._buffer_sync, self._tuning)
-        self._hooks = CommHooks(reducer, group, device, self._module_parameters, self._logging, self._tuning)
+        self._backward_steps = BackwardSteps(reducer, group, self.module, self._module_parameters,
+                                             self._params.named(self.module), settings.mixed_precision)
+        self._hooks = CommHooks(reducer, group, device, self._logging, self._tuning, self._backward_steps)
         self._join = JoinShadow(reducer, group, self.module, device, self._flags, self._buffer_sync,
                                 self._dropped_layers, self._hooks, self._tuning, settings.find_unused_parameters)
         self._attach_watchers(store_key)
@@ -201,7 +205,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
 
     def _bind(self) -> None:
         """Points every collaborator at the reducer and process group in use."""
-        for part in (self._buffer_sync, self._tuning, self._logging, self._hooks, self._join):
+        for part in (self._buffer_sync, self._tuning, self._logging, self._hooks, self._join, self._backward_steps):
             part.bind(self.reducer, self.process_group)
 
     def _attach_watchers(self, store_key: Optional[str] = None) -> None:
@@ -345,24 +349,14 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
 
     _run_ddp_forward = torch._disable_dynamo(_run_ddp_forward_eager, recursive=False)
 
-    @contextlib.contextmanager
-    @torch._disable_dynamo(recursive=False)
-    def _inside_ddp_forward(self):
-        previous = TorchDistributedDataParallel._active_ddp_module
-        TorchDistributedDataParallel._active_ddp_module = self
-        try:
-            yield
-        finally:
-            TorchDistributedDataParallel._active_ddp_module = previous
-
     def _post_forward_eager(self, output):
         if self._delay_all_reduce_all_params:
             self._clear_grad_buffer()
             return output
         flags = self._flags  # see _pre_forward
-        if self._optimizer_overlap is not None:
-            self._optimizer_overlap.forward_done()  # Note [Stepping in the next forward]
         grad_enabled = torch.is_grad_enabled()
+        if self._optimizer_overlap is not None:  # Note [Stepping in the next forward]
+            self._optimizer_overlap.forward_done(grad_enabled and flags.backward)
         search_unused = self._settings.find_unused_parameters and not flags.static_graph
         learning = False
         if grad_enabled and self._layer_drop:
@@ -428,12 +422,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
         the world without re-wrapping). Communication hooks keep the groups
         they were given."""
         if not dist.distributed_c10d._rank_not_in_group(new_process_group):
-            overlap = self._optimizer_overlap
-            if overlap is not None and overlap.tail is not None and overlap.tail.pending:
-                raise RuntimeError(
-                    f"DistributedDataParallel on rank {self.process_group.rank()} cannot change its process group "
-                    "while buckets of the last backward are still being reduced for the forward overlap "
-                    "(overlap_optimizer(..., overlap_forward=True)): call ddp.finish_forward_tail() first")
+            self._backward_steps.check_regroup()  # before anything changes
             self.process_group = new_process_group
             if self.reducer is not None:  # None when every parameter's allreduce is delayed
                 self.reducer._update_process_group(new_process_group)

@@ -27,7 +27,7 @@ import torch
 
 from tests.optimizer.overlap_support import (SMALL_BUCKETS, assert_trained_alike, backward, raised,
                                              trained_three_ways)
-from tests.optimizer.test_optimizer_overlap import _optimizer, _optimizer_state
+from tests.optimizer.test_optimizer_overlap import _optimizer, _optimizer_state, add_first_group, warm_up_lr
 from tests.support import models, reference
 from tests.support.harness import CaseTable, assert_states_bitwise
 
@@ -43,6 +43,8 @@ class Run:
     checkpoint_at: int = -1
     reads: bool = False  # reads parameters and gradients between the step and the next forward
     fraction: Any = True
+    lr_before_backward: bool = False  # each group's lr set by hand every step, after the forward
+    add_group_at: int = -1  # the first layer's group added between this step's backward and step
 
     @property
     def id(self) -> str:
@@ -57,6 +59,10 @@ class Run:
             parts.append("reads")
         if self.fraction is not True:
             parts.append(f"fraction{self.fraction}")
+        if self.lr_before_backward:
+            parts.append("lr_before_backward")
+        if self.add_group_at >= 0:
+            parts.append(f"add_group{self.add_group_at}")
         return "-".join(parts)
 
 
@@ -76,6 +82,9 @@ RUNS += [
     run("mlp", "sgd", checkpoint_at=2, fraction=0.5),
     run("deep", "adamw_foreach", checkpoint_at=3),
     run("deep", "adam_foreach", reads=True),
+    # Note [Hyperparameters fixed at the backward] in ddp_ext/_optimizer_overlap.py.
+    run("deep", "adamw_foreach", lr_before_backward=True),
+    run("deep", "sgd", add_group_at=2),
 ]
 
 
@@ -83,7 +92,7 @@ def _setup(c: Run, wrapper: str, overlap: bool, seed: int):
     module = models.build(c.model, seed)
     kwargs = dict(c.ddp)
     ddp = reference.torch_ddp(module, **kwargs) if wrapper == "torch" else reference.ext_ddp(module, **kwargs)
-    optimizer = _optimizer(c.optimizer, module)
+    optimizer = _optimizer(c.optimizer, module, first_group=c.add_group_at < 0)
     if overlap:
         ddp.overlap_optimizer(optimizer, overlap_forward=c.fraction)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
@@ -126,7 +135,12 @@ def _train(rank: int, world_size: int, c: Run, wrapper: str, overlap: bool) -> D
                 output = ddp(*args)
                 if overlap and micro == 0:
                     pending_after_forward.append(len(ddp._optimizer_overlap.tail.pending))
+                if c.lr_before_backward:
+                    for number, group in enumerate(optimizer.param_groups):
+                        group["lr"] = warm_up_lr(step, number)
                 spec.loss(output, target).backward()
+        if step == c.add_group_at:
+            add_first_group(optimizer, module)
         optimizer.step()
         if overlap:
             pending_after_step.append(len(ddp._optimizer_overlap.tail.pending))
@@ -241,9 +255,11 @@ def test_join_is_refused_with_forward_overlap():
 
 def _compiled_or_threaded(rank, world_size, case):
     """The same 4 steps with and without the line, the forward compiled
-    (torch.compile of the wrapper) or run on a thread other than the one
-    that made the line: there the mode sees no read, so every pending bucket
-    is finished before the forward."""
+    (torch.compile of the wrapper), or each step on a thread of its own, so
+    that each forward runs on a thread other than the one whose stack holds
+    the mode: there the mode sees no read, so every pending bucket is
+    finished before the forward. The parameters are then read on the main
+    thread, after finish_forward_tail() as the docs say."""
     import threading
 
     import ddp_ext
@@ -259,20 +275,21 @@ def _compiled_or_threaded(rank, world_size, case):
         data = torch.Generator().manual_seed(rank)
         pending = []
 
-        def loop():
-            for _ in range(4):
-                net(torch.randn(8, 512, generator=data)).pow(2).mean().backward()
-                optimizer.step()
-                if overlap:
-                    pending.append(len(ddp._optimizer_overlap.tail.pending))
-                optimizer.zero_grad()
+        def one_step():
+            net(torch.randn(8, 512, generator=data)).pow(2).mean().backward()
+            optimizer.step()
+            if overlap:
+                pending.append(len(ddp._optimizer_overlap.tail.pending))
+            optimizer.zero_grad()
 
-        if case.id == "threaded":
-            worker = threading.Thread(target=loop)
-            worker.start()
-            worker.join()
-        else:
-            loop()
+        for _ in range(4):
+            if case.id == "threaded":
+                worker = threading.Thread(target=one_step)
+                worker.start()
+                worker.join()
+            else:
+                one_step()
+        ddp.finish_forward_tail()
         return [p.detach().clone() for p in model.parameters()], pending
 
     plain, _ = train(False)
@@ -295,3 +312,66 @@ def test_process_group_change_is_refused_while_buckets_are_pending():
     for rank, r in enumerate(REFUSED.results(2, _Case(id="regroup", regroup=True))):
         assert "cannot change its process group while buckets" in r["regrouped"], r["regrouped"]
         assert f"rank {rank}" in r["regrouped"] and r["regrouped"].endswith("pending after finish_forward_tail: 0")
+
+
+# --- the mode on the stack only while buckets are pending ---------------------------
+
+
+def _mode_stack(rank, world_size, case):
+    """Note [The mode only while pending] in ddp_ext/_forward_tail.py: what
+    thread's torch function stack holds at each point of a loop whose
+    forward, backward and step run inside a mode of the user's."""
+    from torch.overrides import TorchFunctionMode
+
+    from tests.optimizer.overlap_support import plain_wrapper
+
+    class Users(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    module, ddp = plain_wrapper()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    ddp.overlap_optimizer(optimizer, overlap_forward=True)
+
+    def stack():
+        """This wrapper's mode and the user's (earlier cases' wrappers in this process may have left theirs)."""
+        modes = [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+        ours = ddp._optimizer_overlap.tail.mode
+        return ["_PendingReads" if m is ours else "Users" for m in modes if m is ours or isinstance(m, Users)]
+
+    seen = dict(after_line=stack(), after_forward=[], in_block=[], after_block=[], pending=[])
+    for step in range(4):
+        args, target = models.rank_batch("deep", step, 0, rank, world_size, per_rank=4)
+        with Users():
+            output = ddp(*args)
+            seen["after_forward"].append(stack())
+            models.MODELS["deep"].loss(output, target).backward()
+            optimizer.step()
+            seen["in_block"].append(stack())
+        seen["after_block"].append(stack())
+        seen["pending"].append(len(ddp._optimizer_overlap.tail.pending))
+        optimizer.zero_grad()
+    ddp.finish_forward_tail()
+    with torch.no_grad():
+        ddp(*args)
+    seen["after_last_forward"] = stack()
+    return seen
+
+
+MODE_TABLE = CaseTable(_mode_stack, [_Case(id="mode_stack")])
+
+
+def test_the_mode_is_on_the_stack_only_while_buckets_are_pending():
+    for rank, seen in enumerate(MODE_TABLE.results(2, _Case(id="mode_stack"))):
+        what = f"rank {rank}: {seen}"
+        assert seen["after_line"] == [] and seen["after_last_forward"] == [], what
+        # The first backward steps nothing and defers nothing; from the second on, buckets are pending.
+        assert seen["pending"][0] == 0 and all(seen["pending"][1:]), what
+        # No mode before the overlap starts (at the first step); then pushed
+        # at the end of each forward, for its backward.
+        assert seen["after_forward"][0] == seen["in_block"][0] == ["Users"], what
+        assert seen["after_block"][0] == [], what
+        assert all(s == ["_PendingReads", "Users"] for s in seen["after_forward"][1:]), what
+        # Under the user's mode, so that leaving the block pops the user's.
+        assert all(s == ["_PendingReads", "Users"] for s in seen["in_block"][1:]), what
+        assert all(s == ["_PendingReads"] for s in seen["after_block"][1:]), what

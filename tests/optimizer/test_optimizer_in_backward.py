@@ -2,7 +2,7 @@
 under ddp_ext's DDP: each parameter's own optimizers step once per
 synchronising backward, on the averaged gradient, and its .grad is None
 after the backward (Note [Optimizers applied in backward] in
-ddp_ext/_optimizer_overlap.py).
+ddp_ext/_backward_steps.py).
 
 torch's DDP cannot be the reference here on a machine without an
 accelerator: its hook for them asks for the accelerator's current stream at

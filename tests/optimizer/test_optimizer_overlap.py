@@ -33,11 +33,14 @@ from tests.support.harness import CaseTable, assert_states_bitwise
 
 
 
-def _optimizer(name: str, module) -> torch.optim.Optimizer:
+def _optimizer(name: str, module, first_group: bool = True) -> torch.optim.Optimizer:
     """Two parameter groups with different learning rates (the first layer
-    apart from the rest); frozen parameters stay in."""
+    apart from the rest); frozen parameters stay in. Without `first_group`,
+    the rest only: FIRST_GROUP is added later."""
     params = list(module.parameters())
     groups = [{"params": params[:2], "lr": 0.05}, {"params": params[2:]}]
+    if not first_group:
+        groups = groups[1:]
     if name == "sgd":
         return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
     if name == "sgd_nesterov_wd":
@@ -59,6 +62,9 @@ class Run:
     set_to_none: bool = True
     hook: str = ""  # a communication hook of HOOKS, registered on every wrapper
     chunk_bytes: int = 0  # the overlap's step chunk (Note [Stepping in chunks]); 0: its default
+    lr_before_backward: bool = False  # each group's lr set by hand every step, after the forward
+    scheduler: str = "step"  # of SCHEDULERS, stepped after optimizer.step()
+    add_group_at: int = -1  # the first layer's group added between this step's backward and step
 
     @property
     def layer_drop(self) -> bool:
@@ -79,6 +85,12 @@ class Run:
             parts.append(f"checkpoint{self.checkpoint_at}")
         if not self.set_to_none:
             parts.append("zero_grad_to_zeros")
+        if self.lr_before_backward:
+            parts.append("lr_before_backward")
+        if self.scheduler != "step":
+            parts.append(self.scheduler)
+        if self.add_group_at >= 0:
+            parts.append(f"add_group{self.add_group_at}")
         return "-".join(parts)
 
 
@@ -116,7 +128,32 @@ RUNS += [
     # Buckets stepped in chunks (Note [Stepping in chunks]).
     run("conv", "adam_foreach", chunk_bytes=200, ddp=dict(bucket_cap_mb=25)),
     run("deep", "adamw_loop", chunk_bytes=100, ddp=dict(bucket_cap_mb=0.001)),
+    # Group values changed where the backward's steps see them: Note
+    # [Hyperparameters fixed at the backward] (a change between backward and
+    # step is refused: test_optimizer_overlap_refusals.py).
+    run("deep", "sgd", lr_before_backward=True),
+    run("deep", "adam_foreach", scheduler="onecycle"),  # lr and betas, every step
+    run("deep", "sgd", add_group_at=2),
 ]
+
+
+def warm_up_lr(step: int, number: int) -> float:
+    """What a loop sets group `number`'s lr to at `step`, by hand."""
+    return 0.02 * (step + 1) / (number + 1)
+
+
+# The first layer's group, as _optimizer(first_group=False) leaves it out.
+FIRST_GROUP_LR = 0.05
+
+
+def add_first_group(optimizer, module) -> None:
+    optimizer.add_param_group({"params": list(module.parameters())[:2], "lr": FIRST_GROUP_LR})
+
+
+def _scheduler(name: str, optimizer):
+    if name == "onecycle":  # cycles lr and the momentum (SGD's momentum, Adam's first beta)
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=20)
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
 
 
 def _powersgd():
@@ -182,15 +219,15 @@ class StepLog:
 def _setup(c: Run, wrapper: str, overlap: bool, seed: int):
     module = models.build(c.model, seed)
     ddp = _wrap(wrapper, module, c)
-    optimizer = _optimizer(c.optimizer, module)
+    optimizer = _optimizer(c.optimizer, module, first_group=c.add_group_at < 0)
     if c.scheduler_first:
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        scheduler = _scheduler(c.scheduler, optimizer)
     if overlap:
         ddp.overlap_optimizer(optimizer)
         if c.chunk_bytes:
             ddp._optimizer_overlap.step_chunk_bytes = c.chunk_bytes
     if not c.scheduler_first:
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        scheduler = _scheduler(c.scheduler, optimizer)
     return module, ddp, optimizer, scheduler
 
 
@@ -233,6 +270,9 @@ def _train(rank: int, world_size: int, c: Run, wrapper: str, overlap: bool) -> D
             last = micro == micro_batches - 1
             with contextlib.nullcontext() if last else ddp.no_sync():
                 loss = spec.loss(ddp(*args), target)
+                if c.lr_before_backward:
+                    for number, group in enumerate(optimizer.param_groups):
+                        group["lr"] = warm_up_lr(step, number)
                 if overlap:
                     buckets = [[i for i in b] for b in ddp.bucket_indices()]
                 log.inside_backward = True
@@ -246,6 +286,8 @@ def _train(rank: int, world_size: int, c: Run, wrapper: str, overlap: bool) -> D
             stepped_in_backward.append(len(ddp._optimizer_overlap.stepped))
             calls.append(dict(threads=sorted({t == main_thread for t, _ in log.calls}), sizes=log.sizes,
                               stepped=[s for _, s in log.calls], buckets=buckets))
+        if step == c.add_group_at:
+            add_first_group(optimizer, module)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=c.set_to_none)
@@ -286,6 +328,8 @@ def test_overlapped_optimizer_is_exact(c, world_size):
                 continue
             assert count > 0, f"{what}: step {step}: the backward stepped nothing"
             assert calls["threads"] == [True], f"{what}: step {step}: stepped off the thread that called backward"
+            if step <= c.add_group_at:
+                continue  # the first layer was in no group: its buckets were stepped in part
             # Bucket after bucket in launch order, each in one call, or in
             # several of at most the chunk's bytes (a larger parameter alone).
             assert _as_buckets(calls["stepped"], calls["buckets"]) == [sorted(b) for b in calls["buckets"]], (

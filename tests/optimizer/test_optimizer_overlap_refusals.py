@@ -140,6 +140,81 @@ def _refuse_clipping_later(rank, world_size):
     return raised(optimizer.step), not unchanged(module, before)
 
 
+def _changed_between(rank, world_size, optimizer, ddp, module, change, at_step: int, overlap_forward=False):
+    """Trains until `change(optimizer)`, made between the backward and the
+    step of step `at_step`, is refused: (the message, whether the backward of
+    that step had changed the parameters, whether it had stepped any)."""
+    ddp.overlap_optimizer(optimizer, overlap_forward=overlap_forward)
+    for step in range(at_step):
+        backward(ddp, rank, world_size, step)
+        optimizer.step()
+        optimizer.zero_grad()
+    before = snapshot(module)
+    backward(ddp, rank, world_size, at_step)
+    change(optimizer)
+    message = raised(optimizer.step)
+    return message, (not unchanged(module, before), bool(optimizer.state))
+
+
+def _set(key, value):
+    def change(optimizer):
+        for group in optimizer.param_groups:
+            group[key] = value
+    return change
+
+
+def _refuse_lr_changed(rank, world_size):
+    """A warm-up written by hand before the step: refused at the first
+    synchronising backward's step, with nothing applied."""
+    module, ddp = plain_wrapper()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    return _changed_between(rank, world_size, optimizer, ddp, module, _set("lr", 0.01), at_step=0)
+
+
+def _refuse_lr_changed_later(rank, world_size):
+    """The same change once the backward steps buckets: refused, the
+    backward's steps applied."""
+    module, ddp = plain_wrapper()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    return _changed_between(rank, world_size, optimizer, ddp, module, _set("lr", 0.01), at_step=2)
+
+
+def _refuse_lr_changed_forward_overlap(rank, world_size):
+    module, ddp = plain_wrapper()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    return _changed_between(rank, world_size, optimizer, ddp, module, _set("lr", 0.01), at_step=2,
+                            overlap_forward=True)
+
+
+def _refuse_weight_decay_changed(rank, world_size):
+    module, ddp = plain_wrapper()
+    optimizer = torch.optim.AdamW(module.parameters(), lr=0.01, weight_decay=0.01)
+    return _changed_between(rank, world_size, optimizer, ddp, module, _set("weight_decay", 0.1), at_step=2)
+
+
+def _refuse_betas_changed(rank, world_size):
+    """A tuple value (Adam's betas) and a tensor learning rate, changed in place."""
+    module, ddp = plain_wrapper()
+    params = list(module.parameters())
+    optimizer = torch.optim.Adam([{"params": params[:2]}, {"params": params[2:], "lr": torch.tensor(0.01)}],
+                                 lr=0.01, betas=(0.9, 0.999))
+
+    def change(opt):
+        opt.param_groups[0]["betas"] = (0.8, 0.999)
+        opt.param_groups[1]["lr"].fill_(0.02)
+
+    return _changed_between(rank, world_size, optimizer, ddp, module, change, at_step=1)
+
+
+def _refuse_groups_reloaded(rank, world_size):
+    """load_state_dict between backward and step replaces the groups."""
+    module, ddp = plain_wrapper()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    saved = optimizer.state_dict()
+    return _changed_between(rank, world_size, optimizer, ddp, module, lambda opt: opt.load_state_dict(saved),
+                            at_step=2)
+
+
 def _scaled_backward(ddp, scaler, rank, world_size):
     args, target = models.rank_batch("deep", 0, 0, rank, world_size, per_rank=4)
     scaler.scale(models.MODELS["deep"].loss(ddp(*args), target)).backward()
@@ -231,6 +306,29 @@ REFUSALS = [
     Refusal("fused_grad_scaler", ("RuntimeError", "on rank {rank}", "cannot step through a GradScaler",
                                   "Nothing was stepped."), then=True),
     Refusal("step_raises", ("ValueError", "this optimizer's step failed"), then=True),
+] + [
+    # Note [Hyperparameters fixed at the backward]; then: (parameters changed, optimizer state made).
+    Refusal("lr_changed", ("RuntimeError", "on rank {rank}", "param groups changed between backward() and "
+                           "optimizer.step(): param group 0: 'lr' 0.1 -> 0.01.", "Nothing was stepped.",
+                           "before the backward", "an LR scheduler whose step() is called after optimizer.step()"),
+            then=(False, False)),
+    Refusal("lr_changed_later", ("RuntimeError", "on rank {rank}", "param group 0: 'lr' 0.1 -> 0.01.",
+                                 "The backward had stepped 64 parameters already, with the values as they stood then",
+                                 "those steps are applied", "before the backward", "LR scheduler"),
+            then=(True, True)),
+    Refusal("lr_changed_forward_overlap", ("RuntimeError", "on rank {rank}", "param group 0: 'lr' 0.1 -> 0.01.",
+                                           "parameters already, with the values as they stood then",
+                                           "those steps are applied, and this optimizer.step() stepped nothing"),
+            then=(True, True)),
+    Refusal("weight_decay_changed", ("RuntimeError", "on rank {rank}", "param group 0: 'weight_decay' 0.01 -> 0.1.",
+                                     "The backward had stepped 64 parameters already"), then=(True, True)),
+    Refusal("betas_changed", ("RuntimeError", "on rank {rank}", "param group 0: 'betas' (0.9, 0.999) -> (0.8, "
+                              "0.999), param group 1: 'lr' tensor(0.009999999776482582) -> "
+                              "tensor(0.019999999552965164)", "The backward had stepped"), then=(True, True)),
+    # The saved state was empty: no optimizer state after it.
+    Refusal("groups_reloaded", ("RuntimeError", "on rank {rank}", "param group 0: replaced or removed",
+                                "(load_state_dict replaces every group)", "The backward had stepped 64"),
+            then=(True, False)),
 ]
 REFUSAL_FNS = {r.name: globals()[f"_refuse_{r.name}" if r.name != "step_raises" else "_step_raises"]
                for r in REFUSALS}
