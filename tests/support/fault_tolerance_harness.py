@@ -147,7 +147,10 @@ class Run:
         path = self.tmp / f"{replica_id}.jsonl"
         if not path.exists():
             return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        # The last piece after the final newline is a record still being written, or
+        # one cut short by a kill: only whole lines are records.
+        whole = path.read_text().split("\n")[:-1]
+        return [json.loads(line) for line in whole if line.strip()]
 
     def wait_for(self, predicate, timeout: float, what: str):
         deadline = time.monotonic() + timeout
