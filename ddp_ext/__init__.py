@@ -23,9 +23,8 @@ MPI (importing ddp_ext registers the backend "ddp_ext_mpi" and the rendezvous
 """
 
 from ddp_ext._build_info import VERSION as __version__
-from ddp_ext._loader import load_extension, native_module
-
-_C = native_module()
+from ddp_ext._loader import load_extension
+from ddp_ext._native import core as _C
 
 from ddp_ext.compression import AdaptivePrecision, adaptive_precision_hook  # noqa: E402
 from ddp_ext.distributed import DistributedDataParallel  # noqa: E402

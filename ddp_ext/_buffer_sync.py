@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ddp_ext import _C
+from ddp_ext._native import core as _C
 from ddp_ext._bound import Bound
 from ddp_ext._sync_flags import SyncFlags
 

@@ -10,7 +10,8 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from ddp_ext import _C, _model_check
+from ddp_ext import _model_check
+from ddp_ext._native import core as _C
 from ddp_ext._bound import Bound
 from ddp_ext.compression import AdaptivePrecision, adaptive_precision_hook
 

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from ddp_ext import _C, _collectives
+from ddp_ext import _collectives
+from ddp_ext._native import core as _C
 
 
 class DelayedAllReduce:

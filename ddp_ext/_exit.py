@@ -127,7 +127,7 @@ def release_at_exit() -> bool:
     groups = groups_to_release()
     if not groups:
         return True
-    from ddp_ext import _C
+    from ddp_ext._native import core as _C
 
     return _C.release_process_groups(groups, datetime.timedelta(seconds=seconds))
 

@@ -1,6 +1,6 @@
 """Building the wrapper's C++ Reducer from its settings."""
 
-from ddp_ext import _C
+from ddp_ext._native import core as _C
 from ddp_ext._arguments import backend_name
 
 

@@ -7,7 +7,8 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from ddp_ext import _C, _diagnosis, _mixed_precision, hierarchy
+from ddp_ext import _diagnosis, _mixed_precision, hierarchy
+from ddp_ext._native import core as _C
 from ddp_ext._arguments import (
     BucketCaps,
     BufferSyncMode,

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from ddp_ext import _C
+from ddp_ext._native import core as _C
 from ddp_ext._gloo_group import gloo_group
 
 INT8_EXCHANGES = ("auto", "allgather", "reduce_scatter")

@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from ddp_ext import _C, _exit
+from ddp_ext import _exit
+from ddp_ext._native import core as _C
 
 SETTINGS = ("auto", True, False)
 # flat group -> {(setting, torchrun variables) -> its twin, or None: the flat group itself}

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from ddp_ext import _C, _exit
+from ddp_ext import _exit
+from ddp_ext._native import core as _C
 
 BACKEND_NAME = "round_robin"
 ENV_NUM_GROUPS = "DDP_EXT_ROUND_ROBIN_NUM_GROUPS"

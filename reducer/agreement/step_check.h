@@ -153,15 +153,7 @@ namespace ddp_ext::reducer {
 // back after it (memory bandwidth, on the CPU), and at three ranks or more
 // the carrier holds a few elements per ring segment of padding besides
 // bucket 0 and the tail, instead of one more latency-bound collective per
-// iteration. That collective costs more than its round trip where ranks
-// share cores: on the 2-core machine, four ranks over Gloo (overlap
-// benchmark, tiny model, 2026-11-27), ddp_ext took 1.2x to 1.5x torch's
-// DDP's iteration with it and 0.7x to 1.35x with the check on bucket 0,
-// on a loaded machine; gathering the slots instead (allgather or
-// all-to-all, fewer messages than a ring allreduce) left 1.0x to 1.4x.
-// Not allreduce_coalesced, which
-// does the same copies: over Gloo it took about 0.1 ms more than a plain
-// allreduce of a few thousand elements on the machine measured.
+// iteration (docs/BENCHMARKS.md gives what each costs).
 
 // See Note [The step check on bucket 0]: whether a reducer's step checks
 // ride on (or are shaped like) its bucket 0 `first`, over `group`.
