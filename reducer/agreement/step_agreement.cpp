@@ -54,16 +54,21 @@ void Reducer::raise_if_out_of_step() {
   TORCH_CHECK(false, message);
 }
 
+bool Reducer::needs_own_step_check() const {
+  // A hook registered late counts as none until a check confirmed it. The
+  // same on every rank.
+  return options_.buffers_broadcast || drops_layers_ ||
+      options_.skip_all_reduce_unused_params || averaging_.under_join() ||
+      (comm_hook_ != nullptr && !hook_unconfirmed_);
+}
+
 void Reducer::check_step_before_forward_collectives() {
   const auto lock = lock_state(Access::kChange);
   if (step_check_) {
     // See Note [The step check on bucket 0]: shaped like the checks a peer
     // out of step may run instead.
-    // (A hook registered late counts as none until a check confirmed it.)
-    const bool own_check = options_.buffers_broadcast || drops_layers_ ||
-        options_.skip_all_reduce_unused_params || averaging_.under_join() ||
-        (comm_hook_ != nullptr && !hook_unconfirmed_);
-    const std::string message = rides_on_bucket0(layout_.buckets().front(), *process_group_, own_check)
+    const std::string message =
+        rides_on_bucket0(layout_.buckets().front(), *process_group_, needs_own_step_check())
         ? step_check_->check_forward_shaped_like(
               *process_group_, layout_.buckets().front().flat, backwards_begun_, &stall_)
         : step_check_->check_forward(*process_group_, backwards_begun_, &stall_);

@@ -69,11 +69,21 @@ void StepCheck::start(c10d::ProcessGroup& group, const StepEntry& entry) {
   work_ = group.allreduce(tensors);
 }
 
-void StepCheck::launch_backward(
-    c10d::ProcessGroup& group, int64_t step, int64_t rider, int64_t plan,
-    int64_t hooks, const int64_t* timings) {
-  TORCH_INTERNAL_ASSERT(plan > 0 && hooks > 0, "fingerprints are positive");
-  start(group, StepEntry{encode_position(CheckKind::kBackward, step), plan, hooks, rider, timings});
+StepEntry StepCheck::backward_entry(int64_t step) {
+  StepEntry entry;
+  entry.position = encode_position(CheckKind::kBackward, step);
+  return entry;
+}
+
+namespace {
+void check_backward_entry(const StepEntry& entry) {
+  TORCH_INTERNAL_ASSERT(entry.plan > 0 && entry.hooks > 0, "fingerprints are positive");
+}
+} // namespace
+
+void StepCheck::launch_backward(c10d::ProcessGroup& group, const StepEntry& entry) {
+  check_backward_entry(entry);
+  start(group, entry);
 }
 
 void StepCheck::launch_forward(c10d::ProcessGroup& group, int64_t backwards) {
@@ -107,12 +117,9 @@ void StepCheck::write_tail(const StepEntry& entry, c10::ScalarType dtype) {
   }
 }
 
-void StepCheck::ride_on_bucket0(
-    int64_t step, int64_t rider, int64_t plan, int64_t hooks,
-    const int64_t* phases, c10::ScalarType dtype) {
-  TORCH_INTERNAL_ASSERT(plan > 0 && hooks > 0, "fingerprints are positive");
-  write_tail(
-      StepEntry{encode_position(CheckKind::kBackward, step), plan, hooks, rider, phases}, dtype);
+void StepCheck::ride_on_bucket0(const StepEntry& entry, c10::ScalarType dtype) {
+  check_backward_entry(entry);
+  write_tail(entry, dtype);
   riding_ = true;
 }
 
@@ -169,12 +176,9 @@ void StepCheck::start_shaped_like(
 }
 
 void StepCheck::launch_backward_shaped_like(
-    c10d::ProcessGroup& group, const at::Tensor& flat, int64_t step,
-    int64_t rider, int64_t plan, int64_t hooks, const int64_t* phases) {
-  TORCH_INTERNAL_ASSERT(plan > 0 && hooks > 0, "fingerprints are positive");
-  start_shaped_like(
-      group, flat,
-      StepEntry{encode_position(CheckKind::kBackward, step), plan, hooks, rider, phases});
+    c10d::ProcessGroup& group, const at::Tensor& flat, const StepEntry& entry) {
+  check_backward_entry(entry);
+  start_shaped_like(group, flat, entry);
 }
 
 std::string StepCheck::check_forward_shaped_like(

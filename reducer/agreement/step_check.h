@@ -167,14 +167,13 @@ class StepCheck {
   static constexpr int kTimings = StepSlots::kTimings;
   StepCheck(int rank, int world_size, c10::Device device);
 
-  // Starts the check of a backward at training step `step`; this rank adds
-  // `rider` to the rider slot. `plan`: the fingerprint of the layers this
-  // rank dropped (DropPlan::fingerprint, positive).
-  // `hooks`: the fingerprint of this rank's communication hooks (positive).
-  // `timings`: kTimings values this rank publishes, or null.
-  void launch_backward(
-      c10d::ProcessGroup& group, int64_t step, int64_t rider, int64_t plan,
-      int64_t hooks, const int64_t* timings = nullptr);
+  // This rank's entry in the check of a backward at training step `step`
+  // (its plan and hooks fingerprints positive, its rider and timings as
+  // StepEntry says); the reducer fills in the rest by name.
+  static StepEntry backward_entry(int64_t step);
+
+  // Starts the check of a backward with this rank's `entry` (backward_entry).
+  void launch_backward(c10d::ProcessGroup& group, const StepEntry& entry);
 
   // Every rank's step timings (rank-major) from the last check waited for,
   // if any rank wrote some; empty otherwise.
@@ -193,9 +192,7 @@ class StepCheck {
 
   // See Note [The step check on bucket 0]. Writes a backward check into the
   // tail (of `dtype`) that bucket 0's allreduce carries; no collective.
-  void ride_on_bucket0(
-      int64_t step, int64_t rider, int64_t plan, int64_t hooks,
-      const int64_t* phases, c10::ScalarType dtype);
+  void ride_on_bucket0(const StepEntry& entry, c10::ScalarType dtype);
   // Whether the check of this backward rides on bucket 0 and was not read.
   bool riding() const {
     return riding_;
@@ -210,8 +207,7 @@ class StepCheck {
   // for a backward that has no bucket 0 to ride on (a communication hook
   // registered after the first forward), and for forwards.
   void launch_backward_shaped_like(
-      c10d::ProcessGroup& group, const at::Tensor& flat, int64_t step,
-      int64_t rider, int64_t plan, int64_t hooks, const int64_t* phases);
+      c10d::ProcessGroup& group, const at::Tensor& flat, const StepEntry& entry);
   std::string check_forward_shaped_like(
       c10d::ProcessGroup& group, const at::Tensor& flat, int64_t backwards,
       StallWatch* watch);

@@ -59,18 +59,11 @@ void Reducer::set_bucket_step(BucketStep step) {
 
 std::exception_ptr Reducer::step_buckets_as_reduced() {
   TimelineRange wait_range(timeline_, TimelineEvent::kWaitForBuckets);
-  std::vector<bool> globally_used; // empty: every parameter counts as used
-  if (static_graph_.on()) {
-    globally_used = static_graph_.used_globally();
-  } else if (usage_.searches()) {
-    globally_used = usage_.wait(gradients_stay_local_, &stall_);
-  }
+  const BackwardUsage usage = conclude_usage();
   if (!gradients_stay_local_ && usage_.stashed_any()) {
     wait_for_launched_buckets(); // the stashes go back into reduced buckets
     at::NoGradGuard no_grad;
-    usage_.restore_stashed(params_, [&](size_t index) {
-      return drop_plan_.dropped(index) || (!globally_used.empty() && !globally_used[index]);
-    });
+    usage_.restore_stashed(params_, [&](size_t index) { return usage.used_by_no_rank(index); });
   }
   // See Note [The next forward's buckets first]: the held buckets stay on
   // the wire (the stashes above waited for them already: then none does).
@@ -81,14 +74,14 @@ std::exception_ptr Reducer::step_buckets_as_reduced() {
     bucket.work.reset();
   }
   if (!deferred_.empty()) {
-    deferred_used_ = globally_used;
+    deferred_usage_ = usage;
   }
   const BucketStep step = bucket_step_; // a copy: see Note [Windows without the lock]
   std::exception_ptr failed;
   for (size_t b = 0; b < deferred_from; ++b) {
     wait_for_bucket(b); // a no-op for a bucket awaited already
     Bucket& bucket = layout_.buckets()[b];
-    write_back_bucket(bucket, globally_used);
+    write_back_bucket(bucket, usage);
     if (failed) {
       continue;
     }

@@ -1,12 +1,10 @@
 // The next forward overlapped with the tail of the backward's communication.
-#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <utility>
 #include <vector>
 
-#include "reducer/core/gradient_copy.h"
 #include "reducer/core/reducer.h"
 
 namespace ddp_ext::reducer {
@@ -101,16 +99,7 @@ void Reducer::finish_deferred(size_t bucket_index) {
   if (deferred.work) {
     wait_for_work(*deferred.work, deferred.index);
   }
-  at::NoGradGuard no_grad;
-  for (size_t slot = 0; slot < deferred.param_indices.size(); ++slot) {
-    const size_t index = deferred.param_indices[slot];
-    if (!deferred_used_.empty() && !deferred_used_[index]) {
-      continue; // No rank used it: .grad stays as the user left it.
-    }
-    write_back_view(
-        deferred.views[slot], params_[index], params_[index].mutable_grad(),
-        /*as_view=*/false);
-  }
+  write_back_views(deferred.views, deferred.param_indices, deferred_usage_, /*as_view=*/false);
 }
 
 void Reducer::check_nothing_deferred(const char* what) const {

@@ -355,29 +355,24 @@ void Reducer::start_reducing() {
   const int64_t order_vote = layout_.cast_vote();
   if (step_check_) {
     ++backwards_begun_;
+    StepEntry entry = StepCheck::backward_entry(training_steps_);
+    entry.rider = order_vote;
+    entry.plan = drop_plan_.fingerprint();
+    entry.hooks = hook_fingerprint_;
     // See Note [Stragglers]: every rank is at the same step, so all publish.
-    const int64_t* timings = timings_.to_publish(training_steps_);
-    // See Note [The step check on bucket 0]; a hook registered late counts
-    // as none until a check confirmed it. The same on every rank.
-    const bool own_check = options_.buffers_broadcast || drops_layers_ ||
-        options_.skip_all_reduce_unused_params || averaging_.under_join() ||
-        (comm_hook_ != nullptr && !hook_unconfirmed_);
-    if (!rides_on_bucket0(layout_.buckets().front(), *process_group_, own_check)) {
-      step_check_->launch_backward(
-          *process_group_, training_steps_, order_vote, drop_plan_.fingerprint(),
-          hook_fingerprint_, timings);
+    entry.timings = timings_.to_publish(training_steps_);
+    // See Note [The step check on bucket 0].
+    if (!rides_on_bucket0(layout_.buckets().front(), *process_group_, needs_own_step_check())) {
+      step_check_->launch_backward(*process_group_, entry);
       observers_.notify(&ReducerObserver::on_step_check_launched);
     } else if (comm_hook_ == nullptr) {
       // See Note [The step check on bucket 0]: launched with bucket 0.
-      step_check_->ride_on_bucket0(
-          training_steps_, order_vote, drop_plan_.fingerprint(), hook_fingerprint_,
-          timings, layout_.buckets().front().flat.scalar_type());
+      step_check_->ride_on_bucket0(entry, layout_.buckets().front().flat.scalar_type());
     } else {
       // A hook registered after the first forward: shaped like the bucket 0
       // its peers may carry their checks on, awaited before any bucket.
       step_check_->launch_backward_shaped_like(
-          *process_group_, layout_.buckets().front().flat, training_steps_,
-          order_vote, drop_plan_.fingerprint(), hook_fingerprint_, timings);
+          *process_group_, layout_.buckets().front().flat, entry);
       observers_.notify(&ReducerObserver::on_step_check_launched);
     }
   }
@@ -710,13 +705,7 @@ void Reducer::finalize_backward() {
       wait_for_launched_buckets();
     }
     observers_.notify(&ReducerObserver::on_collectives_done);
-    std::vector<bool> globally_used; // empty: every parameter counts as used
-    if (static_graph_.on()) {
-      globally_used = static_graph_.used_globally();
-    } else if (usage_.searches()) {
-      globally_used = usage_.wait(gradients_stay_local_, &stall_);
-    }
-    write_back_gradients(globally_used);
+    write_back_gradients(conclude_usage());
   }
   conclude_layout(/*launched_at_end=*/!options_.overlap_with_backward);
   enter(Phase::kReducing, Phase::kIdle);
@@ -782,7 +771,7 @@ void Reducer::finish_learning_iteration() {
   }
   observers_.notify(&ReducerObserver::on_collectives_done);
   static_graph_.learned_from(used_locally, usage_.wait(gradients_stay_local_, &stall_));
-  write_back_gradients(static_graph_.used_globally());
+  write_back_gradients(BackwardUsage(params_.size(), static_graph_.used_globally(), drop_plan_));
   conclude_layout(/*launched_at_end=*/true);
   enter(Phase::kReducing, Phase::kIdle);
 }
@@ -838,39 +827,52 @@ void Reducer::update_process_group(
   reset_step_check(); // drops a check in flight on the old group
 }
 
-void Reducer::write_back_gradients(const std::vector<bool>& globally_used) {
+BackwardUsage Reducer::conclude_usage() {
+  std::vector<bool> globally_used; // empty: every parameter counts as used
+  if (static_graph_.on()) {
+    globally_used = static_graph_.used_globally();
+  } else if (usage_.searches()) {
+    globally_used = usage_.wait(gradients_stay_local_, &stall_);
+  }
+  return BackwardUsage(params_.size(), globally_used, drop_plan_);
+}
+
+void Reducer::write_back_gradients(const BackwardUsage& usage) {
   if (gradients_stay_local_) {
     return; // See Note [A world of one rank].
   }
   at::NoGradGuard no_grad;
-  const auto used_by_no_rank = [&](size_t index) {
-    return drop_plan_.dropped(index) ||
-        (!globally_used.empty() && !globally_used[index]);
-  };
-  usage_.restore_stashed(params_, used_by_no_rank);
+  usage_.restore_stashed(params_, [&](size_t index) { return usage.used_by_no_rank(index); });
   for (auto& bucket : layout_.buckets()) {
-    write_back_bucket(bucket, globally_used);
+    write_back_bucket(bucket, usage);
   }
 }
 
-void Reducer::write_back_bucket(Bucket& bucket, const std::vector<bool>& globally_used) {
+void Reducer::write_back_bucket(Bucket& bucket, const BackwardUsage& usage) {
   if (gradients_stay_local_ || bucket.dropped) {
     return; // See Note [A world of one rank] and Note [Layer dropping].
   }
+  if (!bucket.sparse) {
+    write_back_views(bucket.views, bucket.param_indices, usage, options_.gradient_as_bucket_view);
+    return;
+  }
+  const size_t index = bucket.param_indices.front(); // a sparse bucket holds one
+  if (!usage.used_by_no_rank(index)) {
+    params_[index].mutable_grad() = std::move(bucket.sparse_grad);
+    bucket.sparse_grad = at::Tensor();
+  }
+}
+
+void Reducer::write_back_views(
+    const std::vector<at::Tensor>& views, const std::vector<size_t>& param_indices,
+    const BackwardUsage& usage, bool as_view) {
   at::NoGradGuard no_grad;
-  for (size_t slot = 0; slot < bucket.param_indices.size(); ++slot) {
-    const size_t index = bucket.param_indices[slot];
-    if (drop_plan_.dropped(index) || (!globally_used.empty() && !globally_used[index])) {
+  for (size_t slot = 0; slot < param_indices.size(); ++slot) {
+    const size_t index = param_indices[slot];
+    if (usage.used_by_no_rank(index)) {
       continue; // No rank used it: .grad stays as the user left it.
     }
-    if (bucket.sparse) {
-      params_[index].mutable_grad() = std::move(bucket.sparse_grad);
-      bucket.sparse_grad = at::Tensor();
-      continue;
-    }
-    write_back_view(
-        bucket.views[slot], params_[index], params_[index].mutable_grad(),
-        options_.gradient_as_bucket_view);
+    write_back_view(views[slot], params_[index], params_[index].mutable_grad(), as_view);
   }
 }
 

@@ -25,6 +25,7 @@
 #include "reducer/layout/bucket.h"
 #include "reducer/layout/bucket_layout.h"
 #include "reducer/layout/gradient_order.h"
+#include "reducer/participation/backward_usage.h"
 #include "reducer/participation/layer_drop.h"
 #include "reducer/core/reducer_options.h"
 #include "reducer/observation/observer.h"
@@ -299,8 +300,14 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool may_be_globally_unused(size_t index) const;
   void finalize_backward();
   void queue_at_end_of_backward(void (Reducer::*step)());
-  void write_back_gradients(const std::vector<bool>& globally_used);
-  void write_back_bucket(Bucket& bucket, const std::vector<bool>& globally_used);
+  // See Note [Used by no rank]: once per synchronising backward, after the
+  // usage bitmap's allreduce.
+  BackwardUsage conclude_usage();
+  void write_back_gradients(const BackwardUsage& usage);
+  void write_back_bucket(Bucket& bucket, const BackwardUsage& usage);
+  void write_back_views(
+      const std::vector<at::Tensor>& views, const std::vector<size_t>& param_indices,
+      const BackwardUsage& usage, bool as_view);
   void wait_for_launched_buckets();
   void wait_for_bucket(size_t bucket_index);
   // Waits for `work`; returns the future it waited through (null: the Work itself).
@@ -312,6 +319,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // each bucket in turn; returns what the step raised, if it did.
   std::exception_ptr step_buckets_as_reduced();
   void reset_step_check();
+  // See Note [The step check on bucket 0]: whether anything calls for a
+  // step check of its own rather than one riding on bucket 0.
+  bool needs_own_step_check() const;
   // Drops the collectives of the iteration under way without waiting for
   // them, and what it stashed.
   void abandon_iteration();
@@ -421,7 +431,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   double forward_tail_ = 0;
   size_t held_from_ = static_cast<size_t>(-1);
   std::vector<DeferredBucket> deferred_;
-  std::vector<bool> deferred_used_; // globally_used of their backward
+  BackwardUsage deferred_usage_; // of their backward
 
   // See Note [Reducer observers]: timings_ and timeline_.
   ReducerObservers observers_;
