@@ -40,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Benchmarks of ddp_ext against torch's DDP, after section 5 of the PyTorch Distributed "
                     "paper. Starts its own ranks over Gloo and writes OUT/<experiment>.json (the summary), .png (the "
                     "figure) and .samples.json.gz (every measured iteration). `all` runs every experiment; "
-                    "`report` generates docs/BENCHMARKS.md from benchmarks/results/text/*.md and the summaries in "
+                    "`report` generates docs/BENCHMARKS.md and its pages (docs/benchmarks/) from benchmarks/results/text/*.md and the summaries in "
                     "--out (default there: benchmarks/results). "
                     f"Needs the `bench` extra: {extra.INSTALL_COMMAND}.",
     )
@@ -100,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="overlap: run these configurations in turn and write one result holding them all: "
                         f"comma-separated, each {link_configs.SPELLING} (the loopback at --world-size ranks); "
                         f"`all`: {','.join(link_configs.ALL)}. Not with --link, --hosts or --ranks-per-host")
-    p.add_argument("--doc", default=None, help="report: the document to write (default docs/BENCHMARKS.md)")
+    p.add_argument("--doc", default=None, help="report: the document to write (default docs/BENCHMARKS.md), its pages in the folder benchmarks/ beside it")
     return p
 
 

@@ -52,7 +52,7 @@ What ddp_ext does:
 The groups are unusable after the release; an atexit function registered
 before `import ddp_ext` runs after it and must not run collectives.
 tests/wrapper/test_exit_status.py checks the exit status over many 2-rank runs, and
-tools/exit_runs.py counts it over 200 (docs/RELIABILITY.md, "Exit status").
+tests/support/exit_runs.py counts it over 200 (docs/RELIABILITY.md, "Exit status").
 """
 
 import atexit

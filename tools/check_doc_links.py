@@ -1,4 +1,4 @@
-"""Checks the README and docs/*.md: every relative link resolves to a file
+"""Checks the README and every page under docs/: every relative link resolves to a file
 (and its #anchor to a heading there), and every repository path written in
 backticks (`reducer/observation/timeline.h`, `tests/support/spawn.py`) exists.
 
@@ -52,8 +52,8 @@ def problems(page: str):
 
 
 def pages() -> list:
-    """README.md and every page in docs/."""
-    return [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    """README.md and every page under docs/, its subfolders included."""
+    return [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True))
 
 
 def main() -> int:

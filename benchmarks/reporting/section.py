@@ -1,4 +1,5 @@
-"""The markdown section describing one result: command, machine, table, notes, figure."""
+"""The markdown section describing one result (command, machine, table, notes,
+figure), and its headline (command, commit and machine in brief, figure)."""
 
 import collections
 import os
@@ -56,4 +57,21 @@ def render(data: dict, table: str, figure_path: str, run_line: str = None) -> st
     if data.get("notes"):
         lines.append("")
     lines.append(f"![{data['title']}]({figure_path.replace(os.sep, '/')})")
+    return "\n".join(lines) + "\n"
+
+
+def measured_line(data: dict) -> str:
+    """The commit, date and machine of a result in brief; machine_line() has the rest."""
+    m = collections.defaultdict(lambda: NOT_RECORDED, data.get("machine", {}))
+    gpu = f"{m['device']}, " if "device" in m else ""
+    started = m["started_utc"][:10] if "started_utc" in m else NOT_RECORDED
+    return (f"ddp_ext {m['ddp_ext_commit']}, {started}; {gpu}{m['cpu_model']}, {m['usable_cores']} usable cores; "
+            f"{data.get('ranks', data['options']['world_size'])} ranks over {m['backend']}")
+
+
+def headline(data: dict, figure_path: str) -> str:
+    """Markdown for a result's headline: its command, where and when in brief, its figure."""
+    lines = [QUICK_WARNING, ""] if data["options"].get("quick") else []
+    lines += [f"**Command:** `{data['command']}` ({measured_line(data)})", "",
+              f"![{data['title']}]({figure_path.replace(os.sep, '/')})"]
     return "\n".join(lines) + "\n"

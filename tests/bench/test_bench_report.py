@@ -1,7 +1,8 @@
-"""The published results: docs/BENCHMARKS.md is generated from the summaries
-in benchmarks/results and the prose in benchmarks/results/text, and is up to date with them;
-every summary is placed, compact, and comes with its figure and the figure's
-provenance."""
+"""The published results: docs/BENCHMARKS.md and its pages (docs/benchmarks/)
+are generated from the summaries in benchmarks/results and the prose in
+benchmarks/results/text, and are up to date with them; every summary is placed
+once in full, compact, and comes with its figure and the figure's provenance;
+the document stays one page a reader finishes."""
 
 import glob
 import os
@@ -17,17 +18,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 RESULTS = os.path.join(ROOT, report.RESULTS_DIR)
 TEXT = os.path.join(ROOT, report.TEXT_DIR)
 DOC = os.path.join(ROOT, report.DOC_PATH)
+PAGES_DIR = os.path.join(os.path.dirname(DOC), document.PAGES_FOLDER)
 # Summaries and figures only: raw samples are not published. About 70 kB for
 # each of the 17 experiments.
 MAX_PUBLISHED_BYTES = 1_200_000
+# About 350 lines: the summary, the speed targets and a short section per
+# experiment; the records of the runs belong on the pages.
+MAX_DOC_LINES = 360
+
+
+def _texts() -> list:
+    texts = []
+    for path in document.text_paths(TEXT) + list(document.page_paths(TEXT, DOC).values()):
+        with open(path) as f:
+            texts.append(f.read())
+    return texts
 
 
 def _placed() -> list:
-    names = []
-    for path in document.text_paths(TEXT):
-        with open(path) as f:
-            names += document.results_named(f.read())
-    return names
+    return [name for text in _texts() for name in document.results_named(text)]
 
 
 def test_benchmarks_md_is_up_to_date_with_the_summaries():
@@ -35,6 +44,23 @@ def test_benchmarks_md_is_up_to_date_with_the_summaries():
         committed = f.read()
     generated = report.build_document(RESULTS, TEXT, DOC)
     assert generated == committed, "docs/BENCHMARKS.md is stale: run `python -m benchmarks report`"
+
+
+def test_the_pages_are_up_to_date_and_none_is_left_over():
+    generated = report.build_pages(RESULTS, TEXT, DOC)
+    on_disk = sorted(glob.glob(os.path.join(PAGES_DIR, "*.md")))
+    assert on_disk == sorted(generated), "docs/benchmarks/ holds pages the report does not generate, or lacks some"
+    for path, text in generated.items():
+        with open(path) as f:
+            assert f.read() == text, f"{path} is stale: run `python -m benchmarks report`"
+
+
+def test_the_document_stays_short_and_every_headline_is_placed_in_full():
+    with open(DOC) as f:
+        assert len(f.read().splitlines()) <= MAX_DOC_LINES
+    placed = set(_placed())
+    shown = [name for text in _texts() for name in document.figures_named(text)]
+    assert shown and set(shown) <= placed, set(shown) - placed
 
 
 def test_every_published_result_is_placed_once_with_its_figure():

@@ -12,7 +12,7 @@ from benchmarks.harness import stats
 from benchmarks.harness.interleave import balanced_order, merge_ranks, rotated
 from benchmarks.harness.machine import git_commit
 from benchmarks.harness.options import ONE_PARAMETER_PER_BUCKET_MB, device_problem, effective_bucket_cap_mb
-from benchmarks.reporting.document import assemble, results_named
+from benchmarks.reporting.document import assemble, figures_named, results_named
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -98,6 +98,16 @@ def test_assemble_replaces_placeholders_and_keeps_the_prose():
     assert rendered.endswith("<!-- BEGIN GENERATED: compare-mpi -->\ntable of mpi/compare-mpi\n"
                              "<!-- END GENERATED: compare-mpi -->\n")
     assert "# Title\n\nintro\n\n## compare" in rendered
+
+
+def test_assemble_renders_a_headline_where_the_prose_shows_a_figure():
+    text = "## compare\n\n<!-- FIGURE: mpi/compare-mpi -->\nreading\n"
+    rendered = assemble([text], lambda name: "never", lambda name: f"figure of {name}\n")
+    assert figures_named(text) == ["mpi/compare-mpi"] and results_named(text) == []
+    assert ("<!-- BEGIN GENERATED: compare-mpi -->\nfigure of mpi/compare-mpi\n<!-- END GENERATED: compare-mpi -->\n"
+            "reading\n") in rendered
+    with pytest.raises(ValueError):
+        assemble([text], lambda name: "never")
 
 
 def test_assemble_leaves_an_inline_mention_of_the_placeholder_alone():

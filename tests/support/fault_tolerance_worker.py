@@ -1,5 +1,5 @@
-"""One replica of a fault-tolerant run, for tests/fault_tolerance/test_fault_tolerance_*.py
-and tools/measure_recovery.py. Run as a script:
+"""One replica of a fault-tolerant run, for tests/fault_tolerance/test_fault_tolerance_*.py.
+Run as a script:
 
     python tests/support/fault_tolerance_worker.py --coordinator HOST:PORT --id r0 --steps 30 --out r0.jsonl \
         [--fault kill-backward@5]

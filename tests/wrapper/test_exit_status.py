@@ -1,12 +1,12 @@
 """A finished training process exits with status 0: Note [Exit after
 training] in ddp_ext/_exit.py.
 
-2-rank jobs (tools/exit_runs.py) in every variant: with and without
+2-rank jobs (tests/support/exit_runs.py) in every variant: with and without
 destroy_process_group(), with _register_fused_optim on a subset of the
 parameters or not, the model freed by the rank's function or kept to the
 interpreter's shutdown; all end with a final dist.barrier(). The race is
 timing-dependent, so a few runs can pass without the fix: the full count is
-tools/exit_runs.py --runs 200 (docs/RELIABILITY.md, "Exit status"). The
+tests/support/exit_runs.py --runs 200 (docs/RELIABILITY.md, "Exit status"). The
 release itself is checked deterministically: after it, no Gloo worker
 thread is left, including those of a group only the DDP module still holds.
 """
@@ -18,7 +18,7 @@ import sys
 import textwrap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TOOL = os.path.join(ROOT, "tools", "exit_runs.py")
+TOOL = os.path.join(ROOT, "tests", "support", "exit_runs.py")
 
 
 def _env():

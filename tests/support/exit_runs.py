@@ -10,8 +10,8 @@ interpreter's shutdown (a module-level model). The 8 variants are
 interleaved run by run, and the same sequence runs with ddp_ext's
 DistributedDataParallel and with torch's, alternating.
 
-    nice -n 10 python tools/exit_runs.py --runs 200            # both DDPs
-    python tools/exit_runs.py --runs 16 --ddp ddp_ext --jobs 1 --json counts.json
+    nice -n 10 python tests/support/exit_runs.py --runs 200            # both DDPs
+    python tests/support/exit_runs.py --runs 16 --ddp ddp_ext --jobs 1 --json counts.json
 
 Ranks are forked from this process once it has imported torch and ddp_ext
 (--launch fork, the default; see _preload) or started as fresh
@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DDPS = ("ddp_ext", "torch")
 # (destroy_process_group() at the end, _register_fused_optim on a subset,
 #  the model kept alive until the interpreter's shutdown)
