@@ -125,7 +125,7 @@ std::function<void(const StallReport&)> stall_handler(py::function handler) {
 
 // Calls `step(indices)` under the GIL; what it raises (a Python error)
 // leaves backward as raised. See Note [Stepping reduced buckets] in
-// reducer/core/bucket_steps.cpp.
+// reducer/finish/step_per_bucket.h.
 Reducer::BucketStep bucket_step(py::function step) {
   std::shared_ptr<py::function> fn(new py::function(std::move(step)), [](py::function* f) {
     if (Py_IsInitialized()) {

@@ -197,7 +197,7 @@ class BackwardSteps(Bound):
 # bucket's gradient (zeros for a parameter no rank used); at the end of the
 # backward those parameters' .grad are None. ddp_ext does the same through
 # the bucket step (Note [Stepping reduced buckets] in
-# reducer/core/bucket_steps.cpp), without a communication hook: the step of
+# reducer/finish/step_per_bucket.h), without a communication hook: the step of
 # each bucket runs when the backward ends, bucket after bucket as each is
 # reduced, and the hook's wait inside the backward is gone. Parameters not
 # reduced by the wrapper (parameters_to_ignore) keep torch's own hooks.

@@ -6,7 +6,7 @@ Note [Stepping in the next forward]
 The reducer holds back the buckets of the first layers and launches them,
 first layer first, when the backward ends, then returns without waiting for
 them (Note [The next forward's buckets first] in
-reducer/core/forward_tail.cpp). Their parameters are "pending": the user's
+reducer/finish/step_and_defer_tail.h). Their parameters are "pending": the user's
 optimizer.step() leaves them out and owes them their step, which is taken
 when something first reads one of them, normally the next forward's first
 layers. A parameter ends up exactly as with a plain step because:

@@ -5,7 +5,7 @@ gradients are reduced and written back, while later buckets are still being
 reduced; the user's `opt.step()` then steps only the parameters the backward
 did not (none, usually). The C++ side, which calls `OptimizerOverlap.step_bucket`
 bucket after bucket on the thread that called backward, is Note [Stepping
-reduced buckets] in reducer/core/bucket_steps.cpp.
+reduced buckets] in reducer/finish/step_per_bucket.h.
 
 Note [Exact overlapped steps]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "reducer/core/averaging.h"
+#include "reducer/core/buckets_of_backward.h"
 #include "reducer/core/cuda_streams.h"
 #include "reducer/core/errors.h"
 #include "reducer/core/gradient_copy.h"
@@ -320,7 +321,7 @@ void Reducer::arm_buckets() {
     bucket.dropped = drop_plan_.drops_all(bucket.param_indices);
     bucket.filled_on.reset();
   }
-  held_from_ = first_held_bucket(); // See Note [The next forward's buckets first].
+  end_of_backward_->arm(layout_.buckets(), may_hold_buckets());
 }
 
 void Reducer::prepare_for_local_backward() {
@@ -481,8 +482,10 @@ void Reducer::copy_into_bucket(size_t index, bool scale) {
 void Reducer::launch_ready_buckets() {
   const auto& buckets = layout_.buckets();
   const bool launching = options_.overlap_with_backward && !static_graph_.learning();
+  // See Note [The next forward's buckets first].
+  const size_t held_from = end_of_backward_->held_from(buckets.size());
   while (next_bucket_ < buckets.size() && buckets[next_bucket_].pending == 0) {
-    if (launching && next_bucket_ < held_from_) {
+    if (launching && next_bucket_ < held_from) {
       launch(next_bucket_);
     }
     ++next_bucket_;
@@ -490,8 +493,8 @@ void Reducer::launch_ready_buckets() {
   if (next_bucket_ < buckets.size() || static_graph_.learning()) {
     return; // See Note [Static graph] for who finishes a learning iteration.
   }
-  for (size_t b = buckets.size(); launching && b-- > held_from_;) {
-    launch(b); // See Note [The next forward's buckets first]: first layers first.
+  for (size_t b = buckets.size(); launching && b-- > held_from;) {
+    launch(b); // first layers first
   }
   if (usage_.searches() && !static_graph_.on() && !gradients_stay_local_) {
     usage_.launch_allreduce(*process_group_); // a world of one: local is global
@@ -696,17 +699,8 @@ void Reducer::finalize_backward() {
     launch_all_buckets();
   }
   raise_if_out_of_step();
-  std::exception_ptr step_failed;
-  if (bucket_step_) {
-    step_failed = step_buckets_as_reduced(); // Note [Stepping reduced buckets]
-  } else {
-    {
-      TimelineRange wait_range(timeline_, TimelineEvent::kWaitForBuckets);
-      wait_for_launched_buckets();
-    }
-    observers_.notify(&ReducerObserver::on_collectives_done);
-    write_back_gradients(conclude_usage());
-  }
+  BucketsOfBackward buckets(*this); // See Note [The end of a backward].
+  const std::exception_ptr step_failed = end_of_backward_->finish(buckets);
   conclude_layout(/*launched_at_end=*/!options_.overlap_with_backward);
   enter(Phase::kReducing, Phase::kIdle);
   if (reported_unfinished_) {
@@ -818,7 +812,7 @@ void Reducer::update_process_group(
   layout_.order().restart();
   std::fill(ready_.begin(), ready_.end(), false);
   next_bucket_ = 0;
-  deferred_.clear(); // on the old group too
+  end_of_backward_->forget_deferred(); // on the old group too
   drop_plan_.clear();
   phase_ = Phase::kIdle;
   process_group_ = std::move(process_group);

@@ -28,6 +28,7 @@
 #include "reducer/participation/backward_usage.h"
 #include "reducer/participation/layer_drop.h"
 #include "reducer/core/reducer_options.h"
+#include "reducer/finish/end_of_backward.h"
 #include "reducer/observation/observer.h"
 #include "reducer/observation/step_timings.h"
 #include "reducer/observation/stall_watch.h"
@@ -265,14 +266,15 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // that bucket's reduced gradients are in .grad, at the end of a
   // synchronising backward, bucket after bucket in launch order, without the
   // reducer's lock; empty: off. See Note [Stepping reduced buckets] in
-  // reducer/core/bucket_steps.cpp.
-  using BucketStep = std::function<void(const std::vector<size_t>& param_indices)>;
+  // reducer/finish/step_per_bucket.h.
+  using BucketStep = reducer::BucketStep;
   void set_bucket_step(BucketStep step);
 
   // See Note [The next forward's buckets first] in
-  // reducer/core/forward_tail.cpp: the buckets holding about `fraction` of
-  // the gradient bytes, those of the first layers, are launched first-layer
-  // first once the backward has ended, and left on the wire by it; 0: off.
+  // reducer/finish/step_and_defer_tail.h: with a bucket step, the buckets
+  // holding about `fraction` of the gradient bytes, those of the first
+  // layers, are launched first-layer first once the backward has ended, and
+  // left on the wire by it; 0: off.
   void set_forward_tail(double fraction);
   // The buckets a backward left on the wire, in launch order: each one's
   // index and parameter indices.
@@ -312,12 +314,12 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void wait_for_bucket(size_t bucket_index);
   // Waits for `work`; returns the future it waited through (null: the Work itself).
   c10::intrusive_ptr<c10::ivalue::Future> wait_for_work(c10d::Work& work, size_t bucket_index);
-  // See Note [The next forward's buckets first].
-  size_t first_held_bucket() const;
+  // See Note [The next forward's buckets first]: whether this backward may
+  // hold buckets, and the refusal to start what would reuse their memory.
+  bool may_hold_buckets() const;
   void check_nothing_deferred(const char* what) const;
-  // See Note [Stepping reduced buckets]: waits for, writes back and steps
-  // each bucket in turn; returns what the step raised, if it did.
-  std::exception_ptr step_buckets_as_reduced();
+  // See Note [The end of a backward] (reducer/core/buckets_of_backward.h).
+  class BucketsOfBackward;
   void reset_step_check();
   // See Note [The step check on bucket 0]: whether anything calls for a
   // step check of its own rather than one riding on bucket 0.
@@ -416,22 +418,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // See Note [Runtime statistics] and Note [Stragglers].
   StepTimings timings_;
 
-  // See Note [Stepping reduced buckets]; empty: off.
-  BucketStep bucket_step_;
-
-  // See Note [The next forward's buckets first]: the fraction of gradient
-  // bytes held (0: off); the first bucket held in this backward (the
-  // bucket count: none); the buckets the last backward left on the wire.
-  struct DeferredBucket {
-    size_t index;
-    c10::intrusive_ptr<c10d::Work> work;
-    std::vector<at::Tensor> views;
-    std::vector<size_t> param_indices;
-  };
-  double forward_tail_ = 0;
-  size_t held_from_ = static_cast<size_t>(-1);
-  std::vector<DeferredBucket> deferred_;
-  BackwardUsage deferred_usage_; // of their backward
+  // See Note [The end of a backward]: WriteBackAll, StepPerBucket or
+  // StepAndDeferTail; never null.
+  std::unique_ptr<EndOfBackward> end_of_backward_ = std::make_unique<WriteBackAll>();
 
   // See Note [Reducer observers]: timings_ and timeline_.
   ReducerObservers observers_;
