@@ -64,24 +64,12 @@ class DiLoCo:
                  bits: int = 32, mix: Optional[float] = None, int8_chunk: int = 1024,
                  inner_group: Optional[dist.ProcessGroup] = None, outer_group: Optional[dist.ProcessGroup] = None):
         self.settings = Settings(sync_every, fragments, delay, bits, default_mix(delay, mix), int8_chunk)
-        problems = self.settings.problems()
-        module = getattr(ddp, "module", None)
-        ddp_group = getattr(ddp, "process_group", None)
-        if module is None or ddp_group is None:
-            problems.append(f"the model must be a DistributedDataParallel over the inner group, got "
-                            f"{type(ddp).__name__}")
-        elif inner_group is not None and inner_group is not ddp_group:
-            problems.append("inner_group is not the process group the DDP model averages over")
-        inner = ddp_group if inner_group is None else inner_group
-        self.module = module
+        self.module = getattr(ddp, "module", None)
         self.inner_optimizer = inner_optimizer
-        self._parameters = [p for p in module.parameters() if p.requires_grad] if module is not None else []
-        problems += _inner_optimizer_problems(inner_optimizer, self._parameters)
-        if outer_optimizer is not None and (not callable(outer_optimizer)
-                                            or isinstance(outer_optimizer, torch.optim.Optimizer)):
-            problems.append("outer_optimizer must be a function from a list of parameters to an optimizer over "
-                            "them, e.g. lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)")
-            outer_optimizer = None
+        self._parameters = [p for p in self.module.parameters() if p.requires_grad] if self.module is not None else []
+        inner = inner_group if inner_group is not None else getattr(ddp, "process_group", None)
+        problems = self.settings.problems() + _local_problems(ddp, inner_group, inner_optimizer, outer_optimizer,
+                                                              self._parameters)
         self._fragments: List[FragmentState] = []
         if not problems:
             problems += self._make_fragments(outer_optimizer or default_outer_optimizer)
@@ -91,13 +79,8 @@ class DiLoCo:
                 "parameters": [(tuple(p.shape), str(p.dtype)) for p in self._parameters]}
         gathered = agree("DiLoCo", problems, same, facts)
         inner_by_rank = [inner_members for inner_members, _ in gathered]
-        structure = _groups.inner_problems(inner_by_rank)
-        if not structure:
-            outer_by_rank = [outer_members for _, outer_members in gathered]
-            if outer_group is None:
-                derived = _groups.outer_memberships(inner_by_rank)
-                outer_by_rank = [next(g for g in derived if rank in g) for rank in range(len(inner_by_rank))]
-            structure = _groups.outer_problems(inner_by_rank, outer_by_rank)
+        outer_by_rank = None if outer_group is None else [outer_members for _, outer_members in gathered]
+        structure = _groups.structure_problems(inner_by_rank, outer_by_rank)
         if structure:
             raise ValueError("DiLoCo: " + "; ".join(structure))  # the same on every rank: all saw the same facts
         self.inner_group = inner
@@ -192,11 +175,22 @@ class DiLoCo:
         self.bytes_sent = state["bytes_sent"]
 
 
-def _inner_optimizer_problems(optimizer, parameters: List[torch.nn.Parameter]) -> List[str]:
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        return [f"inner_optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"]
-    ours = {id(p) for p in parameters}
-    stepped = [p for group in optimizer.param_groups for p in group["params"]]
-    if any(id(p) not in ours for p in stepped):
-        return ["inner_optimizer steps tensors that are not the DDP model's trainable parameters"]
-    return []
+def _local_problems(ddp, inner_group, inner_optimizer, outer_optimizer, parameters) -> List[str]:
+    """What this rank alone sees wrong with the arguments besides the settings."""
+    problems = []
+    ddp_group = getattr(ddp, "process_group", None)
+    if getattr(ddp, "module", None) is None or ddp_group is None:
+        problems.append(f"the model must be a DistributedDataParallel over the inner group, got {type(ddp).__name__}")
+    elif inner_group is not None and inner_group is not ddp_group:
+        problems.append("inner_group is not the process group the DDP model averages over")
+    if not isinstance(inner_optimizer, torch.optim.Optimizer):
+        problems.append(f"inner_optimizer must be a torch.optim.Optimizer, got {type(inner_optimizer).__name__}")
+    else:
+        ours = {id(p) for p in parameters}
+        if any(id(p) not in ours for group in inner_optimizer.param_groups for p in group["params"]):
+            problems.append("inner_optimizer steps tensors that are not the DDP model's trainable parameters")
+    if outer_optimizer is not None and (not callable(outer_optimizer)
+                                        or isinstance(outer_optimizer, torch.optim.Optimizer)):
+        problems.append("outer_optimizer must be a function from a list of parameters to an optimizer over them, "
+                        "e.g. lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)")
+    return problems

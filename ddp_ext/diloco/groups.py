@@ -10,7 +10,7 @@ rank makes every group, in the same order."""
 
 import dataclasses
 import os
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -105,6 +105,19 @@ def outer_problems(inner_by_rank: Sequence[Sequence[int]], outer_by_rank: Sequen
         problems.append("the outer groups list the inner groups in different orders (number the ranks host by "
                         "host, or pass outer groups whose i-th ranks are on the same host)")
     return problems
+
+
+def structure_problems(inner_by_rank: Sequence[Sequence[int]],
+                       outer_by_rank: Optional[Sequence[Sequence[int]]]) -> List[str]:
+    """What keeps these groups (each rank's members, by rank; outer ones
+    None: to be derived) from DiLoCo's layout."""
+    problems = inner_problems(inner_by_rank)
+    if problems:
+        return problems
+    if outer_by_rank is None:
+        derived = outer_memberships(inner_by_rank)
+        outer_by_rank = [next(g for g in derived if rank in g) for rank in range(len(inner_by_rank))]
+    return outer_problems(inner_by_rank, outer_by_rank)
 
 
 def derive_outer(inner_by_rank: Sequence[Sequence[int]]) -> dist.ProcessGroup:

@@ -10,6 +10,7 @@ CASES = {
     "delay_too_long": "every rank: delay=2 >= sync_every/fragments=4/2",
     "outer_optimizer_over_other_parameters": "outer_optimizer must build its optimizer over the parameters",
     "unequal_groups": "inner groups have unequal sizes [1, 3]",
+    "outer_group_within_a_host": "outer group [0, 1] does not hold exactly one rank of each of the 2 inner groups",
     "delay_too_long_on_rank_0": "rank 0: delay=4 >= sync_every/fragments=4/1",
     "settings_differ_on_rank_3": "rank 3 has settings=",
 }

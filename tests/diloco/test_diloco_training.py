@@ -22,7 +22,8 @@ def test_sync_every_step_with_plain_outer_sgd_is_local_sgd():
     # step computes synced - mean(synced - live) where the reference takes
     # mean(live); each rounds a few float32 ulps per step (values ~0.3, ulp
     # ~3e-8), so 1e-6 over 8 steps.
-    diloco = dict(sync_every=1, outer_optimizer=workers.plain_outer_sgd)
+    # The groups are passed explicitly here (derived in the other tests).
+    diloco = dict(sync_every=1, outer_optimizer=workers.plain_outer_sgd, explicit_groups=True)
     results = shared_world(4).run(workers.train, STEPS, "sgd", diloco)
     expected = workers.local_sgd_reference(STEPS, average=True)[0]
     for live, glob, _, _ in results:

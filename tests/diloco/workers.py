@@ -52,11 +52,16 @@ class Run:
     """One rank's DDP model over its host, its inner optimizer and DiLoCo."""
 
     def __init__(self, rank: int, inner: str, diloco: dict, seed: int = 0):
+        """`diloco`: DiLoCo's arguments (None: plain DDP), and explicit_groups=True
+        to pass host_groups()' groups rather than let DiLoCo derive the outer one."""
         as_host(rank)
+        diloco = dict(diloco) if diloco is not None else None
         self.rank = rank
         self.groups = host_groups()
         self.ddp = ddp_ext.DistributedDataParallel(build_model(seed), process_group=self.groups.inner)
         self.optimizer = make_inner_optimizer(inner, self.ddp.parameters())
+        if diloco is not None and diloco.pop("explicit_groups", False):
+            diloco = dict(diloco, inner_group=self.groups.inner, outer_group=self.groups.outer)
         self.outer = ddp_ext.DiLoCo(self.ddp, self.optimizer, **diloco) if diloco is not None else None
         self.losses = []
 
@@ -128,6 +133,9 @@ def construct(rank, world_size, case):
         diloco.update(fragments=2, delay=2)
     elif case == "outer_optimizer_over_other_parameters":
         diloco.update(outer_optimizer=lambda params: torch.optim.SGD(model.parameters(), lr=0.7))
+    elif case == "outer_group_within_a_host":
+        within = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        diloco.update(outer_group=within[rank // RANKS_PER_HOST])
     elif case == "delay_too_long_on_rank_0" and rank == 0:
         diloco.update(delay=4)
     elif case == "settings_differ_on_rank_3" and rank == 3:
