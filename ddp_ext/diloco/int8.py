@@ -18,23 +18,23 @@ from ddp_ext import _C
 class ErrorFeedback:
     """One fragment's 8-bit encoder: its residual and its chunk size."""
 
-    def __init__(self, numel: int, chunk: int):
+    def __init__(self, numel: int, chunk: int, device: torch.device = torch.device("cpu")):
         self.chunk = chunk
-        self.residual = torch.zeros(numel, dtype=torch.float32)
+        self.residual = torch.zeros(numel, dtype=torch.float32, device=device)
         self.payload_bytes = _C.int8_payload_bytes(numel, chunk)
 
     def encode(self, values: torch.Tensor) -> torch.Tensor:
         """The payload of `values` (1-D float32) plus what earlier payloads
         missed; the residual then holds what this one misses."""
         self.residual.add_(values)
-        payload = torch.empty(self.payload_bytes, dtype=torch.uint8)
+        payload = torch.empty(self.payload_bytes, dtype=torch.uint8, device=self.residual.device)
         _C.encode_int8(self.residual, payload, self.chunk)
         return payload
 
     def decode_mean(self, payloads: List[torch.Tensor]) -> torch.Tensor:
         """The mean of what `payloads` (one per outer rank, in rank order)
         stand for, summed in that order, so every rank gets the same bits."""
-        out = torch.empty(self.residual.numel(), dtype=torch.float32)
+        out = torch.empty_like(self.residual)
         _C.decode_sum_int8(payloads, out, self.chunk)
         return out.div_(len(payloads))
 

@@ -52,7 +52,8 @@ class FragmentState:
                 "copies), e.g. lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True); "
                 "it returned one over other tensors"
             )
-        self.codec = ErrorFeedback(self.numel, int8_chunk) if int8_chunk is not None else None
+        device = self.live[0].device
+        self.codec = ErrorFeedback(self.numel, int8_chunk, device) if int8_chunk is not None else None
 
     @torch.no_grad()
     def reset_synced(self) -> None:
