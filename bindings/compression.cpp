@@ -1,14 +1,16 @@
-// Bindings of the adaptive-precision hook's state and policy; see
-// comm_hooks/compression/adaptive_precision.h.
+// Bindings of the adaptive-precision hook's state and policy (see
+// comm_hooks/compression/adaptive_precision.h) and of its 8-bit codec.
 
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "bindings/bindings.h"
 #include "comm_hooks/compression/adaptive_precision.h"
+#include "comm_hooks/compression/int8_codec.h"
 #include "comm_hooks/compression/int8_exchange.h"
 
 namespace ddp_ext::bindings {
@@ -68,6 +70,20 @@ void bind_compression(py::module& m) {
       .def_property_readonly("int8_exchange", [](const AdaptivePrecision& state) {
         return std::string(int8_exchange_name(state.int8_exchange()));
       });
+
+  // The 8-bit codec itself, for callers that exchange payloads from Python
+  // (DiLoCo's outer gradients, ddp_ext/diloco/int8.py).
+  m.def("int8_payload_bytes", &int8_payload_bytes, py::arg("numel"), py::arg("chunk"));
+  m.def(
+      "encode_int8",
+      [](at::Tensor values, at::Tensor payload, int64_t chunk) { encode_int8(values, payload, chunk); },
+      py::arg("values"), py::arg("payload"), py::arg("chunk"), NoGil());
+  m.def(
+      "decode_sum_int8",
+      [](const std::vector<at::Tensor>& payloads, at::Tensor out, int64_t chunk) {
+        decode_sum_int8(payloads, out, chunk);
+      },
+      py::arg("payloads"), py::arg("out"), py::arg("chunk"), NoGil());
 
   m.def(
       "int8_exchange_for",

@@ -11,6 +11,10 @@ Gradients sent in as few bits as pay, with error feedback:
 
     model.register_comm_hook(ddp_ext.AdaptivePrecision(), ddp_ext.adaptive_precision_hook)
 
+Streaming DiLoCo across hosts (DDP inside each, an outer step every H steps):
+
+    outer = ddp_ext.DiLoCo(ddp, inner_optimizer, sync_every=100)   # then outer.step() after each step
+
 Round-robin process groups (importing ddp_ext also registers the
 torch.distributed backend "round_robin"):
 
@@ -28,6 +32,7 @@ from ddp_ext._native import core as _C
 
 from ddp_ext.compression import AdaptivePrecision, adaptive_precision_hook  # noqa: E402
 from ddp_ext.distributed import DistributedDataParallel  # noqa: E402
+from ddp_ext.diloco import DiLoCo  # noqa: E402
 from ddp_ext.layer_drop import LayerDrop  # noqa: E402
 from ddp_ext.round_robin import RoundRobinOptions, new_round_robin_group, round_robin_group  # noqa: E402
 from ddp_ext import mpi  # noqa: E402,F401  (registers "ddp_ext_mpi" and "mpi://")
@@ -35,6 +40,7 @@ from ddp_ext import _exit  # noqa: E402,F401  (releases process groups at exit: 
 
 __all__ = [
     "AdaptivePrecision",
+    "DiLoCo",
     "DistributedDataParallel",
     "LayerDrop",
     "adaptive_precision_hook",

@@ -1,0 +1,196 @@
+"""DiLoCo: DDP inside each group of ranks (a host), and across groups only
+an averaged parameter change every few steps, in fragments, overlapped with
+training. See docs/DILOCO.md."""
+
+import dataclasses
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ddp_ext.diloco import fragments as _fragments
+from ddp_ext.diloco import groups as _groups
+from ddp_ext.diloco.agreement import agree
+from ddp_ext.diloco.exchange import Arrived, Exchange
+from ddp_ext.diloco.outer_state import FragmentState, OuterOptimizerFactory, default_outer_optimizer
+from ddp_ext.diloco.schedule import Schedule
+from ddp_ext.diloco.settings import Settings, default_mix
+
+
+@dataclasses.dataclass
+class _InFlight:
+    fragment: int
+    merge_step: int
+    exchange: object  # Exchange or Arrived
+
+
+class DiLoCo:
+    """Streaming DiLoCo around a DDP model whose process group is one inner
+    group (a host's ranks: see `ddp_ext.diloco.host_groups`).
+
+        outer = ddp_ext.DiLoCo(ddp, inner_optimizer, sync_every=100)
+        ...
+        inner_optimizer.step()
+        outer.step()
+
+    Args:
+        ddp: a DistributedDataParallel (ddp_ext's or torch's) built over the
+            inner group.
+        inner_optimizer: the optimizer stepping ddp's parameters (saved and
+            loaded with the rest of the state).
+        sync_every: H, inner steps between two syncs of a fragment.
+        fragments: F, parts the parameters are cut into, synced at steps
+            spread over each H (1 <= F <= H).
+        delay: tau, inner steps an exchange overlaps before it is merged
+            (tau < H / F).
+        outer_optimizer: a function from a list of parameters to the torch
+            optimizer stepping them; called once per fragment, with that
+            fragment's last synced copies. Default: Nesterov SGD, lr 0.7,
+            momentum 0.9.
+        bits: 32 (float32) or 8 (int8 with one scale per `int8_chunk`
+            elements, and error feedback across syncs).
+        mix: weight of the new global parameters at a merge; default 1
+            without delay, 0.5 with (Note [DiLoCo merge]).
+        inner_group: ddp's process group (default: taken from ddp).
+        outer_group: this rank's outer group (default: derived from the inner
+            groups, the ranks at the same position in each).
+
+    Construction is collective over the default process group; bad
+    settings raise ValueError on every rank.
+    """
+
+    def __init__(self, ddp: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *, sync_every: int,
+                 fragments: int = 1, delay: int = 0, outer_optimizer: Optional[OuterOptimizerFactory] = None,
+                 bits: int = 32, mix: Optional[float] = None, int8_chunk: int = 1024,
+                 inner_group: Optional[dist.ProcessGroup] = None, outer_group: Optional[dist.ProcessGroup] = None):
+        self.settings = Settings(sync_every, fragments, delay, bits, default_mix(delay, mix), int8_chunk)
+        self.module = getattr(ddp, "module", None)
+        self.inner_optimizer = inner_optimizer
+        self._parameters = [p for p in self.module.parameters() if p.requires_grad] if self.module is not None else []
+        inner = inner_group if inner_group is not None else getattr(ddp, "process_group", None)
+        problems = self.settings.problems() + _local_problems(ddp, inner_group, inner_optimizer, outer_optimizer,
+                                                              self._parameters)
+        self._fragments: List[FragmentState] = []
+        if not problems:
+            problems += self._make_fragments(outer_optimizer or default_outer_optimizer)
+        facts = (_groups.members(inner) if inner is not None else [],
+                 _groups.members(outer_group) if outer_group is not None else None)
+        same = {"settings": self.settings, "outer_group given": outer_group is not None,
+                "parameters": [(tuple(p.shape), str(p.dtype)) for p in self._parameters]}
+        gathered = agree("DiLoCo", problems, same, facts)
+        inner_by_rank = [inner_members for inner_members, _ in gathered]
+        outer_by_rank = None if outer_group is None else [outer_members for _, outer_members in gathered]
+        structure = _groups.structure_problems(inner_by_rank, outer_by_rank)
+        if structure:
+            raise ValueError("DiLoCo: " + "; ".join(structure))  # the same on every rank: all saw the same facts
+        self.inner_group = inner
+        self.outer_group = outer_group if outer_group is not None else _groups.derive_outer(inner_by_rank)
+        self._schedule = Schedule(self.settings)
+        self._step = 0
+        self._in_flight: List[_InFlight] = []
+        self.bytes_sent = 0
+        self._start_equal()
+
+    def _make_fragments(self, factory: OuterOptimizerFactory) -> List[str]:
+        try:
+            runs = _fragments.split(self._parameters, self.settings.fragments)
+            chunk = self.settings.int8_chunk if self.settings.bits == 8 else None
+            self._fragments = [FragmentState([self._parameters[i] for i in run], factory, chunk) for run in runs]
+        except Exception as error:  # the user's factory may raise anything: report it on every rank
+            return [f"{type(error).__name__}: {error}"]
+        return []
+
+    @torch.no_grad()
+    def _start_equal(self) -> None:
+        """Every group starts from the outer group's first rank's parameters
+        (DDP made them equal inside each group), and syncs from there."""
+        source = dist.get_global_rank(self.outer_group, 0)
+        for p in self._parameters:
+            dist.broadcast(p.data, src=source, group=self.outer_group)
+        for fragment in self._fragments:
+            fragment.reset_synced()
+
+    @property
+    def step_count(self) -> int:
+        """Inner steps taken so far (calls of `step`)."""
+        return self._step
+
+    def fragment_parameters(self) -> List[List[torch.nn.Parameter]]:
+        """The model's parameters by fragment, in registration order."""
+        return [list(fragment.live) for fragment in self._fragments]
+
+    def global_parameters(self) -> List[torch.Tensor]:
+        """The last synced parameters in the model's parameter order: the same
+        on every rank (the live ones differ between groups between syncs)."""
+        return [p.detach() for fragment in self._fragments for p in fragment.synced]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Call after each `inner_optimizer.step()`: launches the fragments
+        whose step this is and merges the exchanges due."""
+        self._step += 1
+        for p in self._schedule.launches_at(self._step):
+            fragment = self._fragments[p]
+            exchange = Exchange(fragment.pseudo_gradient(), self.outer_group, fragment.codec)
+            self.bytes_sent += exchange.bytes_sent
+            self._in_flight.append(_InFlight(p, self._schedule.merge_step(self._step), exchange))
+        due = [f for f in self._in_flight if f.merge_step <= self._step]
+        self._in_flight = [f for f in self._in_flight if f.merge_step > self._step]
+        for flight in due:
+            self._fragments[flight.fragment].merge(flight.exchange.wait(), self.settings.mix)
+
+    def state_dict(self) -> Dict:
+        """Everything a resumed run needs to continue bit for bit: the model,
+        the inner optimizer, each fragment's outer state and the exchanges in
+        flight (waited for here, and kept as their results)."""
+        for flight in self._in_flight:
+            flight.exchange = Arrived(flight.exchange.wait())
+        return {
+            "settings": dataclasses.asdict(self.settings),
+            "step": self._step,
+            "bytes_sent": self.bytes_sent,
+            "model": self.module.state_dict(),
+            "inner_optimizer": self.inner_optimizer.state_dict(),
+            "fragments": [fragment.state_dict() for fragment in self._fragments],
+            "in_flight": [{"fragment": f.fragment, "merge_step": f.merge_step, "mean": f.exchange.wait().clone()}
+                          for f in self._in_flight],
+        }
+
+    def load_state_dict(self, state: Dict) -> None:
+        """Restores what `state_dict` saved, into a DiLoCo with the same
+        settings and no exchange in flight (one just constructed)."""
+        saved = Settings(**state["settings"])
+        if saved != self.settings:
+            raise ValueError(f"DiLoCo.load_state_dict: saved with {saved}, this one has {self.settings}")
+        if self._in_flight:
+            raise ValueError("DiLoCo.load_state_dict: exchanges are in flight; load into a DiLoCo that has not "
+                             "stepped since the last merge (one just constructed)")
+        self.module.load_state_dict(state["model"])
+        self.inner_optimizer.load_state_dict(state["inner_optimizer"])
+        for fragment, saved_fragment in zip(self._fragments, state["fragments"], strict=True):
+            fragment.load_state_dict(saved_fragment)
+        self._in_flight = [_InFlight(f["fragment"], f["merge_step"], Arrived(f["mean"].clone()))
+                           for f in state["in_flight"]]
+        self._step = state["step"]
+        self.bytes_sent = state["bytes_sent"]
+
+
+def _local_problems(ddp, inner_group, inner_optimizer, outer_optimizer, parameters) -> List[str]:
+    """What this rank alone sees wrong with the arguments besides the settings."""
+    problems = []
+    ddp_group = getattr(ddp, "process_group", None)
+    if getattr(ddp, "module", None) is None or ddp_group is None:
+        problems.append(f"the model must be a DistributedDataParallel over the inner group, got {type(ddp).__name__}")
+    elif inner_group is not None and inner_group is not ddp_group:
+        problems.append("inner_group is not the process group the DDP model averages over")
+    if not isinstance(inner_optimizer, torch.optim.Optimizer):
+        problems.append(f"inner_optimizer must be a torch.optim.Optimizer, got {type(inner_optimizer).__name__}")
+    else:
+        ours = {id(p) for p in parameters}
+        if any(id(p) not in ours for group in inner_optimizer.param_groups for p in group["params"]):
+            problems.append("inner_optimizer steps tensors that are not the DDP model's trainable parameters")
+    if outer_optimizer is not None and (not callable(outer_optimizer)
+                                        or isinstance(outer_optimizer, torch.optim.Optimizer)):
+        problems.append("outer_optimizer must be a function from a list of parameters to an optimizer over them, "
+                        "e.g. lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)")
+    return problems

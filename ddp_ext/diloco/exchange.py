@@ -1,0 +1,63 @@
+"""One fragment's pseudo-gradient on the wire: launched asynchronously over
+the outer group at the fragment's step, waited for at its merge step.
+
+# Note [DiLoCo groups agree bitwise]
+
+Every rank must end a merge with the same bits, or the ranks of one host
+would drift apart under DDP, which keeps them equal only by applying equal
+updates. Each host has one rank in every outer group, and DDP keeps a host's
+ranks equal, so all outer groups hold the same values, host by host. Each
+then all-gathers them and adds them in its own rank order; the outer groups
+list the hosts in the same order (checked at construction, groups.py), so
+they all add the same numbers in the same order. An all-reduce would leave
+the order to the backend, which may choose it per group (NCCL's rings follow
+the hardware); with two hosts the all-gather moves as many bytes.
+"""
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ddp_ext.diloco.int8 import ErrorFeedback
+
+
+class Exchange:
+    """The mean of a flat float32 tensor over `group`'s ranks, in flight:
+    float32 values (`codec` None) or 8-bit payloads, all-gathered, decoded
+    and added in rank order (Note [DiLoCo groups agree bitwise])."""
+
+    def __init__(self, values: torch.Tensor, group: dist.ProcessGroup, codec: Optional[ErrorFeedback]):
+        self._codec = codec
+        payload = values if codec is None else codec.encode(values)
+        self.bytes_sent = payload.numel() * payload.element_size()
+        self._gathered: Optional[List[torch.Tensor]] = [
+            torch.empty_like(payload) for _ in range(dist.get_world_size(group))
+        ]
+        self._work = dist.all_gather(self._gathered, payload, group=group, async_op=True)
+        self._result: Optional[torch.Tensor] = None
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            self._work.wait()
+            if self._codec is not None:
+                self._result = self._codec.decode_mean(self._gathered)
+            else:
+                total = self._gathered[0].clone()
+                for values in self._gathered[1:]:
+                    total.add_(values)
+                self._result = total.div_(len(self._gathered))
+            self._gathered = self._work = None
+        return self._result
+
+
+class Arrived:
+    """An exchange whose mean is already known (restored from a checkpoint)."""
+
+    bytes_sent = 0
+
+    def __init__(self, result: torch.Tensor):
+        self._result = result
+
+    def wait(self) -> torch.Tensor:
+        return self._result

@@ -1,0 +1,29 @@
+"""Which fragment goes on the wire at which step, and when it is merged.
+
+Planned from the step number only, so every rank computes the same plan with
+no communication and no clock. Fragment p (0-based) of F is launched at the
+steps t >= 1 with t = offset(p) (mod H), offset(p) = (p + 1) * H // F: the F
+fragments are spread evenly over each window of H steps, and the last one
+syncs at multiples of H (with F = 1, at H, 2H, ...). A fragment launched at
+step t is merged at step t + tau.
+"""
+
+from typing import List
+
+from ddp_ext.diloco.settings import Settings
+
+
+class Schedule:
+    def __init__(self, settings: Settings):
+        self.sync_every = settings.sync_every
+        self.delay = settings.delay
+        # Distinct because H >= F.
+        self.offsets = [(p + 1) * settings.sync_every // settings.fragments for p in range(settings.fragments)]
+
+    def launches_at(self, step: int) -> List[int]:
+        """The fragments launched at `step` (1-based inner step), in order."""
+        phase = step % self.sync_every
+        return [p for p, offset in enumerate(self.offsets) if offset % self.sync_every == phase and step >= offset]
+
+    def merge_step(self, launch_step: int) -> int:
+        return launch_step + self.delay

@@ -1,0 +1,92 @@
+"""DiLoCo's pure parts, in one process: the schedule, the fragments, the
+settings' checks and 8-bit error feedback."""
+
+import pytest
+import torch
+
+from ddp_ext.diloco.fragments import split
+from ddp_ext.diloco.int8 import ErrorFeedback
+from ddp_ext.diloco.schedule import Schedule
+from ddp_ext.diloco.settings import Settings, default_mix
+
+
+def _settings(sync_every, fragments=1, delay=0, bits=32, mix=1.0, int8_chunk=1024):
+    return Settings(sync_every, fragments, delay, bits, mix, int8_chunk)
+
+
+def _launches(schedule, steps):
+    return {step: schedule.launches_at(step) for step in range(1, steps + 1) if schedule.launches_at(step)}
+
+
+def test_schedule_spreads_fragments_over_each_window():
+    assert _launches(Schedule(_settings(1)), 3) == {1: [0], 2: [0], 3: [0]}
+    assert _launches(Schedule(_settings(4)), 9) == {4: [0], 8: [0]}
+    assert _launches(Schedule(_settings(4, 2, 1)), 9) == {2: [0], 4: [1], 6: [0], 8: [1]}
+    assert _launches(Schedule(_settings(5, 2)), 10) == {2: [0], 5: [1], 7: [0], 10: [1]}
+    assert _launches(Schedule(_settings(3, 3)), 6) == {1: [0], 2: [1], 3: [2], 4: [0], 5: [1], 6: [2]}
+    assert Schedule(_settings(4, 2, 1)).merge_step(6) == 7
+
+
+@pytest.mark.parametrize("args, problem", [
+    ((1, 2), "sync_every=1 < fragments=2"),
+    ((4, 2, 2), "delay=2 >= sync_every/fragments=4/2"),
+    ((4, 1, 4), "delay=4 >= sync_every/fragments=4/1"),
+    ((0,), "sync_every must be an integer >= 1"),
+    ((4, 1, 0, 16), "bits must be one of (8, 32)"),
+    ((4, 1, 0, 32, 0.0), "mix must be a number in (0, 1]"),
+])
+def test_settings_problems(args, problem):
+    problems = _settings(*args).problems()
+    assert len(problems) == 1 and problem in problems[0], problems
+
+
+def test_settings_accept_the_limits():
+    assert _settings(4, 4).problems() == []
+    assert _settings(5, 2, 2).problems() == []
+    assert default_mix(0, None) == 1.0 and default_mix(1, None) == 0.5 and default_mix(1, 0.8) == 0.8
+
+
+def test_fragments_are_consecutive_and_balanced():
+    sizes = [10, 1, 1, 1, 100, 5]
+    params = [torch.zeros(n) for n in sizes]
+    assert split(params, 1) == [[0, 1, 2, 3, 4, 5]]
+    assert split(params, 2) == [[0, 1, 2, 3], [4, 5]]
+    assert split(params, 6) == [[0], [1], [2], [3], [4], [5]]
+    # a large first parameter leaves each later one its own run
+    assert split([torch.zeros(n) for n in [100, 1, 1, 1]], 3) == [[0], [1], [2, 3]]
+    equal = split([torch.zeros(8) for _ in range(8)], 4)
+    assert equal == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    with pytest.raises(ValueError, match="fewer than fragments=3"):
+        split(params[:2], 3)
+
+
+def test_error_feedback_makes_the_sum_sent_track_the_true_sum():
+    gen = torch.Generator().manual_seed(0)
+    numel, chunk, syncs = 3000, 256, 40
+    with_feedback = ErrorFeedback(numel, chunk)
+    true_sum = torch.zeros(numel, dtype=torch.float64)
+    sent_sum = torch.zeros(numel, dtype=torch.float64)
+    plain_sum = torch.zeros(numel, dtype=torch.float64)
+    for _ in range(syncs):
+        values = torch.randn(numel, generator=gen) * 1e-2
+        true_sum += values.double()
+        sent_sum += with_feedback.decode_mean([with_feedback.encode(values)]).double()
+        # without feedback: a fresh encoder every time
+        once = ErrorFeedback(numel, chunk)
+        plain_sum += once.decode_mean([once.encode(values)]).double()
+    feedback_error = (true_sum - sent_sum).abs()
+    # What is owed is exactly the residual (to float32 rounding of the sums) ...
+    torch.testing.assert_close(true_sum - sent_sum, with_feedback.residual.double(), rtol=0, atol=1e-6)
+    # ... at most half a scale step, a step being at most (largest |value + residual|) / 127 < 0.05 / 127.
+    assert feedback_error.max().item() <= 0.5 * 0.05 / 127
+    # Without feedback the rounding errors add up over the syncs.
+    plain_error = (true_sum - plain_sum).abs()
+    assert plain_error.mean().item() > 3 * feedback_error.mean().item()
+
+
+def test_error_feedback_mean_is_in_payload_order_and_exact_for_codes():
+    codec = ErrorFeedback(4, 4)
+    a = codec.encode(torch.tensor([127.0, -127.0, 0.0, 1.0]))
+    b = ErrorFeedback(4, 4).encode(torch.tensor([1.0, 1.0, 1.0, 1.0]))
+    assert codec.residual.abs().max().item() == 0  # these values are codes times a scale of 1
+    assert torch.equal(codec.decode_mean([a, b]), torch.tensor([64.0, -63.0, 0.5, 1.0]))
