@@ -12,7 +12,7 @@ from typing import List
 
 import torch
 
-from ddp_ext import _C
+from ddp_ext._native import core as _C
 
 
 class ErrorFeedback:
