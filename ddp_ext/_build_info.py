@@ -37,6 +37,7 @@ SOURCES = [
     "reducer/core/errors.cpp",
     "reducer/core/forward_tail.cpp",
     "reducer/core/gradient_copy.cpp",
+    "reducer/core/late_gradients.cpp",
     "reducer/core/reducer.cpp",
     "reducer/core/state_lock.cpp",
     "reducer/layout/bucket_assignment.cpp",
