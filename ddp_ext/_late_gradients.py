@@ -22,8 +22,9 @@ class LocalGradientWarning(UserWarning):
 
 class LateGradientCheck:
     """Warns once, on this rank, when the reducer recorded late gradients.
-    Called at the start of a forward, without the reducer's lock; no
-    collective."""
+    Called first in a forward with gradients enabled, without the reducer's
+    lock, before anything changes: a warning turned into an error (a
+    warnings filter) leaves the iteration as it was. No collective."""
 
     def __init__(self, names: List[str]):
         self._names = names  # the reducer's parameter names, in its order

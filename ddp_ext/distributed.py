@@ -293,6 +293,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
         # of those is a call), and nothing for a model without a LayerDrop.
         flags, module = self._flags, self.module
         if torch.is_grad_enabled():
+            if self.reducer._has_late_gradients:  # Note [Late gradients] in reducer/core/late_gradients.h
+                self._late_gradients.warn_once(self.reducer, self.process_group.rank())
             self._parameter_watch.check(module, self.process_group)
             if self._layer_drop:
                 self._dropped_layers.begin_forward()
@@ -306,8 +308,6 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
             except RuntimeError as error:
                 self._logging.record_error(str(error))  # torch's reducer logs its checks' errors
                 raise
-            if self.reducer._has_late_gradients:  # Note [Late gradients] in reducer/core/late_gradients.h
-                self._late_gradients.warn_once(self.reducer, self.process_group.rank())
         work = Join.notify_join_context(self)
         if work:
             self.reducer._set_forward_pass_work_handle(work, self._divide_by_initial_world_size)

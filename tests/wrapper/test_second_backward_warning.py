@@ -4,8 +4,10 @@ so once per rank with a LocalGradientWarning naming the parameters (Note
 [Late gradients] in reducer/core/late_gradients.h), and stays silent where
 nothing is lost: a normal loop, no_sync accumulation, find_unused_parameters,
 and a backward through the wrapped module called directly (torch's own
-tests accumulate that way on purpose). 2 ranks over Gloo, every result
-checked against torch's DDP doing the same."""
+tests accumulate that way on purpose). Made an error by a warnings filter,
+it raises before the forward changes anything, and training goes on in
+step. 2 ranks over Gloo, every result checked against torch's DDP doing the
+same."""
 
 import warnings
 
@@ -53,10 +55,21 @@ def _train(wrapper, rank, pattern, kind="plain", steps=4, **kwargs):
             before = len(seen)
             if step == steps:
                 ddp(x)  # the forward after the last step checks too
-            elif pattern == "second_backward":
+            elif pattern == "second_backward" or (pattern == "as_error" and step == 0):
                 loss = ddp(x).pow(2).mean()
                 loss.backward(retain_graph=True)
                 loss.backward()
+            elif pattern == "as_error":
+                if step == 1:
+                    # The warning made an error raises before the forward
+                    # changes anything: the ranks go on in step.
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("error", ddp_ext.LocalGradientWarning)
+                        try:
+                            ddp(x)
+                        except ddp_ext.LocalGradientWarning:
+                            caught.append((step, "raised"))
+                ddp(x).pow(2).mean().backward()
             elif pattern == "normal":
                 ddp(x).pow(2).mean().backward()
             elif pattern == "no_sync":
@@ -87,6 +100,7 @@ def _scenarios(rank, world_size):
         ("normal", "unused", {"find_unused_parameters": True}),
         ("no_sync", "plain", {}),
         ("through_module", "plain", {}),
+        ("as_error", "plain", {}),
     ):
         key = (pattern, kind)
         out[key] = {
@@ -107,6 +121,9 @@ def test_second_backward_warns_on_each_rank_and_nothing_else_does():
             # The same training as torch's DDP: the second backward stays local there too.
             for name in expected:
                 torch.testing.assert_close(params[name], expected[name], msg=lambda m: f"{where}, {name}: {m}")
+            if pattern == "as_error":
+                assert caught == [(1, "raised")], f"{where}: {caught}"
+                continue
             if pattern != "second_backward":
                 assert caught == [], f"{where}: {caught}"
                 continue
@@ -123,7 +140,7 @@ def test_second_backward_warns_on_each_rank_and_nothing_else_does():
     for key in ranks[0]:
         a, b = ranks[0][key]["ddp_ext"][0], ranks[1][key]["ddp_ext"][0]
         same = all(torch.equal(a[n], b[n]) for n in a)
-        if key[0] in ("second_backward", "through_module"):
+        if key[0] in ("second_backward", "through_module", "as_error"):
             assert not same, f"{key}: the ranks should have diverged"
         else:
             assert same, f"{key}: the ranks should agree"
