@@ -184,7 +184,10 @@ void bind_iteration(ReducerClass& cls) {
       .def("_check_reducer_finalized", &Reducer::check_finalized, NoGil())
       .def("_remove_autograd_hooks", &Reducer::remove_autograd_hooks, NoGil())
       .def("_update_process_group", &Reducer::update_process_group,
-           py::arg("new_process_group"), NoGil());
+           py::arg("new_process_group"), NoGil())
+      // See Note [Late gradients] in reducer/core/late_gradients.h.
+      .def_property_readonly("_has_late_gradients", without_gil(&Reducer::has_late_gradients))
+      .def("_take_late_gradients", &Reducer::take_late_gradients, NoGil());
 }
 
 // The bucket layout: the buckets, their caps, and the rebuilds in gradient

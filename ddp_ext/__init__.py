@@ -33,6 +33,7 @@ from ddp_ext._native import core as _C
 from ddp_ext.compression import AdaptivePrecision, adaptive_precision_hook  # noqa: E402
 from ddp_ext.distributed import DistributedDataParallel  # noqa: E402
 from ddp_ext.diloco import DiLoCo  # noqa: E402
+from ddp_ext._late_gradients import LocalGradientWarning  # noqa: E402
 from ddp_ext.layer_drop import LayerDrop  # noqa: E402
 from ddp_ext.round_robin import RoundRobinOptions, new_round_robin_group, round_robin_group  # noqa: E402
 from ddp_ext import mpi  # noqa: E402,F401  (registers "ddp_ext_mpi" and "mpi://")
@@ -43,6 +44,7 @@ __all__ = [
     "DiLoCo",
     "DistributedDataParallel",
     "LayerDrop",
+    "LocalGradientWarning",
     "adaptive_precision_hook",
     "RoundRobinOptions",
     "load_extension",

@@ -36,6 +36,7 @@ SOURCES = [
     "reducer/core/end_of_backward.cpp",
     "reducer/core/errors.cpp",
     "reducer/core/gradient_copy.cpp",
+    "reducer/core/late_gradients.cpp",
     "reducer/core/reducer.cpp",
     "reducer/core/state_lock.cpp",
     "reducer/finish/step_and_defer_tail.cpp",

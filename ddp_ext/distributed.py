@@ -17,6 +17,7 @@ delegates, gathered in ddp_ext/_delegated_names.py.
     _join           JoinShadow: uneven inputs (Join)
     _delayed        DelayedAllReduce: delay_all_reduce_named_params
     _optimizer_overlap  OptimizerOverlap: overlap_optimizer (None until called)
+    _late_gradients LateGradientCheck: the warning for a second backward's gradients
 """
 
 import contextlib
@@ -47,6 +48,7 @@ from ddp_ext._delegated_names import DelegatedNames
 from ddp_ext._diagnosis import stragglers as _stragglers
 from ddp_ext._dropped_layers import DroppedLayers
 from ddp_ext._join import JoinShadow
+from ddp_ext._late_gradients import LateGradientCheck
 from ddp_ext._logging_data import LoggingData
 from ddp_ext._model_check import verify_module
 from ddp_ext._output_sink import _map_tensors, at_backward_start, find_tensors, sink_outputs
@@ -147,10 +149,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
                 settings.to_agree(static_graph), number=_diagnosis.proposed_number(process_group),
             )
         if not named_params and not delayed_params:
-            raise RuntimeError(
-                "DistributedDataParallel is not needed when a module doesn't have any "
-                "parameter that requires a gradient."
-            )
+            raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any "
+                               "parameter that requires a gradient.")
         settings = settings.placed(resolve_placement(self._module_parameters, delayed_params, device_ids,
                                                      output_device))
         self._settings = settings
@@ -201,6 +201,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
                                 self._dropped_layers, self._hooks, self._tuning, settings.find_unused_parameters)
         self._attach_watchers(store_key)
         self._parameter_watch = ParameterWatch(self.module, self.parameters_to_ignore)
+        self._late_gradients = LateGradientCheck([name for name, _ in self._params.named(self.module)])
         self._recording = None  # a Timeline, see record_timeline
 
     def _bind(self) -> None:
@@ -292,6 +293,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
         # of those is a call), and nothing for a model without a LayerDrop.
         flags, module = self._flags, self.module
         if torch.is_grad_enabled():
+            if self.reducer._has_late_gradients:  # Note [Late gradients] in reducer/core/late_gradients.h
+                self._late_gradients.warn_once(self.reducer, self.process_group.rank())
             self._parameter_watch.check(module, self.process_group)
             if self._layer_drop:
                 self._dropped_layers.begin_forward()
@@ -366,9 +369,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
             # synchronising one (paper section 4.1).
             flags.forward_buffers = True
             dropped, accumulated_only = self._dropped_layers.take_dropped() if self._layer_drop else ([], [])
-            self.reducer.prepare_for_backward(
-                find_tensors(output) if search_unused else [], dropped, accumulated_only
-            )
+            self.reducer.prepare_for_backward(find_tensors(output) if search_unused else [], dropped, accumulated_only)
             learning = self.reducer.learning_static_graph
         else:
             flags.forward_buffers = False
@@ -410,10 +411,9 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
         self._static_graph_delay_allreduce_enqueued = False
         if self.find_unused_parameters:
             warnings.warn(
-                "You passed find_unused_parameters=true to DistributedDataParallel, "
-                "`_set_static_graph` will detect unused parameters automatically, so you do not "
-                "need to set find_unused_parameters=true, just be sure these unused parameters "
-                "will not change during training loop while calling `_set_static_graph`.",
+                "You passed find_unused_parameters=true to DistributedDataParallel, `_set_static_graph` will detect "
+                "unused parameters automatically, so you do not need to set find_unused_parameters=true, just be "
+                "sure these unused parameters will not change during training loop while calling `_set_static_graph`.",
                 stacklevel=2,
             )
 

@@ -21,8 +21,10 @@ namespace ddp_ext::reducer {
 // so does ddp_ext's: the gradient accumulates in .grad on this rank alone,
 // unaveraged, and nothing is raised, so code written for torch's DDP (a
 // local reference backward on the same module, as torch's own tests run)
-// behaves the same. A framework that wants such a backward synchronised
-// calls reducer.prepare_for_backward(outputs) first, as with torch's DDP.
+// behaves the same (a second backward over the same forward is warned of at
+// the next forward: Note [Late gradients] in reducer/core/late_gradients.h).
+// A framework that wants such a backward synchronised calls
+// reducer.prepare_for_backward(outputs) first, as with torch's DDP.
 // What torch does raise on, ddp_ext raises on too: a parameter reduced twice
 // in one prepared backward (marked_twice_message) and a forward before the
 // last prepared backward finished (unfinished_reduction_message).

@@ -106,8 +106,8 @@ Reducer::Reducer(
       static_graph_(params_.size(), any_droppable(options_.layer_units)),
       usage_(params_.size(), params_.front().device(), options_.find_unused_parameters),
       drop_plan_(params_.size()),
-      drops_layers_(any_droppable(options_.layer_units)) {
-  const size_t n = params_.size();
+      drops_layers_(any_droppable(options_.layer_units)),
+      late_(params_.size()) {
   TORCH_CHECK(process_group_, "Reducer needs a process group");
   gradients_stay_local_ = stays_local();
   reset_step_check();
@@ -115,9 +115,10 @@ Reducer::Reducer(
   if (options_.static_graph) {
     set_static_graph();
   }
-  ready_.assign(n, false);
+  ready_.assign(params_.size(), false);
   observers_.add(&timings_); // See Note [Reducer observers].
   observers_.add(&timeline_);
+  observers_.add(&late_);
   // See Note [Windows without the lock]: every wait lets the lock go.
   stall_.set_window([this](bool open) {
     if (open) {
@@ -179,9 +180,8 @@ bool Reducer::unused_parameters_stable() const {
 
 void Reducer::set_overlap_with_backward(bool overlap) {
   const auto lock = lock_state(Access::kChange);
-  TORCH_CHECK(
-      phase_ != Phase::kReducing,
-      "overlap_with_backward cannot change while gradients are being reduced");
+  TORCH_CHECK(phase_ != Phase::kReducing,
+              "overlap_with_backward cannot change while gradients are being reduced");
   options_.overlap_with_backward = overlap;
 }
 
@@ -194,9 +194,8 @@ void Reducer::set_static_graph() {
 void Reducer::register_comm_hook(std::shared_ptr<comm_hooks::CommHook> hook) {
   const auto lock = lock_state(Access::kChange);
   TORCH_CHECK(hook, "register_comm_hook needs a hook");
-  TORCH_CHECK(
-      comm_hook_ == nullptr,
-      "register_comm_hook or register_builtin_comm_hook can only be called once.");
+  TORCH_CHECK(comm_hook_ == nullptr,
+              "register_comm_hook or register_builtin_comm_hook can only be called once.");
   TORCH_CHECK(
       phase_ != Phase::kReducing,
       "a communication hook cannot be registered while gradients are being "
@@ -326,9 +325,8 @@ void Reducer::arm_buckets() {
 
 void Reducer::prepare_for_local_backward() {
   const auto lock = lock_state(Access::kChange);
-  TORCH_INTERNAL_ASSERT(
-      phase_ != Phase::kReducing,
-      "prepare_for_forward must run before prepare_for_local_backward");
+  TORCH_INTERNAL_ASSERT(phase_ != Phase::kReducing,
+                        "prepare_for_forward must run before prepare_for_local_backward");
   enter(phase_, Phase::kAccumulating);
 }
 
@@ -402,8 +400,11 @@ void Reducer::on_gradient_ready(size_t index, bool gradient_arrived) {
   switch (phase_) {
     case Phase::kAccumulating:
       return; // See Note [Reducer phases]: no_sync.
-    case Phase::kIdle:
-      return; // See Note [Unprepared backward]: left in .grad, as torch's DDP.
+    case Phase::kIdle: // See Note [Unprepared backward]: left in .grad, as torch's DDP.
+      if (gradient_arrived) {
+        late_.record(index); // See Note [Late gradients].
+      }
+      return;
     case Phase::kExpectingGradients:
       start_reducing();
       break;
@@ -432,8 +433,7 @@ void Reducer::on_gradient_ready(size_t index, bool gradient_arrived) {
 
 void Reducer::mark_ready(size_t index, bool arrived) {
   TORCH_CHECK(
-      !ready_[index],
-      marked_twice_message(process_group_->getRank(), param_names_[index]));
+      !ready_[index], marked_twice_message(process_group_->getRank(), param_names_[index]));
   ready_[index] = true;
   // The timeline flags a dropped parameter (only one that did not arrive can be).
   timeline_.instant(
@@ -869,6 +869,5 @@ void Reducer::write_back_views(
     write_back_view(views[slot], params_[index], params_[index].mutable_grad(), as_view);
   }
 }
-
 
 } // namespace ddp_ext::reducer

@@ -22,6 +22,7 @@
 #include "comm_hooks/comm_hook.h"
 #include "reducer/core/accumulator_hooks.h"
 #include "reducer/core/averaging.h"
+#include "reducer/core/late_gradients.h"
 #include "reducer/layout/bucket.h"
 #include "reducer/layout/bucket_layout.h"
 #include "reducer/layout/gradient_order.h"
@@ -283,6 +284,13 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // back to .grad; a no-op for one not deferred (any more).
   void finish_deferred(size_t bucket_index);
 
+  // See Note [Late gradients] in reducer/core/late_gradients.h: whether a
+  // backward after the last synchronisation, over the same forward, left
+  // gradients on this rank alone; and the indices of their parameters, in
+  // order, forgotten once taken.
+  bool has_late_gradients() const;
+  std::vector<size_t> take_late_gradients();
+
   // Called by the autograd hook of parameter `index` once its gradient
   // accumulator has run. `gradient_arrived` is false when autograd ran the
   // accumulator with no gradient (an output the loss did not use).
@@ -422,7 +430,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // StepAndDeferTail; never null.
   std::unique_ptr<EndOfBackward> end_of_backward_ = std::make_unique<WriteBackAll>();
 
-  // See Note [Reducer observers]: timings_ and timeline_.
+  // See Note [Late gradients]: an observer.
+  LateGradients late_;
+
+  // See Note [Reducer observers]: timings_, timeline_ and late_.
   ReducerObservers observers_;
 };
 

@@ -8,7 +8,8 @@ namespace ddp_ext::reducer {
 // Note [Reducer observers]
 // ~~~~~~~~~~~~~~~~~~~~~~~~
 // What watches the reducer (the step timings of Note [Runtime statistics]
-// and Note [Stragglers], the communication timeline) learns of the
+// and Note [Stragglers], the communication timeline, the late gradients of
+// Note [Late gradients] in reducer/core/late_gradients.h) learns of the
 // iteration's turning points through one interface, ReducerObserver: the
 // reducer notifies its observers and does not know what each one does with
 // the news. A notification is a virtual call per observer, made per

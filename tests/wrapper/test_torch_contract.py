@@ -227,22 +227,29 @@ def test_pickle_refuses_a_group_other_than_the_default(single_process_group):
 def test_unprepared_backward_is_left_local_as_with_torch(single_process_group):
     # See Note [Unprepared backward]: as torch's reducer, an idle one ignores
     # the gradients of a backward it was not prepared for; they stay in .grad.
-    grads = {}
+    # ddp_ext warns of the second backward at the next forward (Note [Late
+    # gradients] in reducer/core/late_gradients.h), not of the first backward.
+    grads, warned = {}, {}
     for wrapper in (OursDDP, TorchDDP):
         torch.manual_seed(0)
         ddp = wrapper(nn.Linear(2, 2))
         x = torch.randn(3, 2)
-        ddp.module(x).sum().backward()  # a backward the wrapper's forward did not prepare
-        out = ddp(x).sum()
-        out.backward(retain_graph=True)
-        out.backward()  # a second backward after the reduction finished
-        grads[wrapper] = [p.grad.clone() for p in ddp.parameters()]
-        ddp.zero_grad()
-        ddp(x).sum().backward()  # and the next prepared one reduces as usual
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ddp.module(x).sum().backward()  # a backward the wrapper's forward did not prepare
+            out = ddp(x).sum()
+            out.backward(retain_graph=True)
+            out.backward()  # a second backward after the reduction finished
+            grads[wrapper] = [p.grad.clone() for p in ddp.parameters()]
+            ddp.zero_grad()
+            ddp(x).sum().backward()  # and the next prepared one reduces as usual
+        warned[wrapper] = [str(w.message) for w in caught if w.category is ddp_ext.LocalGradientWarning]
         for p, g in zip(ddp.parameters(), grads[wrapper]):
             torch.testing.assert_close(3 * p.grad, g)
     for ours, theirs in zip(grads[OursDDP], grads[TorchDDP]):
         assert torch.equal(ours, theirs)
+    assert warned[TorchDDP] == []
+    assert len(warned[OursDDP]) == 1 and "the gradients of weight, bias were produced" in warned[OursDDP][0]
 
 
 def test_prepared_backward_outside_forward(single_process_group):
