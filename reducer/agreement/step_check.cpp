@@ -53,8 +53,7 @@ StepCheck::StepCheck(int rank, int world_size, c10::Device device)
 }
 
 void StepCheck::start(c10d::ProcessGroup& group, const StepEntry& entry) {
-  TORCH_INTERNAL_ASSERT(!work_ && !riding_, "a step check is already in flight");
-  in_tail_ = false;
+  TORCH_INTERNAL_ASSERT(!launched(), "a step check is already in flight");
   written_ = entry.position;
   summed_rider_ = 0;
   layout_.write(host_.data_ptr<int64_t>(), rank_, entry);
@@ -66,7 +65,7 @@ void StepCheck::start(c10d::ProcessGroup& group, const StepEntry& entry) {
         /*non_blocking=*/snapshot);
   }
   std::vector<at::Tensor> tensors{slots_};
-  work_ = group.allreduce(tensors);
+  flight_ = InFlight{group.allreduce(tensors), /*from_tail=*/false};
 }
 
 StepEntry StepCheck::backward_entry(int64_t step) {
@@ -95,16 +94,15 @@ void StepCheck::launch_as_joined(c10d::ProcessGroup& group) {
 }
 
 bool StepCheck::launched() const {
-  return static_cast<bool>(work_) || riding_;
+  return !std::holds_alternative<Idle>(flight_);
 }
 
 void StepCheck::write_tail(const StepEntry& entry, c10::ScalarType dtype) {
-  TORCH_INTERNAL_ASSERT(!work_ && !riding_, "a step check is already in flight");
+  TORCH_INTERNAL_ASSERT(!launched(), "a step check is already in flight");
   TORCH_INTERNAL_ASSERT(
       dtype == at::kFloat || dtype == at::kDouble, "a step check rides on float buckets only");
   written_ = entry.position;
   summed_rider_ = 0;
-  in_tail_ = true;
   layout_.write(host_.data_ptr<int64_t>(), rank_, entry);
   const int64_t numel = kPieces * layout_.size();
   if (!tail_.defined() || tail_.scalar_type() != dtype) {
@@ -120,7 +118,7 @@ void StepCheck::write_tail(const StepEntry& entry, c10::ScalarType dtype) {
 void StepCheck::ride_on_bucket0(const StepEntry& entry, c10::ScalarType dtype) {
   check_backward_entry(entry);
   write_tail(entry, dtype);
-  riding_ = true;
+  flight_ = Riding{};
 }
 
 const ChunkedCarrier& StepCheck::layout_for(const at::Tensor& flat) {
@@ -148,21 +146,21 @@ void StepCheck::pack(const at::Tensor& flat) {
 }
 
 const at::Tensor& StepCheck::carry(const at::Tensor& flat) {
-  TORCH_INTERNAL_ASSERT(riding_ && tail_.scalar_type() == flat.scalar_type());
+  TORCH_INTERNAL_ASSERT(riding() && tail_.scalar_type() == flat.scalar_type());
   pack(flat);
   return carrier_;
 }
 
 std::string StepCheck::read_ridden(const at::Tensor& flat) {
-  TORCH_INTERNAL_ASSERT(riding_, "no step check rides on bucket 0");
-  riding_ = false;
+  TORCH_INTERNAL_ASSERT(riding(), "no step check rides on bucket 0");
+  flight_ = Idle{};
   const ChunkedCarrier& layout = *carried_;
   for (int64_t c = 0; c < layout.chunks; ++c) {
     if (const int64_t n = layout.bucket_length(c); n > 0) {
       copy_elements(flat, c * layout.chunk, carrier_, c * layout.padded, n);
     }
   }
-  return read();
+  return read(/*from_tail=*/true);
 }
 
 void StepCheck::start_shaped_like(
@@ -172,7 +170,7 @@ void StepCheck::start_shaped_like(
   carried_.reset(); // a fresh carrier of zeros, then the tail
   pack(at::zeros({flat.numel()}, flat.options()));
   std::vector<at::Tensor> tensors{carrier_};
-  work_ = group.allreduce(tensors);
+  flight_ = InFlight{group.allreduce(tensors), /*from_tail=*/true};
 }
 
 void StepCheck::launch_backward_shaped_like(
@@ -190,23 +188,24 @@ std::string StepCheck::check_forward_shaped_like(
 }
 
 std::string StepCheck::wait(StallWatch* watch) {
-  TORCH_INTERNAL_ASSERT(work_, "no step check in flight");
-  auto work = std::move(work_);
-  work_.reset();
+  auto* flight = std::get_if<InFlight>(&flight_);
+  TORCH_INTERNAL_ASSERT(flight, "no step check in flight");
+  InFlight taken = std::move(*flight);
+  flight_ = Idle{};
   if (watch != nullptr) {
-    watch->wait(*work, "step check", -1);
+    watch->wait(*taken.work, "step check", -1);
   } else {
-    work->wait();
+    taken.work->wait();
   }
-  return read();
+  return read(taken.from_tail);
 }
 
-std::string StepCheck::read() {
+std::string StepCheck::read(bool from_tail) {
   if (written_ == 0) {
     return std::string(); // A rank that joined has no position to compare.
   }
   at::Tensor slots = slots_.is_same(host_) ? host_ : slots_.cpu();
-  if (in_tail_) { // See Note [The step check on bucket 0].
+  if (from_tail) { // See Note [The step check on bucket 0].
     slots = host_;
     const ChunkedCarrier& layout = *carried_;
     for (int64_t c = 0; c < layout.chunks; ++c) {
@@ -227,16 +226,16 @@ std::string StepCheck::read() {
 }
 
 void StepCheck::drop() {
-  if (work_ && !slots_.is_same(host_)) {
+  const auto* flight = std::get_if<InFlight>(&flight_);
+  if (flight && !slots_.is_same(host_)) {
     // See Note [CUDA streams], point 7: it may still be writing slots_.
     slots_ = at::empty_like(slots_);
   }
-  if ((work_ || riding_) && in_tail_) {
+  if ((flight && flight->from_tail) || riding()) {
     carrier_ = at::Tensor(); // an abandoned allreduce may still be writing it
     carried_.reset();
   }
-  work_.reset();
-  riding_ = false;
+  flight_ = Idle{};
 }
 
 std::string StepCheck::check_forward(

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "reducer/agreement/ring_chunks.h"
@@ -195,7 +196,7 @@ class StepCheck {
   void ride_on_bucket0(const StepEntry& entry, c10::ScalarType dtype);
   // Whether the check of this backward rides on bucket 0 and was not read.
   bool riding() const {
-    return riding_;
+    return std::holds_alternative<Riding>(flight_);
   }
   // Bucket 0's `flat` and the tail, in one buffer laid out as Note [Gloo's
   // ring chunks] says, to allreduce while riding().
@@ -243,7 +244,9 @@ class StepCheck {
   void pack(const at::Tensor& flat);
   void start_shaped_like(
       c10d::ProcessGroup& group, const at::Tensor& flat, const StepEntry& entry);
-  std::string read();
+  // `from_tail`: the check travelled as pieces in tail_ (Note [The step
+  // check on bucket 0]).
+  std::string read(bool from_tail);
 
   int rank_;
   int world_size_;
@@ -254,13 +257,21 @@ class StepCheck {
   // The slots (StepSlots's layout), on the CPU.
   at::Tensor host_;
   at::Tensor slots_; // the same on the parameters' device (host_ on CPU)
-  c10::intrusive_ptr<c10d::Work> work_;
   // See Note [The step check on bucket 0].
   at::Tensor tail_; // the slots as pieces, on the CPU
   at::Tensor carrier_; // what is allreduced: bucket 0 (or zeros like it) and the tail
   std::optional<ChunkedCarrier> carried_; // carrier_'s layout
-  bool in_tail_ = false; // the check in flight (or riding) reads tail_
-  bool riding_ = false;
+
+  // The check under way: none; an allreduce of its own (of slots_, or of a
+  // carrier shaped like bucket 0's when `from_tail`); or written into tail_,
+  // to leave with bucket 0's allreduce.
+  struct Idle {};
+  struct InFlight {
+    c10::intrusive_ptr<c10d::Work> work;
+    bool from_tail;
+  };
+  struct Riding {};
+  std::variant<Idle, InFlight, Riding> flight_;
 };
 
 } // namespace ddp_ext::reducer
