@@ -367,7 +367,6 @@ void bind_reducer(py::module& m) {
       .def_readwrite("find_unused_parameters", &ReducerOptions::find_unused_parameters)
       .def_readwrite("gradient_as_bucket_view", &ReducerOptions::gradient_as_bucket_view)
       .def_readwrite("overlap_with_backward", &ReducerOptions::overlap_with_backward)
-      .def_readwrite("static_graph", &ReducerOptions::static_graph)
       .def_readwrite("skip_all_reduce_unused_params",
                      &ReducerOptions::skip_all_reduce_unused_params)
       .def_readwrite("batched_grad_copy", &ReducerOptions::batched_grad_copy)

@@ -112,9 +112,6 @@ Reducer::Reducer(
   gradients_stay_local_ = stays_local();
   reset_step_check();
   layout_.order().set_first_rebuild(!options_.find_unused_parameters);
-  if (options_.static_graph) {
-    set_static_graph();
-  }
   ready_.assign(params_.size(), false);
   observers_.add(&timings_); // See Note [Reducer observers].
   observers_.add(&timeline_);

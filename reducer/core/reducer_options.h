@@ -19,13 +19,6 @@ struct ReducerOptions {
   // See Note [Unused parameters]. Default: false.
   bool find_unused_parameters = false;
 
-  // The set of parameters used is the same in every iteration. The first
-  // synchronising backward learns it (see Note [Static graph]); later ones
-  // skip the graph search and the bitmap allreduce, and accept gradients that
-  // arrive from nested (reentrant) backward passes. Takes precedence over
-  // find_unused_parameters. Default: false.
-  bool static_graph = false;
-
   // Make each parameter's .grad a view into its bucket, so no copy is needed
   // on the way in or out. Default: false (.grad is a tensor of its own).
   bool gradient_as_bucket_view = false;
