@@ -207,8 +207,10 @@ class DelegatedNames:
     # --- delay_all_reduce_named_params: ddp_ext/_delayed_all_reduce.py ------
 
     def _register_delay_all_reduce_hook(self, bucket_cap_mb, param_to_hook_all_reduce, device_ids) -> None:
-        self._delayed = DelayedAllReduce(self._delay_all_reduce_params, param_to_hook_all_reduce, self.process_group,
-                                         BROADCAST_CHUNK_BYTES)
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        self._delayed = DelayedAllReduce(self._delay_all_reduce_params,
+                                         [names.get(id(p), "?") for p in self._delay_all_reduce_params],
+                                         param_to_hook_all_reduce, self.process_group, BROADCAST_CHUNK_BYTES)
 
     _delayed_all_reduce_hook = delegate("_delayed", "start")
 

@@ -18,14 +18,15 @@ STEPS_BEFORE, STEPS_AFTER = 2, 3
 
 def _net() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    # No first bias: the hooked first weight's gradient comes last.
+    return nn.Sequential(nn.Linear(8, 16, bias=False), nn.Tanh(), nn.Linear(16, 4))
 
 
 def _train(rank: int, wrapper, every_parameter_delayed: bool):
     net = _net()
     delayed = [("2.weight", net[2].weight), ("2.bias", net[2].bias)]
     if every_parameter_delayed:
-        delayed += [("0.weight", net[0].weight), ("0.bias", net[0].bias)]
+        delayed += [("0.weight", net[0].weight)]
     # The last layer's gradients come first: the first layer's weight hook reduces them.
     ddp = wrapper(net, delay_all_reduce_named_params=delayed, param_to_hook_all_reduce=net[0].weight)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
@@ -62,10 +63,10 @@ def test_delayed_parameters_are_averaged_over_the_new_group():
 
 def test_every_parameter_delayed_moves_to_the_new_group():
     # torch's DDP builds no reducer when every parameter is delayed, and its
-    # _update_process_group then fails. (The hooked parameter's own gradient
-    # reaches the buffer after its hook has started the allreduce, in torch's
-    # DDP as here, so local training is no reference either.) The two ranks
-    # left must train on together, in step.
+    # _update_process_group then fails. The two ranks left must train on
+    # together, in step: ddp_ext's allreduce starts once the hooked (last)
+    # gradient is accumulated (Note [The delayed allreduce starts after
+    # accumulation]).
     ours = shared_world(WORLD_SIZE).run(_case, "ddp_ext", True, timeout=180)
     for a, b in zip(ours[0], ours[1]):
         assert torch.equal(a, b), "ranks 0 and 1 ended with different parameters"
