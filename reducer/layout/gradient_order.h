@@ -72,9 +72,12 @@ namespace ddp_ext::reducer {
 // holds (torch's _has_rebuilt_buckets), so the second iteration's backward
 // (the third's with a static graph) already runs with the rebuilt buckets,
 // as torch's does. Rank 0 is the root and must send an order: a rank 0 that
-// joined before any backward has none and sends its current layout's order,
-// so the buckets stay as they are and the first rebuild is spent (torch's
-// joined rank 0 would send registration order). There is no first rebuild
+// joined before any backward has none and sends its current layout's order.
+// In torch's first layout (one bucket per kind, parameters in registration
+// order) that is, within each kind, registration order, the order torch's
+// joined rank 0 sends, so the rebuild gives torch's buckets; in ddp_ext's
+// own first layout (reducer/layout/bucket_layout.h) it keeps the buckets as
+// they are and the first rebuild is spent. There is no first rebuild
 // when find_unused_parameters is set without static_graph (orders then
 // depend on which parameters each iteration used). Continuous watching
 // starts after the first rebuild; its rebuilds are voted on as above, at
