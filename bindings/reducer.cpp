@@ -374,6 +374,7 @@ void bind_reducer(py::module& m) {
       .def_readwrite("reduce_dtype", &ReducerOptions::reduce_dtype)
       .def_readwrite("rebuild_buckets", &ReducerOptions::rebuild_buckets)
       .def_readwrite("bucket_caps", &ReducerOptions::bucket_caps)
+      .def_readwrite("first_layout_caps", &ReducerOptions::first_layout_caps)
       .def_readwrite("layer_units", &ReducerOptions::layer_units);
 
   // Methods with a leading underscore carry the names of torch's

@@ -5,6 +5,7 @@ gathers them into the wrapper's Settings."""
 
 import math
 import numbers
+import sys
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -286,6 +287,25 @@ def resolve_bucket_caps(bucket_cap_mb, bucket_cap_mb_list: Optional[Sequence[flo
         return BucketCaps([DEFAULT_FIRST_BUCKET_CAP_MB * MIB, cap], False, default=True)
     cap = _cap_bytes("bucket_cap_mb", bucket_cap_mb)
     return BucketCaps([cap], False)
+
+
+def first_layout_caps(caps: BucketCaps, find_unused_parameters: bool, static_graph: bool, rebuild_buckets: str,
+                      droppable_layers: bool) -> List[int]:
+    """The caps torch's DDP cuts its first buckets with, for the reducer's
+    first layout (Note [torch's first buckets] in
+    reducer/layout/bucket_assignment.h): bucket_cap_mb_list as given; the
+    caps with find_unused_parameters and no static_graph (torch never
+    rebuilds those buckets); else one unlimited cap, one bucket per dtype
+    until the first rebuild. [] (ddp_ext's own first layout, the one a rebuild
+    from reverse registration order gives) where ddp_ext lays buckets out
+    otherwise than torch: with rebuild_buckets="never" where torch would
+    rebuild, and with droppable layers."""
+    never_rebuilt_by_torch = find_unused_parameters and not static_graph
+    if droppable_layers or (rebuild_buckets == "never" and not never_rebuilt_by_torch):
+        return []
+    if caps.custom_list or never_rebuilt_by_torch:
+        return list(caps.caps_bytes)
+    return [sys.maxsize]
 
 
 # ddp_ext's `rebuild_buckets` keyword: when buckets are laid out again in the

@@ -13,8 +13,9 @@ same order, every collective those ranks' forward and backward issue:
    rebuilds as its peers do. A rank that joined before any backward has no
    order of its own; it learns that the first rebuild is due by shadowing a
    synchronising backward (`_push_all_rebuilt_params`, as torch's). If it is
-   rank 0 it sends its current layout's order, so every rank keeps the
-   buckets it has,
+   rank 0 it sends its current layout's order (with torch's first buckets,
+   registration order within each dtype, as torch's joined rank 0 sends;
+   see Note [Gradient order prediction]),
 1. the buffer broadcast of a synchronising forward (after agreeing on the
    rank to broadcast from),
 2. the allreduce telling joined ranks whether this iteration synchronises

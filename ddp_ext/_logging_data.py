@@ -87,6 +87,13 @@ class LoggingData(Bound):
         self.stats: Dict[str, Any] = {"forwards": 0, "samples": 0, "logged": {}}
         self.bind(reducer, group)
 
+    def bind(self, reducer, process_group) -> None:
+        if reducer is not None and reducer is not self.reducer:
+            # torch's bucket_sizes: the layout the reducer was built with
+            # (Note [torch's first buckets] in reducer/layout/bucket_assignment.h).
+            self.first_bucket_sizes = ", ".join(map(str, reducer.bucket_sizes()))
+        super().bind(reducer, process_group)
+
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), "comm_hook": None}  # a copy starts without hooks
 
@@ -126,7 +133,7 @@ class LoggingData(Bound):
             iterations = reducer.iterations
             data.update(
                 {
-                    "bucket_sizes": ", ".join(map(str, reducer.bucket_sizes())),
+                    "bucket_sizes": self.first_bucket_sizes,
                     "num_buckets_reduced": len(reducer.bucket_sizes()),
                     # Static graph needs the same parameters used in every
                     # iteration; ddp_ext tracks whether that held so far.

@@ -4,10 +4,11 @@ from ddp_ext._native import core as _C
 from ddp_ext._arguments import backend_name
 
 
-def build_reducer(named_params, sparse_ids: set, settings, caps_bytes, process_group, reducer_group, layer_units,
-                  buffers_broadcast: bool):
+def build_reducer(named_params, sparse_ids: set, settings, caps, static_graph: bool, process_group, reducer_group,
+                  layer_units, buffers_broadcast: bool):
     """A Reducer over `named_params` (name, parameter) that reduces over
-    `reducer_group`, cutting buckets with `caps_bytes`; `sparse_ids`: ids of
+    `reducer_group`, cutting buckets with `caps` (a BucketCaps; its first
+    buckets as torch's DDP with `static_graph` would); `sparse_ids`: ids of
     the parameters with sparse gradients; `buffers_broadcast`: whether the
     forward broadcasts buffers (Note [The step check on bucket 0] in
     reducer/agreement/step_check.h)."""
@@ -18,6 +19,6 @@ def build_reducer(named_params, sparse_ids: set, settings, caps_bytes, process_g
             "NCCL cannot reduce sparse gradients, and this module has an Embedding or "
             "EmbeddingBag with sparse=True: use sparse=False, or a Gloo process group."
         )
-    options = settings.reducer_options(caps_bytes, layer_units)
+    options = settings.reducer_options(caps, layer_units, static_graph)
     options.buffers_broadcast = buffers_broadcast
     return _C.Reducer(params, [n for n, _ in named_params], reducer_group, options, sparse)

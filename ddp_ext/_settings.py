@@ -16,6 +16,7 @@ from ddp_ext._arguments import (
     check_arguments,
     check_flags,
     check_types,
+    first_layout_caps,
     resolve_bucket_caps,
     resolve_buffer_sync,
     resolve_process_group,
@@ -64,7 +65,7 @@ class Settings:
             "hierarchical_allreduce": self.hierarchical_allreduce,
         }
 
-    def reducer_options(self, caps_bytes, layer_units) -> "_C.ReducerOptions":
+    def reducer_options(self, caps: BucketCaps, layer_units, static_graph: bool) -> "_C.ReducerOptions":
         options = _C.ReducerOptions()
         mp = self.mixed_precision
         options.reduce_dtype = None if mp is None else _mixed_precision.reduce_dtype_of(mp)
@@ -73,7 +74,9 @@ class Settings:
         options.skip_all_reduce_unused_params = self.skip_all_reduce_unused_params
         options.batched_grad_copy = self.batched_grad_copy
         options.rebuild_buckets = getattr(_C.BucketRebuild, self.rebuild_buckets)
-        options.bucket_caps = caps_bytes  # the reducer's layout owns them from here
+        options.bucket_caps = caps.caps_bytes  # the reducer's layout owns them from here
+        options.first_layout_caps = first_layout_caps(caps, bool(self.find_unused_parameters), static_graph,
+                                                      self.rebuild_buckets, any(u >= 0 for u in layer_units))
         options.layer_units = layer_units
         return options
 

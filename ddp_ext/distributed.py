@@ -155,7 +155,6 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
                                                      output_device))
         self._settings = settings
         self._passing_sync_batchnorm_handle(module)
-
         self.module = module
         self.process_group = process_group
         _exit.track(process_group)  # Note [Exit after training]
@@ -178,7 +177,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
         self._layer_drop = bool(self._dropped_layers)  # read on every forward
         if self._layer_drop and init_sync:
             self._dropped_layers.agree_with_rank_0(self._broadcast_from_rank_0)
-        self.reducer = None if self._delay_all_reduce_all_params else self._build_reducer(settings.caps)
+        self.reducer = None if self._delay_all_reduce_all_params else self._build_reducer(settings.caps, static_graph)
         self._compose(_diagnosis.store_key(process_group, agreed_number))
         if static_graph:
             self._set_static_graph()
@@ -218,9 +217,9 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
         self._hooks.store_key = self._store_key
         self._stragglers = _stragglers.attach(self.reducer, self.process_group)
 
-    def _build_reducer(self, caps: BucketCaps):
+    def _build_reducer(self, caps: BucketCaps, static_graph: bool):
         return build_reducer(self._params.named(self.module), self._params.with_sparse_gradients(), self._settings,
-                             caps.caps_bytes, self.process_group, self.reducer_group, self._dropped_layers.units,
+                             caps, static_graph, self.process_group, self.reducer_group, self._dropped_layers.units,
                              buffers_broadcast=self._buffer_sync.forward and len(self._buffer_sync.modules_buffers) > 0)
 
     # Note [torch.compile]
@@ -443,7 +442,8 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
         self.process_group = dist.distributed_c10d._get_default_group()
         nn.Module.__setstate__(self, state)
         self._delayed = None
-        self.reducer = None if self._delay_all_reduce_all_params else self._build_reducer(self._tuning.requested)
+        self.reducer = (None if self._delay_all_reduce_all_params
+                        else self._build_reducer(self._tuning.requested, self.static_graph))
         self._bind()
         self._tuning.restart()  # the copy times its own iterations
         self._attach_watchers()

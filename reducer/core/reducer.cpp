@@ -185,7 +185,7 @@ void Reducer::set_overlap_with_backward(bool overlap) {
 void Reducer::set_static_graph() {
   const auto lock = lock_state(Access::kChange);
   static_graph_.enable(iterations_);
-  layout_.order().set_first_rebuild(true);
+  layout_.order().set_first_rebuild(true, /*skipped_backwards=*/1); // the learning one
 }
 
 void Reducer::register_comm_hook(std::shared_ptr<comm_hooks::CommHook> hook) {

@@ -63,6 +63,13 @@ struct ReducerOptions {
   // assign_buckets). Required. See Note [Agreeing on the bucket layout].
   std::vector<int64_t> bucket_caps;
 
+  // The caps of the first layout, cut as torch's DDP cuts its first buckets
+  // (assign_buckets_as_torch_first, Note [torch's first buckets] in
+  // reducer/layout/bucket_assignment.h). Empty: the first layout is cut with
+  // bucket_caps from reverse registration order, as a rebuild would cut it
+  // from that order. Default: empty.
+  std::vector<int64_t> first_layout_caps;
+
   // Per parameter, the droppable layer it belongs to, -1 for none: rebuilds
   // keep each layer's parameters in buckets of their own. See Note [Layer
   // dropping] in reducer/participation/layer_drop.h. Empty: no droppable layers.

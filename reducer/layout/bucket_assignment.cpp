@@ -108,6 +108,21 @@ std::vector<std::vector<size_t>> assign_buckets(
   return group_in_visit_order(tensors, reverse, caps).buckets;
 }
 
+std::vector<std::vector<size_t>> assign_buckets_as_torch_first(
+    const std::vector<TensorSpec>& tensors,
+    const std::vector<int64_t>& caps) {
+  // See Note [torch's first buckets]. Buckets are opened in the order of
+  // their first (lowest) index: reversed, that is torch's launch order.
+  std::vector<size_t> registration(tensors.size());
+  for (size_t k = 0; k < registration.size(); ++k) {
+    registration[k] = k;
+  }
+  std::vector<std::vector<size_t>> buckets =
+      group_in_visit_order(tensors, registration, caps).buckets;
+  std::reverse(buckets.begin(), buckets.end());
+  return buckets;
+}
+
 std::vector<std::vector<size_t>> assign_buckets_in_order(
     const std::vector<TensorSpec>& tensors,
     const std::vector<size_t>& order,

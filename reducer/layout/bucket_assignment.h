@@ -50,6 +50,33 @@ std::vector<std::vector<size_t>> assign_buckets(
     const std::vector<TensorSpec>& tensors,
     const std::vector<int64_t>& caps);
 
+// Note [torch's first buckets]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// torch's DDP cuts its first buckets otherwise than assign_buckets does: it
+// visits the parameters in registration order (same closing rule, kinds and
+// caps per kind), lists the buckets by their first parameter and reverses
+// the list. So the last-registered parameters' bucket launches first, each
+// bucket holds its parameters in registration order, and the bucket with the
+// first cap is the one launched last. Its caps for that layout (see
+// first_layout_caps in ddp_ext/_arguments.py): bucket_cap_mb_list if given;
+// else, with find_unused_parameters and no static_graph (whose buckets torch
+// never rebuilds), the construction caps; else one unlimited cap, one bucket
+// per kind, until the first rebuild.
+//
+// Why ddp_ext cuts the same buckets: with more than two ranks the sum a ring
+// allreduce (Gloo's) gives an element depends on the order it adds the
+// ranks' values, and that order on the bucket's size and the element's
+// offset in it (the ring splits the bucket into chunks by size). Other cuts
+// or offsets round differently in the last bits; the same ones give torch's
+// bits from the first iteration on.
+//
+// Buckets as torch's DDP cuts its first ones: as described in the Note
+// (caps per kind as in assign_buckets, droppable layers kept apart), in
+// launch order, each bucket's tensors in registration order. Pure.
+std::vector<std::vector<size_t>> assign_buckets_as_torch_first(
+    const std::vector<TensorSpec>& tensors,
+    const std::vector<int64_t>& caps);
+
 // Bucket assignment for an observed gradient order (a rebuild, see Note
 // [Gradient order prediction]): tensors are visited in `order` (a
 // permutation of their indices, first-ready first) and grouped with the

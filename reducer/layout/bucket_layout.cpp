@@ -15,6 +15,15 @@ namespace {
 
 constexpr size_t kUnassigned = std::numeric_limits<size_t>::max();
 
+// See Note [Agreeing on the bucket layout], point 1.
+std::vector<std::vector<size_t>> first_layout(
+    const std::vector<TensorSpec>& specs, const ReducerOptions& options) {
+  if (options.first_layout_caps.empty()) {
+    return assign_buckets(specs, options.bucket_caps);
+  }
+  return assign_buckets_as_torch_first(specs, options.first_layout_caps);
+}
+
 } // namespace
 
 std::vector<TensorSpec> tensor_specs(
@@ -55,9 +64,7 @@ BucketLayout::BucketLayout(
   for (int64_t cap : options.bucket_caps) {
     TORCH_CHECK(cap > 0, "bucket caps are positive byte counts, got ", cap);
   }
-  // See the Note, point 1.
-  buckets_ = lay_out_buckets(
-      inputs(), assign_buckets(order_.specs(), options.bucket_caps), arenas_);
+  buckets_ = lay_out_buckets(inputs(), first_layout(order_.specs(), options), arenas_);
   index_buckets();
   if (!gradient_as_bucket_view_) {
     return;

@@ -38,8 +38,11 @@ namespace ddp_ext::reducer {
 // layout changes in three ways, and each is a pure function of what every
 // rank holds alike:
 //
-// 1. The first layout: assign_buckets over the parameters in reverse
-//    registration order with the construction caps, at construction.
+// 1. The first layout, at construction: torch's first buckets
+//    (assign_buckets_as_torch_first with options.first_layout_caps, Note
+//    [torch's first buckets] in reducer/layout/bucket_assignment.h), or
+//    without those caps assign_buckets over the parameters in reverse
+//    registration order with the construction caps.
 // 2. Order rebuilds (Note [Gradient order prediction] in
 //    reducer/layout/gradient_order.h). The first one, as torch's DDP, is not voted
 //    on: after the first synchronising backward (which every rank takes

@@ -116,8 +116,9 @@ GradientOrder::GradientOrder(
   dropped_.assign(specs_.size(), false);
 }
 
-void GradientOrder::set_first_rebuild(bool due) {
+void GradientOrder::set_first_rebuild(bool due, int skipped_backwards) {
   first_due_ = due;
+  first_skips_ = skipped_backwards;
 }
 
 void GradientOrder::allow_continuous(bool allowed) {
@@ -233,6 +234,10 @@ void GradientOrder::update_vote(const std::vector<size_t>& bucket_of, size_t buc
     // The first rebuild, as torch's DDP: to the first observed order, at
     // the next forward (see the Note).
     vote_ = false;
+    if (first_skips_ > 0) {
+      --first_skips_; // a static graph's learning iteration
+      return;
+    }
     if (voted_order_.empty()) {
       voted_order_ = order_;
     }
@@ -305,7 +310,11 @@ void GradientOrder::forget_candidate() {
 
 void GradientOrder::shadowed_backward() {
   if (first_pending()) {
-    first_ready_ = true;
+    if (first_skips_ > 0) {
+      --first_skips_; // the peers' learning iteration
+    } else {
+      first_ready_ = true;
+    }
   }
 }
 
@@ -313,6 +322,7 @@ void GradientOrder::restart() {
   rebuilt(false);
   first_done_ = false;
   first_ready_ = false;
+  first_skips_ = 0; // torch's static graph learns in its first iteration only
 }
 
 void GradientOrder::rebuilt(bool changed) {

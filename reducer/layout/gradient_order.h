@@ -62,16 +62,22 @@ namespace ddp_ext::reducer {
 // The first rebuild (once, and continuous) follows torch's DDP, at torch's
 // point and without a vote: the first synchronising backward records its
 // order (a rank that joined under Join and shadowed that backward records
-// that it happened, and no order); at the start of the next forward with
-// gradients enabled, after Join's notification and before the buffer
-// broadcast (or in the Join hook of a rank that joined, at the same point),
-// rank 0 broadcasts its first order and every rank rebuilds from it. From
-// that forward on has_rebuilt() holds (torch's _has_rebuilt_buckets), so the
-// second iteration's backward already runs with the rebuilt buckets, as
-// torch's does. Rank 0 is the root and must send an order: a rank 0 that
-// joined before any backward has none and sends its current layout's order,
-// so the buckets stay as they are and the first rebuild is spent (torch's
-// joined rank 0 would send registration order). There is no first rebuild
+// that it happened, and no order). With a static graph it is the second
+// one: the first, the learning iteration, records none in torch's DDP
+// (its hooks only count firings there), so torch rebuilds a forward
+// later. At the start of the next forward with gradients enabled, after
+// Join's notification and before the buffer broadcast (or in the Join hook
+// of a rank that joined, at the same point), rank 0 broadcasts its first
+// order and every rank rebuilds from it. From that forward on has_rebuilt()
+// holds (torch's _has_rebuilt_buckets), so the second iteration's backward
+// (the third's with a static graph) already runs with the rebuilt buckets,
+// as torch's does. Rank 0 is the root and must send an order: a rank 0 that
+// joined before any backward has none and sends its current layout's order.
+// In torch's first layout (one bucket per kind, parameters in registration
+// order) that is, within each kind, registration order, the order torch's
+// joined rank 0 sends, so the rebuild gives torch's buckets; in ddp_ext's
+// own first layout (reducer/layout/bucket_layout.h) it keeps the buckets as
+// they are and the first rebuild is spent. There is no first rebuild
 // when find_unused_parameters is set without static_graph (orders then
 // depend on which parameters each iteration used). Continuous watching
 // starts after the first rebuild; its rebuilds are voted on as above, at
@@ -151,8 +157,10 @@ class GradientOrder {
       RebuildPolicy policy = {});
 
   // Whether a first rebuild follows the first iteration (torch's rule: not
-  // with find_unused_parameters, unless the graph is static).
-  void set_first_rebuild(bool due);
+  // with find_unused_parameters, unless the graph is static), and how many
+  // synchronising backwards to come it skips (a static graph's learning
+  // iteration, see the Note).
+  void set_first_rebuild(bool due, int skipped_backwards = 0);
   // false: no continuous watching after the first rebuild (a stateful
   // communication hook was registered).
   void allow_continuous(bool allowed);
@@ -263,6 +271,7 @@ class GradientOrder {
   bool continuous_allowed_ = true;
   bool first_done_ = false;
   bool first_ready_ = false; // a synchronising backward happened since
+  int first_skips_ = 0; // backwards still to skip before that
 
   std::vector<int64_t> stamps_; // per parameter; -1: not ready yet
   int64_t clock_ = 0;

@@ -70,7 +70,8 @@ def test_order_records_rebuilds_and_overlap(tmp_path):
             assert measured[key] > 0, key
     assert reversed_["rebuilds"] == reversed_["rebuilds_once"] == 1
     assert reversed_["overlap_fraction"]["before"] == 0.0 and reversed_["overlap_fraction"]["after"] > 0.9
-    assert switching["rebuilds"] == 1 and switching["rebuilds_once"] == 0
+    # The first rebuild re-lays torch's first bucket in both modes; continuous also follows the swap.
+    assert switching["rebuilds"] == 2 and switching["rebuilds_once"] == 1
     assert switching["overlap_fraction"]["last_rebuild_iteration"] == 5
     assert switching["overlap_fraction"]["after"] > 0.9
     assert switching["overlap_fraction_once"]["after"] < 0.5  # torch's behaviour keeps the stale layout

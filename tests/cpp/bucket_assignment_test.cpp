@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <random>
@@ -214,6 +215,79 @@ TEST(BucketAssignment, MatchesTorchOnRandomInputs) {
           std::vector<bool>(n, false), indices));
       EXPECT_EQ(sorted(buckets), sorted(torchs)) << "trial " << trial;
     }
+  }
+}
+
+struct TorchFirstRow {
+  const char* name;
+  std::vector<TensorSpec> tensors;
+  std::vector<int64_t> caps;
+  Buckets expected;
+};
+
+// torch's first buckets (Note [torch's first buckets]): cut in registration
+// order, listed last bucket first, each in registration order.
+TEST(BucketAssignment, TorchFirstTable) {
+  constexpr int64_t kUnlimited = std::numeric_limits<int64_t>::max();
+  const std::vector<TorchFirstRow> rows = {
+      {"empty", {}, {100}, {}},
+      {"unlimited_one_bucket_in_registration_order", floats({4, 4, 4}), {kUnlimited}, {{0, 1, 2}}},
+      {"partial_bucket_is_the_last_registered", floats({4, 4, 4}), {8}, {{2}, {0, 1}}},
+      {"first_cap_on_the_first_registered", floats({4, 4, 4, 4, 4}), {4, 100}, {{1, 2, 3, 4}, {0}}},
+      {"caps_list_in_turn", floats({4, 4, 4, 4, 4, 4}), {4, 8, 100}, {{3, 4, 5}, {1, 2}, {0}}},
+      {"oversized_closes_its_bucket", floats({4, 100, 4}), {8}, {{2}, {0, 1}}},
+      {"unlimited_one_bucket_per_dtype",
+       {spec(4), spec(8, at::kDouble), spec(4), spec(8, at::kDouble)}, {kUnlimited}, {{1, 3}, {0, 2}}},
+      {"kinds_listed_by_first_tensor",
+       {spec(8, at::kDouble), spec(4), spec(4), spec(8, at::kDouble), spec(4)}, {8},
+       {{4}, {3}, {1, 2}, {0}}},
+  };
+  for (const TorchFirstRow& row : rows) {
+    EXPECT_EQ(assign_buckets_as_torch_first(row.tensors, row.caps), row.expected) << row.name;
+  }
+  std::vector<TensorSpec> sparse = floats({4, 4, 4});
+  sparse[1].sparse = true;
+  EXPECT_EQ(assign_buckets_as_torch_first(sparse, {kUnlimited}), (Buckets{{1}, {0, 2}}));
+  std::vector<TensorSpec> units = floats({4, 4, 4, 4});
+  units[1].unit = units[2].unit = 0;
+  EXPECT_EQ(assign_buckets_as_torch_first(units, {kUnlimited}), (Buckets{{3}, {1, 2}, {0}}))
+      << "droppable layers kept apart";
+  EXPECT_THROW(assign_buckets_as_torch_first(floats({4}), {}), c10::Error);
+  EXPECT_THROW(assign_buckets_as_torch_first(floats({4}), {0}), c10::Error);
+}
+
+// The layout equals the one torch's DDP builds its reducer with: torch's
+// c10d::compute_bucket_assignment_by_size over the tensors in registration
+// order (no indices given, so its buckets come sorted by first index),
+// reversed as torch's _ddp_init_helper reverses them. Same order, bucket by
+// bucket, with several dtypes and sparse gradients.
+TEST(BucketAssignment, MatchesTorchFirstBucketsOnRandomInputs) {
+  std::mt19937 rng(2);
+  const std::vector<int64_t> numels = {0, 1, 3, 16, 64, 250};
+  const std::vector<at::ScalarType> dtypes = {at::kFloat, at::kDouble, at::kHalf};
+  const std::vector<int64_t> cap_choices = {
+      1, 16, 100, 1000, 1000000000, std::numeric_limits<int64_t>::max()};
+  for (int trial = 0; trial < 300; ++trial) {
+    const size_t n = 1 + rng() % 30;
+    std::vector<at::Tensor> params;
+    std::vector<TensorSpec> specs;
+    std::vector<bool> sparse;
+    for (size_t i = 0; i < n; ++i) {
+      params.push_back(at::empty({numels[rng() % numels.size()]},
+                                 at::TensorOptions().dtype(dtypes[rng() % dtypes.size()])));
+      specs.push_back(spec(params.back().nbytes(), params.back().scalar_type()));
+      sparse.push_back(rng() % 10 == 0);
+      specs.back().sparse = sparse.back();
+    }
+    std::vector<int64_t> caps(1 + rng() % 3);
+    std::vector<size_t> limits;
+    for (int64_t& cap : caps) {
+      cap = cap_choices[rng() % cap_choices.size()];
+      limits.push_back(static_cast<size_t>(cap));
+    }
+    Buckets torchs = std::get<0>(c10d::compute_bucket_assignment_by_size(params, limits, sparse));
+    std::reverse(torchs.begin(), torchs.end());
+    EXPECT_EQ(assign_buckets_as_torch_first(specs, caps), torchs) << "trial " << trial;
   }
 }
 

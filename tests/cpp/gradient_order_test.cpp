@@ -284,5 +284,44 @@ TEST(GradientOrder, NewCapsLayTheRepeatedOrderOutAgain) {
   EXPECT_EQ(votes, expected);
 }
 
+// The first rebuild falls due after the first synchronising backward, or
+// after the second with a static graph (whose learning iteration records no
+// order in torch's DDP), and takes that backward's order; a shadowed
+// backward (Join) counts as one, and a restart (new process group) skips
+// none, as torch's static graph learns only once.
+TEST(GradientOrder, FirstRebuildSkipsTheStaticGraphsLearningIteration) {
+  const std::vector<size_t> one_bucket = {0, 0, 0};
+  const auto backward = [&](GradientOrder& order, const std::vector<size_t>& ready) {
+    order.begin_iteration();
+    for (size_t index : ready) {
+      order.record(index);
+    }
+    order.observe(one_bucket, 1, /*launched_at_end=*/false);
+    order.update_vote(one_bucket, 1);
+  };
+  for (int skipped : {0, 1}) {
+    GradientOrder order(floats({4, 4, 4}), {1 << 20}, BucketRebuild::kOnce);
+    order.set_first_rebuild(true, skipped);
+    backward(order, {2, 1, 0});
+    EXPECT_EQ(order.first_rebuild_due(), skipped == 0) << "skipped " << skipped;
+    backward(order, {1, 2, 0});
+    EXPECT_TRUE(order.first_rebuild_due()) << "skipped " << skipped;
+    const std::vector<size_t> first = skipped == 0 ? std::vector<size_t>{2, 1, 0}
+                                                   : std::vector<size_t>{1, 2, 0};
+    EXPECT_EQ(order.first_order(), first) << "skipped " << skipped;
+  }
+  GradientOrder joined(floats({4, 4, 4}), {1 << 20}, BucketRebuild::kOnce);
+  joined.set_first_rebuild(true, 1);
+  joined.shadowed_backward();
+  EXPECT_FALSE(joined.first_rebuild_due());
+  joined.shadowed_backward();
+  EXPECT_TRUE(joined.first_rebuild_due());
+  GradientOrder restarted(floats({4, 4, 4}), {1 << 20}, BucketRebuild::kOnce);
+  restarted.set_first_rebuild(true, 1);
+  restarted.restart();
+  backward(restarted, {2, 1, 0});
+  EXPECT_TRUE(restarted.first_rebuild_due());
+}
+
 } // namespace
 } // namespace ddp_ext::reducer

@@ -275,9 +275,11 @@ def test_odd_bucket_caps_torch_accepts_are_accepted(single_process_group, cap, w
         warnings.simplefilter("always")
         ddp = reference.ext_ddp(module, bucket_cap_mb=cap)
     assert any("bucket_cap_mb" in str(w.message) for w in caught) == warns
+    assert ddp.bucket_indices() == [[0, 1, 2, 3]]  # torch's first buckets: one, whatever the cap
+    ddp(torch.randn(1, 2)).sum().backward()
+    ddp(torch.randn(1, 2)).sum().backward()  # its forward rebuilt the buckets with the cap
     expected = [[3, 2, 1, 0]] if cap is True else [[3], [2], [1], [0]]
     assert ddp.bucket_indices() == expected
-    ddp(torch.randn(1, 2)).sum().backward()
 
 
 def test_valid_arguments_construct(single_process_group):

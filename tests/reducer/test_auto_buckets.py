@@ -387,10 +387,12 @@ def _copy(rank, world_size):
     twin = copy.deepcopy(ddp)
     kept = dict(current=(ddp.bucket_tuner.current, twin.bucket_tuner.current),
                 cap=(ddp.bucket_bytes_cap, twin.bucket_bytes_cap),
-                buckets=(len(ddp.bucket_indices()), len(twin.bucket_indices())),
+                first_buckets=len(twin.bucket_indices()),
                 twin_phase=twin.bucket_tuner.stage.value)
     before = len(twin.bucket_tuner.history)
-    _steps(twin, rank, world_size, 30)
+    _steps(twin, rank, world_size, 2)  # the copy's first rebuild, at its second forward
+    kept["buckets"] = (len(ddp.bucket_indices()), len(twin.bucket_indices()))
+    _steps(twin, rank, world_size, 28, first=2)
     return dict(kept, twin_history=[(e.kind, e.candidate) for e in twin.bucket_tuner.history[before:]])
 
 
@@ -447,6 +449,9 @@ def test_a_copy_keeps_its_caps_and_tunes_again():
     results = SCENARIO_TABLE.results(2, SCENARIOS[2])
     for r in results:
         assert r["current"][0] == r["current"][1] != 0, r  # settled away from the default by step 30
+        # The copy starts from torch's first buckets (one), as a copy of
+        # torch's DDP does, and its first rebuild cuts them with the caps kept.
+        assert r["first_buckets"] == 1, r
         assert r["cap"][0] == r["cap"][1] and r["buckets"][0] == r["buckets"][1], r
         assert r["twin_phase"] == "warmup"
         assert ("settled", 3) in r["twin_history"] and len(r["twin_history"]) > 2, r["twin_history"]

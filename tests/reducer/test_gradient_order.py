@@ -61,7 +61,9 @@ def test_one_rank_observes_and_rebuilds(mode, rebuilt, single_process_group):
     torch.manual_seed(0)
     ddp = ddp_ext.DistributedDataParallel(UsedInReverse(), rebuild_buckets=mode, bucket_cap_mb=1e-9)
     assert ddp.reducer.overlap_fraction is None and ddp.reducer.observed_order() == []
-    construction = [[3], [2], [1], [0]]
+    # torch's first buckets (one bucket, registration order) where torch's
+    # DDP rebuilds; "never" cuts from reverse registration order instead.
+    construction = [[0, 1, 2, 3]] if rebuilt else [[3], [2], [1], [0]]
     assert ddp.bucket_indices() == construction
     ddp(torch.randn(4, 2)).sum().backward()
     # Autograd reaches each Linear's bias before its weight, `a` before `b`.
@@ -69,12 +71,17 @@ def test_one_rank_observes_and_rebuilds(mode, rebuilt, single_process_group):
     # Not yet rebuilt: that waits for the next forward, as in torch's DDP.
     assert ddp._has_rebuilt_buckets is False
     assert ddp.bucket_indices() == construction
-    # The first iteration ran with the construction layout, in which bucket 0
-    # fills with the third gradient and launches the only one early.
-    assert ddp.reducer.overlap_fraction == pytest.approx(12 / 68)
-    # Bias of `a` (8 bytes, first) waits for 60 bytes to arrive, its weight
-    # (24 bytes, second) for 36; the two gradients of `b` launch on arrival.
-    assert ddp.reducer.launch_delay == pytest.approx((8 * 60 + 24 * 36) / 68**2)
+    if rebuilt:
+        # One bucket: nothing launches before the last gradient; each waits
+        # for the bytes after it (bias of `a` 60, its weight 36, `b`'s bias 24).
+        assert ddp.reducer.overlap_fraction == 0.0
+        assert ddp.reducer.launch_delay == pytest.approx((8 * 60 + 24 * 36 + 12 * 24) / 68**2)
+    else:
+        # Bucket 0 fills with the third gradient and launches the only one
+        # early. Bias of `a` (8 bytes, first) waits for 60 bytes to arrive,
+        # its weight (24 bytes, second) for 36; `b`'s launch on arrival.
+        assert ddp.reducer.overlap_fraction == pytest.approx(12 / 68)
+        assert ddp.reducer.launch_delay == pytest.approx((8 * 60 + 24 * 36) / 68**2)
     with torch.no_grad():
         ddp(torch.randn(4, 2))  # no gradients: torch rebuilds nothing here either
     assert ddp._has_rebuilt_buckets is False

@@ -177,13 +177,15 @@ JOIN_RUNS = [
     # and receives rank 0's order at rank 0's second forward, as torch's.
     (Run("join_rank1_at_once_stack_reversed", functools.partial(_join_run, "stack_reversed", (6, 0), no_sync_first=True)), 1),
     # Rank 0 joins before any synchronising backward: the broadcast's root has no order, so
-    # it sends its current layout's and the buckets stay as they are (the
-    # first rebuild is spent; see Note [Gradient order prediction]).
-    (Run("join_rank0_at_once_stack_reversed", functools.partial(_join_run, "stack_reversed", (0, 6), no_sync_first=True)), 0),
-    # Both ranks are there for the first rebuild and for the order change at
-    # step 5 (agreed at step 8); rank 1 joins after step 10, so the change
-    # back at step 10 is voted for by rank 0 alone.
-    (Run("join_rank1_late_stack_switching", functools.partial(_join_run, "stack_switching", (15, 11))), 1),
+    # it sends its current layout's, torch's first bucket in registration
+    # order, the order torch's joined rank 0 sends (see Note [Gradient order
+    # prediction]); the buckets are cut from it.
+    (Run("join_rank0_at_once_stack_reversed", functools.partial(_join_run, "stack_reversed", (0, 6), no_sync_first=True)), 1),
+    # Both ranks are there for the first rebuild (which re-lays torch's first
+    # bucket) and for the order change at step 5 (agreed at step 8); rank 1
+    # joins after step 10, so the change back at step 10 is voted for by
+    # rank 0 alone.
+    (Run("join_rank1_late_stack_switching", functools.partial(_join_run, "stack_switching", (15, 11))), 2),
 ]
 
 
@@ -265,14 +267,14 @@ def _with_hook(model, hook_name, ddp_kwargs, rank, world_size):
 
 # (run, layout-changing rebuilds)
 HOOK_RUNS = [
-    # A Python hook: the first rebuild only (here to the first order, which
-    # the construction layout already had), then no more.
-    (Run("python_hook_stack_switching", functools.partial(_with_hook, "stack_switching", "recording", {})), 0),
+    # A Python hook: the first rebuild only (from torch's first bucket to the
+    # first order), then no more.
+    (Run("python_hook_stack_switching", functools.partial(_with_hook, "stack_switching", "recording", {})), 1),
     (Run("python_hook_stack_reversed", functools.partial(_with_hook, "stack_reversed", "recording", {})), 1),
     (Run("python_hook_stack_reversed_view",
          functools.partial(_with_hook, "stack_reversed", "recording", dict(gradient_as_bucket_view=True))), 1),
     # Built-in hooks keep no state per bucket: continuous rebuilding goes on.
-    (Run("builtin_hook_stack_switching", functools.partial(_with_hook, "stack_switching", "builtin_allreduce", {})), 2),
+    (Run("builtin_hook_stack_switching", functools.partial(_with_hook, "stack_switching", "builtin_allreduce", {})), 3),
     # PowerSGD starts compressing after the first rebuild, whose layout (the
     # tensors' order in the bucket) it keeps, as with torch's DDP.
     (Run("powerSGD_stack_reversed", functools.partial(_with_hook, "stack_reversed", "powerSGD", {})), 1),

@@ -84,6 +84,7 @@ def _record(rank: int, world_size: int, directory: str, warmup: int, recorded: i
         timeline = ddp._timeline
     else:
         timeline = ddp.record_timeline(directory, iterations=recorded)
+    first_buckets = len(ddp.bucket_indices())  # a new wrapper's are torch's first buckets
     for step in range(warmup, warmup + recorded + with_env):
         _step(ddp, opt, rank, step)  # under DDP_EXT_TIMELINE_ITERATIONS, one more: its forward stops the recording
     assert timeline.recording != with_env
@@ -94,7 +95,7 @@ def _record(rank: int, world_size: int, directory: str, warmup: int, recorded: i
         "path": path,
         "trace": trace,
         "names": [n for n, _ in ddp.module.named_parameters()],
-        "buckets": len(ddp.bucket_indices()),
+        "buckets": first_buckets if with_env else len(ddp.bucket_indices()),  # the recorded iteration's
         "rebuilds": ddp.reducer.rebuilds,
     }
 
