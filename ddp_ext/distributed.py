@@ -117,8 +117,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
         on_hang: Optional[str] = None,
         hierarchical_allreduce: Union[str, bool] = "auto",
     ):
-        # torch's DDP __init__ is deliberately not called: it would build
-        # torch's reducer. See ddp_ext/_unsupported.py.
+        # Not torch's DDP __init__: it would build torch's reducer (ddp_ext/_unsupported.py).
         nn.Module.__init__(self)
         Joinable.__init__(self)
         settings, process_group, delayed_named = _settings.resolve(
@@ -269,10 +268,7 @@ class DistributedDataParallel(UnsupportedTorchInternals, DelegatedNames, TorchDi
             else:
                 pre, run, post = self._pre_forward, self._run_ddp_forward, self._post_forward
             inputs, kwargs = pre(*inputs, **kwargs)
-            if self._delay_all_reduce_all_params:
-                output = self.module(*inputs, **kwargs)
-            else:
-                output = run(*inputs, **kwargs)
+            output = (self.module if self._delay_all_reduce_all_params else run)(*inputs, **kwargs)
             output = post(output)
         if timeline is not None:
             timeline.forward_end()
