@@ -59,7 +59,9 @@ class HookSettings:
         return REBUILD_ITERATIONS
 
 
-QUICK_HOOKS = HookSettings(start_powerSGD_iter=2, adaptive_warmup=2, adaptive_check_every=2)
+# The adaptive hook's warm-up outlasts the first rebuild (iteration 1 runs
+# with torch's first bucket, iteration 2 gives the rebuilt buckets' figures).
+QUICK_HOOKS = HookSettings(start_powerSGD_iter=2, adaptive_warmup=4, adaptive_check_every=2)
 
 
 def wrap(variant: str, module: nn.Module, hooks: HookSettings, group: Optional[dist.ProcessGroup] = None):
