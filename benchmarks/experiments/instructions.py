@@ -244,12 +244,11 @@ def _main_table(data: dict) -> str:
 def _measure_cell(entry: dict, measure: str) -> str:
     if measure not in entry:
         return "-"
-    value = entry[measure]
-    if measure == "instructions":
-        return _thousands(value)
     if measure == "woken":
-        return f"{value:g}"
-    return f"{value:.2f}"
+        return f"{entry[measure]:g}"
+    number = _thousands if measure == "instructions" else "{:.2f}".format
+    low, high = entry[measure + "_range"]
+    return f"{number(entry[measure])} [{number(low)}-{number(high)}]"
 
 
 _THREAD_MEASURES = (("instructions", "instructions"), ("woken", "threads woken"),
