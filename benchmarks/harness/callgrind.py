@@ -1,7 +1,9 @@
 """Counting the instructions a process executes, with valgrind's callgrind.
 
-A rank started by `command()` runs under callgrind with one dump per thread.
-Between `zero()` and `dump(label)` it counts what every thread executes; the
+A rank started by `command()` runs under callgrind with one dump per thread,
+uninstrumented (several times faster: importing torch under full callgrind
+takes minutes) until it calls `instrument()`. Between `zero()` and
+`dump(label)` it counts what every thread executes; the
 parent then reads each dump's totals with `read_dumps()`. Counts do not depend
 on the machine's load or on how the threads are scheduled, which makes them a
 measure of work that timing cannot give on a shared machine.
@@ -14,6 +16,21 @@ more: a copy of 8 KB counts 8,000 instructions where the copy kernels torch
 uses count a few hundred vector moves. `command()` raises glibc's thresholds
 for them (GLIBC_TUNABLES), so that every copy is counted as the vector loop it
 then runs, the same way whichever library made it.
+
+Note [Callgrind's thread numbers]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+With --separate-threads=yes callgrind writes one file per thread, named by
+valgrind's number for the thread: 1 for the main thread, then the lowest
+number not in use when a thread starts. While no thread has ended, the numbers
+therefore follow the order in which the threads started, which is the order of
+their kernel thread ids: the i-th smallest id alive is thread i.
+`thread_numbers()` relies on that and gives up (None) where a thread seen
+earlier has ended, since a thread started after it takes its number. (A
+thread that starts and ends between two looks goes unseen; the ranks that
+`instructions` counts start theirs before the first turn and keep them.) On
+a counted rank the numbers were checked against each file's functions: the
+thread named gloo_tcp_loop runs gloo::transport::tcp::Loop::run, those named
+pt_gloo_runloop c10d::ProcessGroupGloo::runLoop.
 """
 
 import os
@@ -21,7 +38,7 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Collection, Dict, List, Optional, Sequence
 
 TOOLS = ("valgrind", "callgrind_control")
 _NEVER = str(1 << 30)
@@ -34,14 +51,20 @@ def missing_tools() -> List[str]:
 
 
 def command(out_base: str, argv: Sequence[str]) -> List[str]:
-    """`argv` under callgrind, counting from the start, one dump file per thread."""
-    return ["valgrind", "--tool=callgrind", "--separate-threads=yes", f"--callgrind-out-file={out_base}", *argv]
+    """`argv` under callgrind, counting once it calls instrument(), one dump file per thread."""
+    return ["valgrind", "--tool=callgrind", "--separate-threads=yes", "--instr-atstart=no",
+            f"--callgrind-out-file={out_base}", *argv]
 
 
 def environment(base: Dict[str, str]) -> Dict[str, str]:
     """`base` with glibc's copies counted as vector loops (Note [Counting copies])."""
     tunables = ":".join(filter(None, [base.get("GLIBC_TUNABLES"), TUNABLES]))
     return {**base, "GLIBC_TUNABLES": tunables}
+
+
+def instrument() -> None:
+    """From inside the counted process: start instrumenting, every thread (counts start with the next zero())."""
+    _control("--instr=on")
 
 
 def zero() -> None:
@@ -60,6 +83,15 @@ def _control(option: str) -> None:
     if done.returncode != 0 or "OK." not in done.stdout:
         raise RuntimeError(f"callgrind_control {option} failed (is this process running under callgrind?): "
                            f"{done.stdout}{done.stderr}")
+
+
+def thread_numbers(seen: Collection[int], alive: Collection[int]) -> Optional[Dict[int, int]]:
+    """Callgrind's number of each thread in `alive` (kernel thread ids), as
+    {number: thread id}, or None where a thread in `seen` (every thread seen
+    earlier) is no longer alive (Note [Callgrind's thread numbers])."""
+    if set(seen) - set(alive):
+        return None
+    return {number: tid for number, tid in enumerate(sorted(alive), start=1)}
 
 
 @dataclass(frozen=True)

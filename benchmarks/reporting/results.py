@@ -21,8 +21,9 @@ from typing import List, Tuple
 # A list this long (of anything but strings) is a per-iteration or per-block
 # series; summaries hold shorter lists only.
 SERIES_LENGTH = 20
-# Always raw, whatever their length: every measured iteration by block.
-RAW_KEYS = ("samples_ms",)
+# Always raw, whatever their length: every measured iteration by block;
+# instructions' counts of every rank's threads, turn by turn.
+RAW_KEYS = ("samples_ms", "per_rank_threads")
 # Always summary, whatever their length: tables of summarised records (one
 # per configuration and variant).
 SUMMARY_KEYS = ("rows", "targets")

@@ -3,7 +3,8 @@
 The pure pieces are checked on dump files written here. The end-to-end run
 needs valgrind (where it is missing the test says so and is skipped; CI
 installs it), and fails if ddp_ext adds more instructions per iteration to
-local training than torch's DDP does."""
+local training than torch's DDP does, or wakes a thread torch's DDP does not.
+The per-thread pieces have their tests in test_thread_counts.py."""
 
 import json
 import os
@@ -97,3 +98,12 @@ def test_counted_run_reports_ddp_work_and_a_control_near_torch(tmp_path):
         "ddp_ext now adds more instructions per iteration than torch's DDP: "
         f"{counts['ours']['ddp_main']:.0f} against {counts['torch']['ddp_main']:.0f}")
     assert "| tinymlp | torch DDP, second replica |" in done.stdout, done.stdout
+    # Thread by thread: each DDP runs on the main thread, Gloo's loop and its
+    # two workers, and ddp_ext wakes no thread torch's DDP does not.
+    threads = measured["per_thread"]
+    for kind in ("torch", "ours"):
+        assert {"main", "gloo tcp loop", "gloo workers"} <= set(threads[kind]), threads[kind]
+        assert threads[kind]["gloo workers"]["threads"] == 2 and threads[kind]["gloo workers"]["instructions"] > 0
+    woken = {kind: sum(c.get("woken", 0) for c in threads[kind].values()) for kind in ("torch", "ours")}
+    assert woken["ours"] <= woken["torch"], (woken, threads)
+    assert "| gloo workers (2) | instructions |" in done.stdout, done.stdout
