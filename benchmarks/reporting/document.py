@@ -26,7 +26,7 @@ SECTIONS = ("introduction", "compare", "fixedcost", "instructions", "allreduce",
             "faults", "order", "layerdrop", "timeline", "compression", "scaleout", "recovery")
 # The pages beside the document (docs/benchmarks/<page>.md) and the prose each is made of.
 PAGES: Dict[str, str] = {"method": "method", "targets": "targets-runs",
-                         **{name: f"{name}-runs" for name in SECTIONS if name not in ("introduction", "instructions")}}
+                         **{name: f"{name}-runs" for name in SECTIONS if name != "introduction"}}
 PAGES_FOLDER = "benchmarks"
 PLACEHOLDER = re.compile(r"^<!-- (RESULT|FIGURE): (\S+) -->$", re.MULTILINE)
 BEGIN = "<!-- BEGIN GENERATED: {name} -->"
