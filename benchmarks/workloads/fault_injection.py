@@ -101,7 +101,8 @@ def train_until_fault(rank: int, world_size: int, job: FaultJob) -> dict:
     iteration = {"now": -1}
     after_step = _arm(job, model, iteration) if rank == job.victim else (lambda: None)
     generator = torch.Generator().manual_seed(rank)
-    buckets = len(ddp.bucket_indices()) if hasattr(ddp, "bucket_indices") else None
+    counts_buckets = hasattr(ddp, "bucket_indices")
+    buckets = None  # after each step: the first rebuild lays out torch's first bucket again
     phase = "forward"
     try:
         for i in range(ITERATIONS):
@@ -113,6 +114,7 @@ def train_until_fault(rank: int, world_size: int, job: FaultJob) -> dict:
             phase = "step"
             optimizer.step()
             optimizer.zero_grad()
+            buckets = len(ddp.bucket_indices()) if counts_buckets else None
             after_step()
     except InjectedFault:
         raise

@@ -34,11 +34,15 @@ def _rank_loop(rank, world_size, store_path, jobs, results):
         # Steps: take a job, run it, answer (rank, ok, value); None ends the loop.
         for job in iter(jobs.get, None):
             fn, args = job
+            environment = dict(os.environ)  # a job's variables (LOCAL_WORLD_SIZE...) end with it
             try:
                 # Plain pickle, as in run_ranks: tensors must outlive this process.
                 results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
             except BaseException:
                 results.put((rank, False, traceback.format_exc()))
+            finally:
+                os.environ.clear()
+                os.environ.update(environment)
     finally:
         dist.destroy_process_group()
 
