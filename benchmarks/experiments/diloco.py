@@ -314,28 +314,27 @@ def table(data: dict) -> str:
 
 
 def plot(data: dict, path: str) -> None:
-    """Per link: held-out loss against wall time, and against tokens; dashed: torch's DDP's final loss."""
+    """One row per link: held-out loss against wall time, and against tokens; dashed: torch's DDP's final loss."""
     names = list(data["curves"])
-    figure, axes = figures.panels(2 * len(names), width_per_panel=4.2)
+    figure, grid = figures.plt.subplots(len(names), 2, figsize=(11.0, 3.6 * len(names)), squeeze=False)
     per_step_tokens = {r["variant"]: r["tokens"] / r["steps"] for r in data["rows"]}
-    for i, name in enumerate(names):
-        by_time, by_tokens = axes[2 * i], axes[2 * i + 1]
-        for variant, c in data["curves"][name].items():
-            by_time.plot(c["curve_wall_s"], c["curve_loss"], marker=".", label=variant)
-            by_tokens.plot([s * per_step_tokens[variant] / 1e6 for s in c["curve_steps"]], c["curve_loss"],
-                           marker=".", label=variant)
-        by_time.set_xlabel("wall time (s)")
-        by_tokens.set_xlabel("tokens (millions, all ranks)")
-        losses = [x for c in data["curves"][name].values() for x in c["curve_loss"]]
-        # From the first snapshot after the start down: the start's loss (about ln 256) would flatten the rest.
-        top = max(c["curve_loss"][1] for c in data["curves"][name].values() if len(c["curve_loss"]) > 1)
+    for (by_time, by_tokens), name in zip(grid, names):
+        curves = data["curves"][name]
+        for variant, c in curves.items():
+            style = {"marker": ".", "label": variant, "linestyle": "--" if "int8" in variant else "-"}
+            by_time.plot(c["curve_wall_s"], c["curve_loss"], **style)
+            by_tokens.plot([s * per_step_tokens[variant] / 1e6 for s in c["curve_steps"]], c["curve_loss"], **style)
         target = [r["loss_equal_tokens"] for r in data["rows"]
                   if r["variant"] == dv.TORCH and _link_name(r["link_gbit"]) == name]
-        for ax in (by_time, by_tokens):
+        losses = [x for c in curves.values() for x in c["curve_loss"] if math.isfinite(x)]
+        # Down from torch's DDP's first snapshot: the start (about ln 256) would flatten the rest.
+        top = curves[dv.TORCH]["curve_loss"][1] if dv.TORCH in curves else max(losses)
+        for ax, label in ((by_time, "wall time (s)"), (by_tokens, "tokens (millions, all ranks)")):
             if target:
-                ax.axhline(target[0], color="gray", linestyle="--", linewidth=0.8)
+                ax.axhline(target[0], color="gray", linestyle=":", linewidth=1.0)
+            ax.set_xlabel(label)
             ax.set_ylabel("held-out loss (nats/char)")
             ax.set_title(name)
-            ax.set_ylim(min(losses) - 0.02, top + 0.02)
-    axes[0].legend(fontsize="x-small")
+            ax.set_ylim(min(losses) - 0.02, top + 0.05)
+    grid[0][0].legend(fontsize="x-small")
     figures.save(figure, path, TITLE)

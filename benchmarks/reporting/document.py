@@ -16,7 +16,7 @@ import re
 from typing import Callable, List
 
 SECTIONS = ("introduction", "compare", "fixedcost", "instructions", "allreduce", "breakdown", "bucket", "scale", "nosync", "roundrobin", "mpi",
-            "faults", "order", "layerdrop", "timeline", "compression", "scaleout", "recovery")
+            "faults", "order", "layerdrop", "timeline", "compression", "scaleout", "recovery", "diloco")
 PLACEHOLDER = re.compile(r"^<!-- RESULT: (\S+) -->$", re.MULTILINE)
 BEGIN = "<!-- BEGIN GENERATED: {name} -->"
 END = "<!-- END GENERATED: {name} -->"
