@@ -314,7 +314,8 @@ def table(data: dict) -> str:
 
 
 def plot(data: dict, path: str) -> None:
-    """One row per link: held-out loss against wall time, and against tokens; dashed: torch's DDP's final loss."""
+    """One row per link: held-out loss against wall time, and against tokens.
+    Dashed: the 8-bit variants; dotted: torch's DDP's final loss."""
     names = list(data["curves"])
     figure, grid = figures.plt.subplots(len(names), 2, figsize=(8.0, 2.7 * len(names)), squeeze=False)
     per_step_tokens = {r["variant"]: r["tokens"] / r["steps"] for r in data["rows"]}

@@ -65,6 +65,8 @@ class Trainer:
     """One variant's model, optimizers and step."""
 
     def __init__(self, variant: str, settings: TrainSettings, seed: int):
+        if variant not in VARIANTS:
+            raise ValueError(f"no variant {variant!r}; the variants are {', '.join(VARIANTS)}")
         torch.manual_seed(seed)
         module = CharTransformer(settings.shape)
         self.variant, self.outer, self.adaptive = variant, None, None

@@ -20,7 +20,6 @@ import torch
 STDLIB = os.path.dirname(os.__file__)
 SKIPPED_DIRS = ("site-packages", "dist-packages", "__pycache__")
 HELD_OUT_EVERY = 20
-VOCAB = 256
 
 
 @dataclasses.dataclass
@@ -57,8 +56,11 @@ def load(max_bytes: int, held_out_bytes: int, root: str = STDLIB) -> Corpus:
             target += f.read()[:limit - len(target)]
         files += 1
     digest = hashlib.sha256(bytes(train) + bytes(held_out)).hexdigest()[:12]
-    as_tensor = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.zeros(0, dtype=torch.uint8)
-    return Corpus(as_tensor(train), as_tensor(held_out), files, digest)
+    return Corpus(_as_tensor(train), _as_tensor(held_out), files, digest)
+
+
+def _as_tensor(text: bytearray) -> torch.Tensor:
+    return torch.frombuffer(text, dtype=torch.uint8) if text else torch.zeros(0, dtype=torch.uint8)
 
 
 def random_batch(text: torch.Tensor, batch: int, context: int, generator: torch.Generator):
