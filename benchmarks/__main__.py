@@ -100,6 +100,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="overlap: run these configurations in turn and write one result holding them all: "
                         f"comma-separated, each {link_configs.SPELLING} (the loopback at --world-size ranks); "
                         f"`all`: {','.join(link_configs.ALL)}. Not with --link, --hosts or --ranks-per-host")
+    p.add_argument("--steps", type=int, default=0,
+                   help="diloco: steps of torch's DDP; the other variants run 1.5 times as many (default 500)")
     p.add_argument("--doc", default=None, help="report: the document to write (default docs/BENCHMARKS.md), its pages in the folder benchmarks/ beside it")
     return p
 
@@ -162,7 +164,7 @@ def _options(args, experiment: str, part_of_all: bool = False) -> BenchOptions:
         allreduce_elements=args.allreduce_elements, soak_iterations=soak, timeout_s=args.timeout, quick=args.quick,
         device=args.device, backend=args.backend or "",
         link_gbit=args.link if experiment in LINK_EXPERIMENTS else None, hosts=host_count, ranks_per_host=per_host,
-        configs=args.configs if experiment in LINK_EXPERIMENTS else (), **lengths,
+        configs=args.configs if experiment in LINK_EXPERIMENTS else (), steps=args.steps, **lengths,
     )
 
 

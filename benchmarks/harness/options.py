@@ -53,6 +53,8 @@ class BenchOptions:
     ranks_per_host: Optional[int] = None
     # overlap: the configurations to run in turn, as harness/link_configs.py spells them; (): the one above.
     configs: Tuple[str, ...] = ()
+    # diloco: steps of torch's DDP (the others run more, see experiments/diloco.py); 0: the experiment's default.
+    steps: int = 0
 
     def process_group_backend(self) -> str:
         return self.backend or ("nccl" if self.device == "cuda" else "gloo")

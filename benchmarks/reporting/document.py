@@ -23,7 +23,7 @@ import re
 from typing import Callable, Dict, List, Optional
 
 SECTIONS = ("introduction", "compare", "fixedcost", "instructions", "allreduce", "breakdown", "bucket", "scale", "nosync", "roundrobin", "mpi",
-            "faults", "order", "layerdrop", "timeline", "compression", "scaleout", "recovery")
+            "faults", "order", "layerdrop", "timeline", "compression", "scaleout", "recovery", "diloco")
 # The pages beside the document (docs/benchmarks/<page>.md) and the prose each is made of.
 PAGES: Dict[str, str] = {"method": "method", "targets": "targets-runs",
                          **{name: f"{name}-runs" for name in SECTIONS if name != "introduction"}}

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 namespace ddp_ext::compression {
 namespace {
@@ -13,6 +14,14 @@ namespace {
 int64_t chunk_count(int64_t numel, int64_t chunk) {
   return (numel + chunk - 1) / chunk;
 }
+
+// A chunk's scale: its largest magnitude / 127, or 1 where that is no normal
+// float (zero, or values so small that 1 / scale would overflow to inf and
+// the codes to NaN); with scale 1 such values encode as 0 and are kept whole
+// as what the codes miss. Error feedback re-encodes what a chunk missed at
+// every step, so a chunk whose inputs stay zero (rows of an embedding no
+// batch uses) shrinks its remainder about 254-fold per step into this range.
+constexpr float kSmallestScale = std::numeric_limits<float>::min();
 
 // The payload's two parts, as views of its bytes.
 struct PayloadParts {
@@ -38,7 +47,7 @@ void encode_with_tensor_ops(at::Tensor& values, PayloadParts& parts, int64_t chu
   at::Tensor padded = at::constant_pad_nd(values, {0, chunks * chunk - numel}, 0)
                           .view({chunks, chunk});
   at::Tensor scales = padded.abs().amax(1).div_(127);
-  scales.masked_fill_(scales == 0, 1);
+  scales.masked_fill_(scales < kSmallestScale, 1);
   at::Tensor codes = padded.div(scales.unsqueeze(1)).round_().clamp_(-127, 127);
   padded.sub_(codes * scales.unsqueeze(1));
   values.copy_(padded.view({-1}).narrow(0, 0, numel));
@@ -129,7 +138,8 @@ void encode_int8(at::Tensor& values, at::Tensor& payload, int64_t chunk) {
       const int64_t start = k * chunk;
       const int64_t n = std::min(numel - start, chunk);
       const float largest = largest_magnitude(v + start, n);
-      scales[k] = largest > 0 ? largest / 127.0f : 1.0f;
+      const float scale = largest / 127.0f;
+      scales[k] = scale >= kSmallestScale ? scale : 1.0f;
       encode_chunk(v + start, codes + start, n, scales[k]);
     }
   });

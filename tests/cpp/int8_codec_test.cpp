@@ -58,6 +58,22 @@ TEST(Int8Codec, ZeroChunksAndSumsOfPayloads) {
   EXPECT_TRUE((out.slice(0, 0, 4) == 0).all().item<bool>());
 }
 
+// A chunk whose largest magnitude / 127 is no normal float is sent as zeros
+// and kept whole: 1 / scale would overflow and make the codes and what they
+// miss NaN. Error feedback drives a chunk whose inputs stay zero there.
+TEST(Int8Codec, ChunksTooSmallToScaleAreKeptWhole) {
+  const float tiny = std::numeric_limits<float>::min();  // smallest normal float
+  at::Tensor values = at::tensor({tiny, -tiny * 3, 0.0f, tiny / 8,  // largest / 127 < normal
+                                  1.0f, 0.5f, -1.0f, 0.0f});
+  const at::Tensor original = values.clone();
+  at::Tensor out = at::empty({8});
+  decode_sum_int8({encode(values, 4)}, out, 4);
+  EXPECT_TRUE(at::isfinite(values).all().item<bool>());
+  EXPECT_TRUE((out.slice(0, 0, 4) == 0).all().item<bool>());
+  EXPECT_TRUE(at::equal(values.slice(0, 0, 4), original.slice(0, 0, 4)));
+  EXPECT_TRUE(at::allclose(out.slice(0, 4) + values.slice(0, 4), original.slice(0, 4)));
+}
+
 template <typename Call>
 std::string error_of(Call call) {
   try {

@@ -1,0 +1,112 @@
+"""The `diloco` experiment's ways to train one model across hosts.
+
+- `torch`: torch's DDP over every rank, gradients averaged every step;
+- `ours_adaptive`: ddp_ext's DDP over every rank with AdaptivePrecision
+  (gradients in 16 or 8 bits where that pays; docs/COMPRESSION.md);
+- `diloco`: ddp_ext's DDP inside each host, DiLoCo across hosts (F = 1);
+- `streaming`: the same in fragments, each exchange overlapping a step
+  (tau = 1, Streaming DiLoCo);
+- `diloco_int8`, `streaming_int8`: those two with the exchange in 8 bits
+  (with error feedback).
+
+Every variant starts from the same parameters (seeded), steps the same inner
+optimizer (AdamW) on the same batches per rank, and gives the parameters
+all hosts agree on (`agreed_parameters`): the model's for the DDPs, the last
+synced ones for DiLoCo.
+"""
+
+import dataclasses
+from typing import List
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import ddp_ext
+import ddp_ext.diloco
+from benchmarks.workloads.char_transformer import CharModelShape, CharTransformer, loss
+
+TORCH, ADAPTIVE = "torch", "ours_adaptive"
+DILOCO, STREAMING, DILOCO_INT8, STREAMING_INT8 = "diloco", "streaming", "diloco_int8", "streaming_int8"
+VARIANTS = (TORCH, ADAPTIVE, DILOCO, STREAMING, DILOCO_INT8, STREAMING_INT8)
+OUTER_VARIANTS = (DILOCO, STREAMING, DILOCO_INT8, STREAMING_INT8)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    shape: CharModelShape = CharModelShape()
+    batch: int = 4  # sequences per rank and step
+    lr: float = 2e-3  # AdamW, every variant
+    sync_every: int = 50  # H
+    fragments: int = 2  # F of `streaming`
+    delay: int = 1  # tau of `streaming`
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.5
+
+    def outer_optimizer(self, params):
+        return torch.optim.SGD(params, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=True)
+
+    def diloco_arguments(self, variant: str) -> dict:
+        """DiLoCo's keyword arguments for `variant` (one of OUTER_VARIANTS)."""
+        streaming = variant in (STREAMING, STREAMING_INT8)
+        return {"sync_every": self.sync_every, "fragments": self.fragments if streaming else 1,
+                "delay": self.delay if streaming else 0, "bits": 8 if variant in (DILOCO_INT8, STREAMING_INT8) else 32,
+                "outer_optimizer": self.outer_optimizer}
+
+    def describe(self, variant: str) -> str:
+        if variant == TORCH:
+            return "torch DDP, every rank"
+        if variant == ADAPTIVE:
+            return "ddp_ext + AdaptivePrecision, every rank"
+        a = self.diloco_arguments(variant)
+        return f"DiLoCo H={a['sync_every']} F={a['fragments']} tau={a['delay']}, {a['bits']} bits"
+
+
+class Trainer:
+    """One variant's model, optimizers and step."""
+
+    def __init__(self, variant: str, settings: TrainSettings, seed: int):
+        if variant not in VARIANTS:
+            raise ValueError(f"no variant {variant!r}; the variants are {', '.join(VARIANTS)}")
+        torch.manual_seed(seed)
+        module = CharTransformer(settings.shape)
+        self.variant, self.outer, self.adaptive = variant, None, None
+        if variant == TORCH:
+            self.ddp = TorchDDP(module)
+        elif variant == ADAPTIVE:
+            self.ddp = ddp_ext.DistributedDataParallel(module, hierarchical_allreduce=False)
+            self.adaptive = ddp_ext.AdaptivePrecision()
+            self.ddp.register_comm_hook(self.adaptive, ddp_ext.adaptive_precision_hook)
+        else:
+            groups = ddp_ext.diloco.host_groups()
+            self.ddp = ddp_ext.DistributedDataParallel(module, process_group=groups.inner)
+        self.optimizer = torch.optim.AdamW(self.ddp.parameters(), lr=settings.lr)
+        if variant in OUTER_VARIANTS:
+            self.outer = ddp_ext.DiLoCo(self.ddp, self.optimizer, outer_group=groups.outer,
+                                        **settings.diloco_arguments(variant))
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        value = loss(self.ddp(inputs), targets)
+        self.optimizer.zero_grad()
+        value.backward()
+        self.optimizer.step()
+        if self.outer is not None:
+            self.outer.step()
+        return value.item()
+
+    def agreed_parameters(self) -> List[torch.Tensor]:
+        """Copies of the parameters every host agrees on, in the model's order."""
+        if self.outer is not None:
+            return [p.detach().clone() for p in self.outer.global_parameters()]
+        return [p.detach().clone() for p in self.ddp.module.parameters()]
+
+    @property
+    def outer_bytes_sent(self) -> int:
+        """Bytes this rank's DiLoCo put on the wire across hosts (0 for the DDPs)."""
+        return self.outer.bytes_sent if self.outer is not None else 0
+
+    def adaptive_formats(self) -> list:
+        return list(self.adaptive.formats) if self.adaptive is not None else []
+
+
+def parameter_count(shape: CharModelShape) -> int:
+    return sum(p.numel() for p in CharTransformer(shape).parameters())
