@@ -39,6 +39,7 @@ SOURCES = [
     "reducer/core/late_gradients.cpp",
     "reducer/core/reducer.cpp",
     "reducer/core/state_lock.cpp",
+    "reducer/core/write_back.cpp",
     "reducer/finish/step_and_defer_tail.cpp",
     "reducer/finish/step_per_bucket.cpp",
     "reducer/finish/write_back_all.cpp",
