@@ -101,8 +101,8 @@ def train_until_fault(rank: int, world_size: int, job: FaultJob) -> dict:
     iteration = {"now": -1}
     after_step = _arm(job, model, iteration) if rank == job.victim else (lambda: None)
     generator = torch.Generator().manual_seed(rank)
-    counts_buckets = hasattr(ddp, "bucket_indices")
-    buckets = None  # after each step: the first rebuild lays out torch's first bucket again
+    # Read when reporting, not at construction: the first rebuild lays torch's first bucket out again.
+    buckets = (lambda: len(ddp.bucket_indices())) if hasattr(ddp, "bucket_indices") else (lambda: None)
     phase = "forward"
     try:
         for i in range(ITERATIONS):
@@ -114,7 +114,6 @@ def train_until_fault(rank: int, world_size: int, job: FaultJob) -> dict:
             phase = "step"
             optimizer.step()
             optimizer.zero_grad()
-            buckets = len(ddp.bucket_indices()) if counts_buckets else None
             after_step()
     except InjectedFault:
         raise
@@ -128,9 +127,9 @@ def train_until_fault(rank: int, world_size: int, job: FaultJob) -> dict:
             "error": (text.splitlines()[0] if text else "")[:ERROR_TEXT_CHARS],
             "phase": phase,
             "iteration": iteration["now"],
-            "buckets": buckets,
+            "buckets": buckets(),
         }
-    return {"raised": False, "phase": "finished", "iteration": iteration["now"], "buckets": buckets}
+    return {"raised": False, "phase": "finished", "iteration": iteration["now"], "buckets": buckets()}
 
 
 @dataclasses.dataclass
