@@ -82,6 +82,8 @@ class DelayedAllReduce:
         if self._late and not self._warned:
             self._warned = True
             late, self._late = self._late, []
+            for handle in self._arrival_handles:  # warned once: no more to watch
+                handle.remove()
             warnings.warn(
                 f"DistributedDataParallel on rank {dist.get_rank()}: the gradients of {', '.join(late)} "
                 "(delay_all_reduce_named_params) were accumulated after the delayed allreduce had started, "
