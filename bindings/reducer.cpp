@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "bindings/bindings.h"
+#include "comm_hooks/comm_hook.h"
 #include "reducer/core/reducer.h"
 
 namespace ddp_ext::bindings {
@@ -248,7 +249,12 @@ void bind_layout(ReducerClass& cls) {
 // (Note [Ranks out of step]).
 void bind_hooks_and_join(ReducerClass& cls) {
   cls
-      .def("_register_comm_hook", &Reducer::register_comm_hook, py::arg("hook"), NoGil())
+      .def(
+          "_register_comm_hook",
+          [](Reducer& r, std::shared_ptr<ddp_ext::comm_hooks::CommHook> hook) {
+            r.register_comm_hook(std::move(hook));
+          },
+          py::arg("hook"), NoGil())
       .def("_set_comm_hook_fingerprint", &Reducer::set_comm_hook_fingerprint,
            py::arg("fingerprint"), py::arg("confirm"), NoGil())
       .def(

@@ -7,6 +7,8 @@
 #include <memory>
 #include <utility>
 
+#include "reducer/transport/bucket_hook.h"
+
 namespace ddp_ext::comm_hooks {
 
 // Note [Communication hooks]
@@ -30,10 +32,13 @@ namespace ddp_ext::comm_hooks {
 // ddp_ext/_comm_hooks.py is the one place that builds them from what the
 // user registers.
 //
-// The default reduction (no hook registered) is not a CommHook: the reducer
-// scales gradients while copying them into the bucket (Note [Gradient
-// averaging] in reducer/core/averaging.h), reduces sparse buckets, and waits on
-// the process group's Work, so it runs inline in Reducer::launch.
+// The default reduction (no hook registered) is not a CommHook but the
+// reducer's Allreduce transport: it scales gradients while copying them
+// into the bucket (Note [Gradient averaging] in reducer/core/averaging.h) and
+// reduces sparse buckets too. A CommHook runs through the HookTransport
+// (Note [Bucket transports] in reducer/transport/bucket_transport.h), which
+// knows hooks only as reducer::BucketHook: the reducer includes nothing
+// from comm_hooks/.
 //
 // A hook that keeps state per bucket index (error feedback held by bucket,
 // as PowerSGD does) would see that state handed to other parameters if the
@@ -42,10 +47,7 @@ namespace ddp_ext::comm_hooks {
 // the first rebuild (Note [Gradient order prediction] in
 // reducer/layout/gradient_order.h) and the wrapper's bucket tuner (Note
 // [Auto-tuned bucket caps] in ddp_ext/_auto_buckets.py).
-class CommHook : public c10d::CommHookInterface {
- public:
-  virtual bool keeps_per_bucket_state() const = 0;
-};
+class CommHook : public reducer::BucketHook {};
 
 // A hook written against torch's interface only, such as a Python hook run
 // through c10d::PythonCommHook. What it keeps is unknown, so it is taken to

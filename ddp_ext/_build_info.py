@@ -55,6 +55,10 @@ SOURCES = [
     "reducer/participation/layer_drop.cpp",
     "reducer/participation/static_graph.cpp",
     "reducer/participation/usage.cpp",
+    "reducer/transport/allreduce.cpp",
+    "reducer/transport/bucket_transport.cpp",
+    "reducer/transport/carrier_with_step_check.cpp",
+    "reducer/transport/hook_transport.cpp",
 ]
 
 # The pybind11 bindings (module.cpp, the entry point, first), compiled as one

@@ -7,6 +7,8 @@
 #include <string>
 
 #include "reducer/core/reducer.h"
+#include "reducer/transport/allreduce.h"
+#include "reducer/transport/carrier_with_step_check.h"
 
 namespace ddp_ext::reducer {
 
@@ -16,6 +18,11 @@ void Reducer::reset_step_check() {
     step_check_.emplace(
         process_group_->getRank(), process_group_->getSize(),
         params_.front().device());
+  }
+  if (!transport_->runs_hook()) { // See Note [Bucket transports].
+    transport_ = step_check_ ? std::shared_ptr<BucketTransport>(
+                                   std::make_shared<CarrierWithStepCheck>(*step_check_))
+                             : std::make_shared<Allreduce>();
   }
 }
 
@@ -31,10 +38,8 @@ void Reducer::raise_if_out_of_step() {
       // See Note [The step check on bucket 0]: it arrives with bucket 0.
       Bucket& first = layout_.buckets().front();
       TORCH_INTERNAL_ASSERT(first.work, "the step check rides on bucket 0, which was not launched");
-      stall_.wait(*first.work, "bucket", 0);
-      timeline_.awaited(0);
-      first.work.reset();
-      message = step_check_->read_ridden(first.flat);
+      transport_->finish(0, first, transport_context()); // unpacks bucket 0
+      message = step_check_->read_ridden();
     } else {
       message = step_check_->wait(&stall_);
     }
@@ -59,7 +64,7 @@ bool Reducer::needs_own_step_check() const {
   // same on every rank.
   return options_.buffers_broadcast || drops_layers_ ||
       options_.skip_all_reduce_unused_params || averaging_.under_join() ||
-      (comm_hook_ != nullptr && !hook_unconfirmed_);
+      (transport_->runs_hook() && !hook_unconfirmed_);
 }
 
 void Reducer::check_step_before_forward_collectives() {

@@ -151,15 +151,19 @@ const at::Tensor& StepCheck::carry(const at::Tensor& flat) {
   return carrier_;
 }
 
-std::string StepCheck::read_ridden(const at::Tensor& flat) {
+void StepCheck::unpack(const at::Tensor& flat) const {
   TORCH_INTERNAL_ASSERT(riding(), "no step check rides on bucket 0");
-  flight_ = Idle{};
   const ChunkedCarrier& layout = *carried_;
   for (int64_t c = 0; c < layout.chunks; ++c) {
     if (const int64_t n = layout.bucket_length(c); n > 0) {
       copy_elements(flat, c * layout.chunk, carrier_, c * layout.padded, n);
     }
   }
+}
+
+std::string StepCheck::read_ridden() {
+  TORCH_INTERNAL_ASSERT(riding(), "no step check rides on bucket 0");
+  flight_ = Idle{};
   return read(/*from_tail=*/true);
 }
 

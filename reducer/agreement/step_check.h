@@ -201,9 +201,10 @@ class StepCheck {
   // Bucket 0's `flat` and the tail, in one buffer laid out as Note [Gloo's
   // ring chunks] says, to allreduce while riding().
   const at::Tensor& carry(const at::Tensor& flat);
-  // After that allreduce completed: copies bucket 0's part back into `flat`
-  // and reads the check, as wait() does.
-  std::string read_ridden(const at::Tensor& flat);
+  // After that allreduce completed: copies bucket 0's part back into `flat`.
+  void unpack(const at::Tensor& flat) const;
+  // Then reads the check, as wait() does.
+  std::string read_ridden();
   // A check shaped like the carrier of a bucket 0 of `flat`'s dtype and size:
   // for a backward that has no bucket 0 to ride on (a communication hook
   // registered after the first forward), and for forwards.

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "reducer/core/reducer.h"
+#include "reducer/transport/allreduce.h"
 
 namespace ddp_ext::reducer {
 
@@ -60,7 +61,7 @@ class Reducer::BucketsOfBackward final : public ReducedBuckets, public DeferredF
   }
   void step(const BucketStep& step, size_t bucket) override {
     const std::vector<size_t> indices = reducer_.layout_.buckets()[bucket].param_indices;
-    WithoutLock window(reducer_, "the optimizer step of a reduced bucket");
+    UnlockedWindow window(reducer_.lock_windows_, "the optimizer step of a reduced bucket");
     step(indices);
   }
   void collectives_done() override {
@@ -69,7 +70,7 @@ class Reducer::BucketsOfBackward final : public ReducedBuckets, public DeferredF
 
   void finish(DeferredBucket& bucket, const BackwardUsage& usage) override {
     if (bucket.work) {
-      reducer_.wait_for_work(*bucket.work, bucket.index);
+      await_work(*bucket.work, bucket.index, reducer_.transport_context());
     }
     reducer_.write_back_views(bucket.views, bucket.param_indices, usage, /*as_view=*/false);
   }

@@ -74,7 +74,7 @@ void Reducer::set_forward_tail(double fraction) {
 }
 
 bool Reducer::may_hold_buckets() const {
-  return comm_hook_ == nullptr && !gradients_stay_local_ && options_.overlap_with_backward &&
+  return !transport_->runs_hook() && !gradients_stay_local_ && options_.overlap_with_backward &&
       !static_graph_.learning();
 }
 

@@ -14,6 +14,9 @@
 #include "reducer/core/gradient_copy.h"
 #include "reducer/agreement/step_check.h"
 #include "reducer/participation/usage.h"
+#include "reducer/transport/allreduce.h"
+#include "reducer/transport/carrier_with_step_check.h"
+#include "reducer/transport/hook_transport.h"
 
 namespace ddp_ext::reducer {
 
@@ -43,30 +46,6 @@ std::vector<at::Tensor> checked_params(
       names.size() == params.size(), "Reducer got ", params.size(),
       " parameters but ", names.size(), " names");
   return params;
-}
-
-// See Note [A world of one rank].
-bool torch_backend(const c10d::ProcessGroup& group) {
-  using Type = c10d::ProcessGroup::BackendType;
-  switch (group.getBackendType()) {
-    case Type::GLOO:
-    case Type::NCCL:
-    case Type::UCC:
-    case Type::MPI:
-    case Type::XCCL:
-      return true;
-    default:
-      return false;
-  }
-}
-
-// The Work's future, or null if it has none (c10d's default getFuture raises).
-c10::intrusive_ptr<c10::ivalue::Future> future_of(c10d::Work& work) {
-  try {
-    return work.getFuture();
-  } catch (const c10::Error&) {
-    return nullptr;
-  }
 }
 
 bool any_droppable(const std::vector<int64_t>& units) {
@@ -101,6 +80,7 @@ Reducer::Reducer(
       process_group_(std::move(process_group)),
       options_(options),
       gradients_stay_local_(false),
+      transport_(std::make_shared<Allreduce>()),
       layout_(params_, param_names_, sparse_gradients_, options_),
       averaging_(process_group_ ? process_group_->getSize() : 1),
       static_graph_(params_.size(), any_droppable(options_.layer_units)),
@@ -188,18 +168,18 @@ void Reducer::set_static_graph() {
   layout_.order().set_first_rebuild(true, /*skipped_backwards=*/1); // the learning one
 }
 
-void Reducer::register_comm_hook(std::shared_ptr<comm_hooks::CommHook> hook) {
+void Reducer::register_comm_hook(std::shared_ptr<BucketHook> hook) {
   const auto lock = lock_state(Access::kChange);
   TORCH_CHECK(hook, "register_comm_hook needs a hook");
-  TORCH_CHECK(comm_hook_ == nullptr,
+  TORCH_CHECK(!transport_->runs_hook(),
               "register_comm_hook or register_builtin_comm_hook can only be called once.");
   TORCH_CHECK(
       phase_ != Phase::kReducing,
       "a communication hook cannot be registered while gradients are being "
       "reduced; register it between iterations");
-  comm_hook_ = std::move(hook); // sparse buckets too: see Note [Sparse gradients]
+  transport_ = std::make_shared<HookTransport>(std::move(hook)); // sparse buckets too
   gradients_stay_local_ = stays_local();
-  if (comm_hook_->keeps_per_bucket_state()) {
+  if (transport_->keeps_per_bucket_state()) {
     layout_.order().allow_continuous(false);
   }
 }
@@ -208,7 +188,7 @@ bool Reducer::stays_local() const {
   // See Note [A world of one rank].
   return process_group_->getSize() == 1 && torch_backend(*process_group_) &&
       !options_.gradient_as_bucket_view &&
-      !options_.reduce_dtype && comm_hook_ == nullptr;
+      !options_.reduce_dtype && !transport_->runs_hook();
 }
 
 bool Reducer::learning_static_graph() const {
@@ -286,10 +266,10 @@ void Reducer::prepare_for_backward(
   enter(phase_, Phase::kExpectingGradients);
   ++iterations_;
   observers_.notify(&ReducerObserver::on_backward_armed);
-  wait_for_launched_buckets(); // left over from an unfinished iteration
   if (step_check_) {
-    step_check_->drop();
+    step_check_->drop(); // before the wait: a bucket 0 that carried it is not unpacked
   }
+  wait_for_launched_buckets(); // left over from an unfinished iteration
   layout_.forget_vote();
   layout_.order().begin_iteration();
   std::fill(ready_.begin(), ready_.end(), false);
@@ -361,7 +341,7 @@ void Reducer::start_reducing() {
     if (!rides_on_bucket0(layout_.buckets().front(), *process_group_, needs_own_step_check())) {
       step_check_->launch_backward(*process_group_, entry);
       observers_.notify(&ReducerObserver::on_step_check_launched);
-    } else if (comm_hook_ == nullptr) {
+    } else if (!transport_->runs_hook()) {
       // See Note [The step check on bucket 0]: launched with bucket 0.
       step_check_->ride_on_bucket0(entry, layout_.buckets().front().flat.scalar_type());
     } else {
@@ -446,7 +426,7 @@ void Reducer::mark_ready(size_t index, bool arrived) {
   if (!bucket.dropped) { // See Note [Layer dropping]: it does not travel.
     note_fill_stream(bucket.filled_on, params_[index].device());
     if (!options_.batched_grad_copy) {
-      copy_into_bucket(index, /*scale=*/comm_hook_ == nullptr);
+      copy_into_bucket(index, /*scale=*/transport_->averages_while_copying());
     }
   }
   if (--bucket.pending == 0) {
@@ -499,13 +479,6 @@ void Reducer::launch_ready_buckets() {
   queue_at_end_of_backward(&Reducer::finalize_backward);
 }
 
-c10d::GradBucket Reducer::grad_bucket(size_t bucket_index, at::Tensor buffer) const {
-  const Bucket& bucket = layout_.buckets()[bucket_index];
-  return c10d::GradBucket(
-      bucket_index, layout_.buckets().size(), std::move(buffer), bucket.offsets,
-      bucket.lengths, bucket.sizes, bucket.params, std::nullopt);
-}
-
 void Reducer::launch(size_t bucket_index) {
   observers_.notify(&ReducerObserver::on_bucket_launch, bucket_index);
   if (gradients_stay_local_) {
@@ -523,11 +496,12 @@ void Reducer::launch(size_t bucket_index) {
   TimelineRange range(timeline_, TimelineEvent::kBucketLaunch, bucket_index);
   // See Note [CUDA streams]: after every stream that filled the bucket.
   note_fill_stream(bucket.filled_on, bucket.params.front().device());
+  const bool averages = transport_->averages_while_copying();
   if (options_.batched_grad_copy) {
     for (size_t index : bucket.param_indices) {
-      copy_into_bucket(index, /*scale=*/bucket.sparse && comm_hook_ == nullptr);
+      copy_into_bucket(index, /*scale=*/bucket.sparse && averages);
     }
-    if (comm_hook_ == nullptr && !bucket.sparse) {
+    if (averages && !bucket.sparse) {
       at::NoGradGuard no_grad;
       bucket.flat.mul_(averaging_.factor());
     }
@@ -538,52 +512,26 @@ void Reducer::launch(size_t bucket_index) {
           [this](size_t index) { return usage_.unused_locally(index); })) {
     return; // Unused on every rank too, by the option's contract.
   }
-  if (comm_hook_ != nullptr) {
-    // See Note [Sparse gradients]: a sparse bucket's buffer is its gradient.
-    const at::Tensor& buffer = bucket.sparse ? bucket.sparse_grad : bucket.flat;
-    c10d::GradBucket handed = grad_bucket(bucket_index, buffer);
-    c10::intrusive_ptr<c10::ivalue::Future> future;
-    {
-      TimelineRange hook_range(timeline_, TimelineEvent::kCommHook, bucket_index);
-      // See Note [Windows without the lock]: the hook may read the wrapper,
-      // and a later bucket waits until this one has been launched.
-      WithoutLock window(*this, "its communication hook");
-      future = comm_hook_->runHook(handed);
-    }
-    bucket.future = std::move(future);
-    if (timeline_.on() && bucket.future) {
-      range.set_value(buffer.is_sparse() ? buffer._values().nbytes() : buffer.nbytes());
-      timeline_.on_completion(bucket.future, bucket_index);
-    }
-    return;
-  }
-  std::vector<at::Tensor> tensors{bucket.sparse ? bucket.sparse_grad : bucket.flat};
-  if (bucket_index == 0 && step_check_ && step_check_->riding()) {
-    // See Note [The step check on bucket 0]: the check leaves now.
-    std::vector<at::Tensor> carried{step_check_->carry(bucket.flat)};
-    observers_.notify(&ReducerObserver::on_step_check_launched);
-    bucket.work = process_group_->allreduce(carried);
-  } else {
-    bucket.work = process_group_->allreduce(tensors);
-  }
-  if (timeline_.on()) {
-    range.set_value(tensors.front().is_sparse()
-        ? tensors.front()._values().nbytes() : tensors.front().nbytes());
-    timeline_.on_completion(*bucket.work, bucket_index);
-  }
+  transport_->launch(
+      bucket_index, layout_.buckets().size(), bucket, transport_context(), range);
+}
+
+TransportContext Reducer::transport_context() {
+  return TransportContext{
+      *process_group_, timeline_, stall_, observers_, lock_windows_, param_names_};
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> Reducer::run_comm_hook(
     c10d::GradBucket& bucket) {
-  std::shared_ptr<comm_hooks::CommHook> hook;
+  std::shared_ptr<BucketTransport> transport;
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
   {
     const auto lock = lock_state(Access::kRead);
-    hook = comm_hook_;
+    transport = transport_;
+    group = process_group_;
   }
-  if (hook != nullptr) {
-    return hook->runHook(bucket); // without the lock: Note [Windows without the lock]
-  }
-  return run_allreduce(bucket);
+  // Without the lock: Note [Windows without the lock].
+  return transport->reduce_for_joined(bucket, *group);
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> Reducer::run_allreduce(
@@ -604,7 +552,7 @@ std::vector<c10d::GradBucket> Reducer::zeros_like_grad_buckets() const {
     at::Tensor zeros = bucket.sparse
         ? empty_sparse_like(param)
         : at::zeros_like(bucket.flat);
-    result.push_back(grad_bucket(b, std::move(zeros)));
+    result.push_back(grad_bucket_of(bucket, b, buckets.size(), std::move(zeros)));
   }
   return result;
 }
@@ -626,64 +574,8 @@ void Reducer::wait_for_launched_buckets() {
   }
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> Reducer::wait_for_work(c10d::Work& work, size_t b) {
-  // Over a group not built into torch (one written in Python), as torch's
-  // reducer: through the Work's future, all such a Work must provide. Over
-  // torch's own, and for a Work without a future, the Work itself (the
-  // process group's timeout applies).
-  const auto done = torch_backend(*process_group_) ? nullptr : future_of(work);
-  if (done) {
-    stall_.wait(*done, "bucket", static_cast<int64_t>(b));
-  } else {
-    stall_.wait(work, "bucket", static_cast<int64_t>(b));
-  }
-  timeline_.awaited(b);
-  return done;
-}
-
 void Reducer::wait_for_bucket(size_t b) {
-  Bucket& bucket = layout_.buckets()[b];
-  if (bucket.work) {
-    const auto done = wait_for_work(*bucket.work, b);
-    if (bucket.sparse) {
-      bucket.sparse_grad = done ? done->value().toTensorVector().front()
-                                : bucket.work->result().front();
-    }
-    bucket.work.reset();
-  }
-  if (bucket.future) {
-    // See Note [Communication hooks] in comm_hooks/comm_hook.h. The
-    // future's value may be a Python object: read and released without
-    // the lock (Note [Windows without the lock]).
-    auto future = std::move(bucket.future);
-    bucket.future.reset();
-    at::Tensor reduced;
-    {
-      WithoutLock window(*this, "a wait for its communication hook's future");
-      stall_.wait(*future, "bucket", static_cast<int64_t>(b));
-      reduced = comm_hook_->parseHookResult(future->value());
-      future.reset();
-    }
-    if (bucket.sparse) {
-      // See Note [Sparse gradients]: the hook's result becomes the .grad.
-      TORCH_CHECK(
-          reduced.is_sparse() && reduced.sizes() == bucket.params.front().sizes(),
-          "the communication hook's future for bucket ", b, " holds a ",
-          reduced.is_sparse() ? "sparse" : "dense", " tensor of shape ",
-          reduced.sizes(), ", but the bucket holds the sparse gradient of ",
-          param_names_[bucket.param_indices.front()], " (shape ",
-          bucket.params.front().sizes(), "): return the reduced bucket.buffer()");
-      bucket.sparse_grad = reduced;
-    } else if (!reduced.is_same(bucket.flat)) {
-      TORCH_CHECK(
-          reduced.numel() == bucket.flat.numel(),
-          "the communication hook's future for bucket ", b, " holds ",
-          reduced.numel(), " elements, but the bucket has ",
-          bucket.flat.numel(), ": return the reduced bucket.buffer()");
-      at::NoGradGuard no_grad;
-      bucket.flat.copy_(reduced.reshape({-1}));
-    }
-  }
+  transport_->finish(b, layout_.buckets()[b], transport_context());
 }
 
 void Reducer::finalize_backward() {

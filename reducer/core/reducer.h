@@ -19,7 +19,6 @@
 #include <utility>
 #include <vector>
 
-#include "comm_hooks/comm_hook.h"
 #include "reducer/core/accumulator_hooks.h"
 #include "reducer/core/averaging.h"
 #include "reducer/core/late_gradients.h"
@@ -37,6 +36,8 @@
 #include "reducer/agreement/step_check.h"
 #include "reducer/observation/timeline.h"
 #include "reducer/participation/usage.h"
+#include "reducer/transport/bucket_hook.h"
+#include "reducer/transport/bucket_transport.h"
 
 namespace ddp_ext::reducer {
 
@@ -158,11 +159,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // and never with droppable layers (Note [Static graph]).
   void set_static_graph();
 
-  // Replaces the default bucket allreduce. Once only, and not in the middle
-  // of an iteration. See Note [Communication hooks] in
-  // comm_hooks/comm_hook.h, which says what a hook that keeps state per
-  // bucket stops.
-  void register_comm_hook(std::shared_ptr<comm_hooks::CommHook> hook);
+  // Replaces the default bucket allreduce with `hook` (a HookTransport: Note
+  // [Bucket transports]). Once only, and not in the middle of an iteration.
+  void register_comm_hook(std::shared_ptr<BucketHook> hook);
 
   // Reduces `bucket` as a bucket of this reducer would be: through the
   // registered hook, or else a summing allreduce. For ranks that shadow
@@ -320,8 +319,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
       const BackwardUsage& usage, bool as_view);
   void wait_for_launched_buckets();
   void wait_for_bucket(size_t bucket_index);
-  // Waits for `work`; returns the future it waited through (null: the Work itself).
-  c10::intrusive_ptr<c10::ivalue::Future> wait_for_work(c10d::Work& work, size_t bucket_index);
+  // What a transport is lent for one call; see Note [Bucket transports].
+  TransportContext transport_context();
   // See Note [The next forward's buckets first]: whether this backward may
   // hold buckets, and the refusal to start what would reuse their memory.
   bool may_hold_buckets() const;
@@ -337,7 +336,6 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void abandon_iteration();
   void raise_if_out_of_step();
   bool stays_local() const;
-  c10d::GradBucket grad_bucket(size_t bucket_index, at::Tensor buffer) const;
   std::string unfinished_reduction_message() const;
   // Leaves the unfinished iteration (kReducing) and raises why.
   [[noreturn]] void raise_unfinished_reduction();
@@ -361,9 +359,23 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // lets its lock go: around a communication hook, every wait for a
   // collective or a hook's future, and the hang handler. `what` (a string
   // literal) names it in the error a change from inside it raises.
-  class WithoutLock;
   void open_window(const char* what);
   void close_window();
+  // The same, as an UnlockedWindow opens them.
+  class Windows final : public LockWindows {
+   public:
+    explicit Windows(Reducer& reducer) : reducer_(reducer) {}
+    void open(const char* what) override {
+      reducer_.open_window(what);
+    }
+    void close() override {
+      reducer_.close_window();
+    }
+
+   private:
+    Reducer& reducer_;
+  };
+  Windows lock_windows_{*this};
 
   const std::vector<at::Tensor> params_;
   const std::vector<std::string> param_names_;
@@ -372,8 +384,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   ReducerOptions options_; // overlap_with_backward changes
   // See Note [A world of one rank].
   bool gradients_stay_local_;
-  // See Note [Communication hooks]; null: the default averaging allreduce.
-  std::shared_ptr<comm_hooks::CommHook> comm_hook_;
+  // See Note [Bucket transports]: Allreduce, CarrierWithStepCheck or
+  // HookTransport; never null. Shared with a joined rank's shadowing, which
+  // runs it without the lock.
+  std::shared_ptr<BucketTransport> transport_;
 
   // Calls on_gradient_ready; see Note [Reducer lifetime].
   AccumulatorHooks hooks_;
@@ -435,23 +449,6 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   // See Note [Reducer observers]: timings_, timeline_ and late_.
   ReducerObservers observers_;
-};
-
-// A window without the reducer's lock for as long as it lives (also when
-// what runs in it raises). See Note [Windows without the lock].
-class Reducer::WithoutLock {
- public:
-  WithoutLock(Reducer& reducer, const char* what) : reducer_(reducer) {
-    reducer_.open_window(what);
-  }
-  ~WithoutLock() {
-    reducer_.close_window();
-  }
-  WithoutLock(const WithoutLock&) = delete;
-  WithoutLock& operator=(const WithoutLock&) = delete;
-
- private:
-  Reducer& reducer_;
 };
 
 } // namespace ddp_ext::reducer

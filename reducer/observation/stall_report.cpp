@@ -25,7 +25,7 @@ void Reducer::set_stall_handler(
   // the lock]), so the report reads a state that holds still.
   stall_.configure(timeout_ms, [this, handler = std::move(handler)](const StallEvent& event) {
     const StallReport report = stall_report(event);
-    WithoutLock window(*this, "its own hang report (a warning hook or filter)");
+    UnlockedWindow window(lock_windows_, "its own hang report (a warning hook or filter)");
     handler(report);
   });
 }
