@@ -34,7 +34,7 @@ namespace ddp_ext::comm_hooks {
 //
 // The default reduction (no hook registered) is not a CommHook but the
 // reducer's Allreduce transport: it scales gradients while copying them
-// into the bucket (Note [Gradient averaging] in reducer/core/averaging.h) and
+// into the bucket (Note [Gradient averaging] in reducer/base/averaging.h) and
 // reduces sparse buckets too. A CommHook runs through the HookTransport
 // (Note [Bucket transports] in reducer/transport/bucket_transport.h), which
 // knows hooks only as reducer::BucketHook: the reducer includes nothing

@@ -35,7 +35,7 @@ same order, every collective those ranks' forward and backward issue:
 
 When every rank has joined, `post_hook` broadcasts the final model from the
 last rank to join. See Note [Join and the divide factor] in
-reducer/core/averaging.h for how the ranks with data average.
+reducer/base/averaging.h for how the ranks with data average.
 """
 
 import torch

@@ -7,7 +7,7 @@
 #include <utility>
 #include <vector>
 
-#include "reducer/core/cuda_streams.h"
+#include "reducer/base/cuda_streams.h"
 
 namespace ddp_ext::reducer {
 

@@ -7,10 +7,10 @@
 #include <algorithm>
 #include <utility>
 
-#include "reducer/core/averaging.h"
+#include "reducer/base/averaging.h"
 #include "reducer/core/buckets_of_backward.h"
-#include "reducer/core/cuda_streams.h"
-#include "reducer/core/errors.h"
+#include "reducer/base/cuda_streams.h"
+#include "reducer/base/errors.h"
 #include "reducer/core/gradient_copy.h"
 #include "reducer/agreement/step_check.h"
 #include "reducer/participation/usage.h"

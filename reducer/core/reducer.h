@@ -19,15 +19,15 @@
 #include <utility>
 #include <vector>
 
-#include "reducer/core/accumulator_hooks.h"
-#include "reducer/core/averaging.h"
+#include "reducer/base/accumulator_hooks.h"
+#include "reducer/base/averaging.h"
 #include "reducer/core/late_gradients.h"
 #include "reducer/layout/bucket.h"
 #include "reducer/layout/bucket_layout.h"
 #include "reducer/layout/gradient_order.h"
 #include "reducer/participation/backward_usage.h"
 #include "reducer/participation/layer_drop.h"
-#include "reducer/core/reducer_options.h"
+#include "reducer/base/reducer_options.h"
 #include "reducer/finish/end_of_backward.h"
 #include "reducer/observation/observer.h"
 #include "reducer/observation/step_timings.h"
@@ -345,7 +345,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void arm_buckets();
   // See Note [Hang attribution]: this rank's side of a StallEvent, and the
   // check, at the end of a backward, that every bucket was launched
-  // (reducer/observation/stall_report.cpp).
+  // (reducer/core/stall_report.cpp).
   StallReport stall_report(const StallEvent& event) const;
   void watch_backward_end();
   void check_backward_ended();

@@ -13,7 +13,7 @@
 #include "reducer/layout/bucket.h"
 #include "reducer/layout/bucket_memory.h"
 #include "reducer/layout/gradient_order.h"
-#include "reducer/core/reducer_options.h"
+#include "reducer/base/reducer_options.h"
 #include "reducer/observation/timeline.h"
 
 namespace ddp_ext::reducer {

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "reducer/base/bucket_rebuild.h"
 #include "reducer/layout/bucket_assignment.h"
 
 namespace ddp_ext::reducer {
@@ -96,12 +97,6 @@ namespace ddp_ext::reducer {
 // gradient's sum is the same bits in any bucket; with more, where it lies in
 // a bucket may change the order a collective adds the ranks' values, and so
 // the rounding, as any bucket cap does, never the equality of the ranks.
-
-enum class BucketRebuild {
-  kNever, // keep the construction layout
-  kOnce, // torch's DDP: rebuild once, at the second forward
-  kContinuous, // once, then whenever the order persistently costs overlap
-};
 
 struct RebuildPolicy {
   int patience = 3; // consecutive iterations a candidate must gain

@@ -6,7 +6,7 @@
 #include <unordered_set>
 #include <utility>
 
-#include "reducer/core/cuda_streams.h"
+#include "reducer/base/cuda_streams.h"
 
 namespace ddp_ext::reducer {
 

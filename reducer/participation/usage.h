@@ -12,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-#include "reducer/core/accumulator_ptr.h"
+#include "reducer/base/accumulator_ptr.h"
 #include "reducer/observation/stall_watch.h"
 
 namespace ddp_ext::reducer {

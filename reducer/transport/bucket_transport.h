@@ -25,7 +25,7 @@ namespace ddp_ext::reducer {
 //   Allreduce             the default: an averaging allreduce of the bucket
 //                         (dense, or a sparse bucket's gradient). Gradients
 //                         are scaled by 1/world_size as they are copied in
-//                         (Note [Gradient averaging] in reducer/core/averaging.h).
+//                         (Note [Gradient averaging] in reducer/base/averaging.h).
 //   CarrierWithStepCheck  Allreduce, where bucket 0 may carry the step check
 //                         (Note [The step check on bucket 0] in
 //                         reducer/agreement/step_check.h): chosen wherever a

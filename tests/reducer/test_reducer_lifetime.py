@@ -1,7 +1,7 @@
 """Freeing the wrapper from inside its own backward pass (a hook that drops
 the last reference) must end that backward with a clear error on every rank,
 never a crash: the callbacks the reducer queues on the autograd engine must
-not outlive it. See Note [Reducer lifetime] in reducer/core/accumulator_hooks.h."""
+not outlive it. See Note [Reducer lifetime] in reducer/base/accumulator_hooks.h."""
 
 import gc
 

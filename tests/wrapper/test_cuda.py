@@ -1,6 +1,6 @@
 """ddp_ext's DDP on a GPU: parity with local training and with torch's DDP for
 CUDA tensors, over NCCL and over Gloo, and the stream handling of Note [CUDA
-streams] (reducer/core/cuda_streams.h).
+streams] (reducer/base/cuda_streams.h).
 
 Without a CUDA device the whole module is skipped, with the reason printed
 under `pytest -rs`. NCCL cases need NCCL in the torch build and a GPU per

@@ -51,7 +51,7 @@ def test_matches_torch_ddp(c, world_size):
         if world_size == 2:
             # Two addends sum the same in any order, and both scale each
             # gradient by 1/world_size before summing (Note [Gradient
-            # averaging] in reducer/core/averaging.h): the results are bitwise equal.
+            # averaging] in reducer/base/averaging.h): the results are bitwise equal.
             differ = [n for n, t in r["ext"]["params"].items() if not same_bits(t, r["torch"]["params"][n])]
             assert not differ, f"{what}: not bitwise equal at world size 2: {differ}"
 

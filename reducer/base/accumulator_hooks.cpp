@@ -1,4 +1,4 @@
-#include "reducer/core/accumulator_hooks.h"
+#include "reducer/base/accumulator_hooks.h"
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/variable.h>

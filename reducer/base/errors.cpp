@@ -1,4 +1,4 @@
-#include "reducer/core/errors.h"
+#include "reducer/base/errors.h"
 
 #include <sstream>
 

@@ -6,7 +6,7 @@
 #include <optional>
 #include <vector>
 
-#include "reducer/layout/gradient_order.h"
+#include "reducer/base/bucket_rebuild.h"
 
 namespace ddp_ext::reducer {
 

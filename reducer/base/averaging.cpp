@@ -1,4 +1,4 @@
-#include "reducer/core/averaging.h"
+#include "reducer/base/averaging.h"
 
 #include <ATen/ATen.h>
 #include <ATen/ScalarOps.h>

@@ -7,7 +7,7 @@
 
 #include <utility>
 
-#include "reducer/core/errors.h"
+#include "reducer/base/errors.h"
 #include "reducer/core/reducer.h"
 
 namespace ddp_ext::reducer {

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "reducer/core/accumulator_ptr.h"
+#include "reducer/base/accumulator_ptr.h"
 
 namespace ddp_ext::reducer {
 
