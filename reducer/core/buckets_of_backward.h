@@ -61,7 +61,7 @@ class Reducer::BucketsOfBackward final : public ReducedBuckets, public DeferredF
   }
   void step(const BucketStep& step, size_t bucket) override {
     const std::vector<size_t> indices = reducer_.layout_.buckets()[bucket].param_indices;
-    UnlockedWindow window(reducer_.lock_windows_, "the optimizer step of a reduced bucket");
+    UnlockedWindow window(reducer_, "the optimizer step of a reduced bucket");
     step(indices);
   }
   void collectives_done() override {

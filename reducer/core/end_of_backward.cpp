@@ -21,11 +21,7 @@ const StepAndDeferTail* as_tail(const EndOfBackward& end) {
 void Reducer::set_bucket_step(BucketStep step) {
   std::unique_ptr<EndOfBackward> previous; // released after the lock: it may hold Python objects
   const auto lock = lock_state(Access::kChange);
-  TORCH_CHECK(
-      phase_ != Phase::kReducing,
-      "DistributedDataParallel on rank ", process_group_->getRank(),
-      " cannot change its bucket step while gradients are being reduced; "
-      "change it between iterations");
+  check_between_iterations("bucket step");
   check_nothing_deferred("a change of its bucket step");
   std::unique_ptr<EndOfBackward> next;
   if (!step) {
@@ -44,11 +40,7 @@ void Reducer::set_forward_tail(double fraction) {
   TORCH_CHECK(
       fraction >= 0 && fraction < 1,
       "the forward tail is a fraction of the gradient bytes in [0, 1), not ", fraction);
-  TORCH_CHECK(
-      phase_ != Phase::kReducing,
-      "DistributedDataParallel on rank ", process_group_->getRank(),
-      " cannot change its forward tail while gradients are being reduced; "
-      "change it between iterations");
+  check_between_iterations("forward tail");
   const BucketStep* step = end_of_backward_->step();
   if (fraction == 0 && (step == nullptr || !as_tail(*end_of_backward_))) {
     return; // no tail to remove

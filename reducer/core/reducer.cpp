@@ -16,7 +16,6 @@
 #include "reducer/participation/usage.h"
 #include "reducer/transport/allreduce.h"
 #include "reducer/transport/carrier_with_step_check.h"
-#include "reducer/transport/hook_transport.h"
 
 namespace ddp_ext::reducer {
 
@@ -53,20 +52,6 @@ bool any_droppable(const std::vector<int64_t>& units) {
 }
 
 } // namespace
-
-const char* phase_name(Phase phase) {
-  switch (phase) {
-    case Phase::kIdle:
-      return "idle";
-    case Phase::kAccumulating:
-      return "accumulating";
-    case Phase::kExpectingGradients:
-      return "expecting gradients";
-    case Phase::kReducing:
-      return "reducing";
-  }
-  return "unknown";
-}
 
 Reducer::Reducer(
     std::vector<at::Tensor> params,
@@ -127,11 +112,6 @@ void Reducer::abandon_iteration() {
   static_graph_.abandon();
 }
 
-int64_t Reducer::training_steps() const {
-  const auto lock = lock_state(Access::kRead);
-  return training_steps_;
-}
-
 void Reducer::enter(Phase from, Phase to) {
   TORCH_INTERNAL_ASSERT(
       phase_ == from, "reducer moving to phase '", phase_name(to),
@@ -140,60 +120,11 @@ void Reducer::enter(Phase from, Phase to) {
   phase_ = to;
 }
 
-Phase Reducer::phase() const {
-  const auto lock = lock_state(Access::kRead);
-  return phase_;
-}
-
-int64_t Reducer::iterations() const {
-  const auto lock = lock_state(Access::kRead);
-  return iterations_;
-}
-
-bool Reducer::unused_parameters_stable() const {
-  const auto lock = lock_state(Access::kRead);
-  return usage_.stable();
-}
-
-void Reducer::set_overlap_with_backward(bool overlap) {
-  const auto lock = lock_state(Access::kChange);
-  TORCH_CHECK(phase_ != Phase::kReducing,
-              "overlap_with_backward cannot change while gradients are being reduced");
-  options_.overlap_with_backward = overlap;
-}
-
-void Reducer::set_static_graph() {
-  const auto lock = lock_state(Access::kChange);
-  static_graph_.enable(iterations_);
-  layout_.order().set_first_rebuild(true, /*skipped_backwards=*/1); // the learning one
-}
-
-void Reducer::register_comm_hook(std::shared_ptr<BucketHook> hook) {
-  const auto lock = lock_state(Access::kChange);
-  TORCH_CHECK(hook, "register_comm_hook needs a hook");
-  TORCH_CHECK(!transport_->runs_hook(),
-              "register_comm_hook or register_builtin_comm_hook can only be called once.");
-  TORCH_CHECK(
-      phase_ != Phase::kReducing,
-      "a communication hook cannot be registered while gradients are being "
-      "reduced; register it between iterations");
-  transport_ = std::make_shared<HookTransport>(std::move(hook)); // sparse buckets too
-  gradients_stay_local_ = stays_local();
-  if (transport_->keeps_per_bucket_state()) {
-    layout_.order().allow_continuous(false);
-  }
-}
-
 bool Reducer::stays_local() const {
   // See Note [A world of one rank].
   return process_group_->getSize() == 1 && torch_backend(*process_group_) &&
       !options_.gradient_as_bucket_view &&
       !options_.reduce_dtype && !transport_->runs_hook();
-}
-
-bool Reducer::learning_static_graph() const {
-  const auto lock = lock_state(Access::kRead);
-  return static_graph_.learning();
 }
 
 bool Reducer::tracks_usage() const {
@@ -219,29 +150,6 @@ void Reducer::prepare_for_forward(bool training_step) {
   if (phase_ == Phase::kReducing) {
     raise_unfinished_reduction();
   }
-}
-
-bool Reducer::rebuild_buckets() {
-  const auto lock = lock_state(Access::kChange);
-  TORCH_CHECK(phase_ != Phase::kReducing, unfinished_reduction_message());
-  if (phase_ == Phase::kIdle && layout_.order().first_rebuild_due()) {
-    // Room for the rebuild's timeline range: a forward drained it.
-    observers_.notify(
-        &ReducerObserver::on_iteration_ahead, params_.size(), layout_.buckets().size());
-  }
-  const auto first = layout_.rebuild_first(*process_group_, timeline_, &stall_);
-  if (first.changed) {
-    next_bucket_ = 0;
-    if (phase_ == Phase::kExpectingGradients) {
-      arm_buckets(); // a forward already armed the old buckets
-    }
-  }
-  return first.done;
-}
-
-void Reducer::shadowed_backward() {
-  const auto lock = lock_state(Access::kChange);
-  layout_.order().shadowed_backward();
 }
 
 void Reducer::check_finalized() const {
@@ -291,15 +199,6 @@ void Reducer::prepare_for_backward(
   usage_.set_unused(std::move(unused), /*compare=*/iterations_ > 1);
 }
 
-void Reducer::arm_buckets() {
-  for (auto& bucket : layout_.buckets()) {
-    bucket.pending = bucket.param_indices.size();
-    bucket.dropped = drop_plan_.drops_all(bucket.param_indices);
-    bucket.filled_on.reset();
-  }
-  end_of_backward_->arm(layout_.buckets(), may_hold_buckets());
-}
-
 void Reducer::prepare_for_local_backward() {
   const auto lock = lock_state(Access::kChange);
   TORCH_INTERNAL_ASSERT(phase_ != Phase::kReducing,
@@ -312,12 +211,6 @@ void Reducer::allow_local_accumulation() {
   if (phase_ == Phase::kIdle) {
     enter(Phase::kIdle, Phase::kAccumulating);
   }
-}
-
-void Reducer::set_forward_pass_work(
-    c10::intrusive_ptr<c10d::Work> work, bool divide_by_initial_world_size) {
-  const auto lock = lock_state(Access::kChange);
-  averaging_.set_forward_pass_work(std::move(work), divide_by_initial_world_size);
 }
 
 void Reducer::start_reducing() {
@@ -516,52 +409,6 @@ void Reducer::launch(size_t bucket_index) {
       bucket_index, layout_.buckets().size(), bucket, transport_context(), range);
 }
 
-TransportContext Reducer::transport_context() {
-  return TransportContext{
-      *process_group_, timeline_, stall_, observers_, lock_windows_, param_names_};
-}
-
-c10::intrusive_ptr<c10::ivalue::Future> Reducer::run_comm_hook(
-    c10d::GradBucket& bucket) {
-  std::shared_ptr<BucketTransport> transport;
-  c10::intrusive_ptr<c10d::ProcessGroup> group;
-  {
-    const auto lock = lock_state(Access::kRead);
-    transport = transport_;
-    group = process_group_;
-  }
-  // Without the lock: Note [Windows without the lock].
-  return transport->reduce_for_joined(bucket, *group);
-}
-
-c10::intrusive_ptr<c10::ivalue::Future> Reducer::run_allreduce(
-    c10d::GradBucket& bucket) {
-  const auto lock = lock_state(Access::kRead);
-  std::vector<at::Tensor> tensors{bucket.getBufferRef()};
-  return process_group_->allreduce(tensors)->getFuture();
-}
-
-std::vector<c10d::GradBucket> Reducer::zeros_like_grad_buckets() const {
-  const auto lock = lock_state(Access::kRead);
-  const auto& buckets = layout_.buckets();
-  std::vector<c10d::GradBucket> result;
-  result.reserve(buckets.size());
-  for (size_t b = 0; b < buckets.size(); ++b) {
-    const Bucket& bucket = buckets[b];
-    const at::Tensor& param = bucket.params.front();
-    at::Tensor zeros = bucket.sparse
-        ? empty_sparse_like(param)
-        : at::zeros_like(bucket.flat);
-    result.push_back(grad_bucket_of(bucket, b, buckets.size(), std::move(zeros)));
-  }
-  return result;
-}
-
-at::Tensor Reducer::local_used_map() {
-  const auto lock = lock_state(Access::kRead);
-  return usage_.bitmap_copy();
-}
-
 void Reducer::launch_all_buckets() {
   for (size_t b = 0; b < layout_.buckets().size(); ++b) {
     launch(b);
@@ -614,80 +461,6 @@ void Reducer::queue_at_end_of_backward(void (Reducer::*step)()) {
             "until backward returns.");
         ((*self).*step)();
       });
-}
-
-void Reducer::queue_finish_learning_iteration() {
-  {
-    const auto lock = lock_state(Access::kRead);
-    if (!static_graph_.learning()) {
-      return;
-    }
-  }
-  queue_at_end_of_backward(&Reducer::finish_learning_iteration);
-}
-
-void Reducer::finish_learning_iteration() {
-  const auto lock = lock_state(Access::kChange);
-  if (!static_graph_.learning()) {
-    return; // Another output sink of the same iteration finished it.
-  }
-  if (phase_ == Phase::kExpectingGradients) {
-    start_reducing();
-  }
-  TORCH_INTERNAL_ASSERT(phase_ == Phase::kReducing);
-  TimelineRange range(timeline_, TimelineEvent::kFinalize);
-  observers_.notify(&ReducerObserver::on_gradients_done);
-  const std::vector<bool> used_locally = usage_.used_locally();
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (!ready_[i]) {
-      mark_ready(i);
-    }
-  }
-  launch_all_buckets();
-  if (!gradients_stay_local_) {
-    usage_.launch_allreduce(*process_group_);
-  }
-  raise_if_out_of_step();
-  {
-    TimelineRange wait_range(timeline_, TimelineEvent::kWaitForBuckets);
-    wait_for_launched_buckets();
-  }
-  observers_.notify(&ReducerObserver::on_collectives_done);
-  static_graph_.learned_from(used_locally, usage_.wait(gradients_stay_local_, &stall_));
-  write_back_gradients(BackwardUsage(params_.size(), static_graph_.used_globally(), drop_plan_));
-  conclude_layout(/*launched_at_end=*/true);
-  enter(Phase::kReducing, Phase::kIdle);
-}
-
-void Reducer::conclude_layout(bool launched_at_end) {
-  // See Note [Agreeing on the bucket layout]: the step check was awaited
-  // before the buckets (a world of one has none).
-  std::optional<int64_t> votes;
-  if (step_check_) {
-    votes = step_check_->summed_rider();
-  }
-  if (layout_.conclude(launched_at_end, votes, *process_group_, timeline_, &stall_)) {
-    next_bucket_ = 0;
-  }
-}
-
-bool Reducer::set_bucket_caps(const std::vector<int64_t>& caps) {
-  const auto lock = lock_state(Access::kChange);
-  TORCH_CHECK(
-      phase_ != Phase::kReducing,
-      "DistributedDataParallel on rank ", process_group_->getRank(),
-      " cannot change its bucket caps while gradients are being reduced; "
-      "change them between iterations");
-  // Safe for the reasons a rebuild is: nothing is in flight, and .grad views
-  // move with the buckets.
-  if (!layout_.set_caps(caps, timeline_)) {
-    return false;
-  }
-  next_bucket_ = 0;
-  if (phase_ == Phase::kExpectingGradients) {
-    arm_buckets(); // a forward already armed the old buckets
-  }
-  return true;
 }
 
 void Reducer::update_process_group(

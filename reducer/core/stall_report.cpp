@@ -20,12 +20,12 @@ void Reducer::set_stall_handler(
     return;
   }
   // The watch is a member: the lambda never outlives `this`. Every caller of
-  // the watch changes the reducer: it holds mutex_, or waits in a window of
+  // the watch changes the reducer: it holds the mutex, or waits in a window of
   // its own where no other thread changes anything (Note [Windows without
   // the lock]), so the report reads a state that holds still.
   stall_.configure(timeout_ms, [this, handler = std::move(handler)](const StallEvent& event) {
     const StallReport report = stall_report(event);
-    UnlockedWindow window(lock_windows_, "its own hang report (a warning hook or filter)");
+    UnlockedWindow window(*this, "its own hang report (a warning hook or filter)");
     handler(report);
   });
 }

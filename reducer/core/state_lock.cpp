@@ -70,15 +70,15 @@ namespace ddp_ext::reducer {
 // bucket for its hook and once per wait.
 
 std::unique_lock<std::mutex> Reducer::lock_state(Access access) const {
-  std::unique_lock<std::mutex> lock(mutex_);
-  if (access == Access::kRead || windows_.empty()) {
+  std::unique_lock<std::mutex> lock(lock_.mutex);
+  if (access == Access::kRead || lock_.windows.empty()) {
     return lock;
   }
-  if (window_thread_.load() != std::this_thread::get_id()) {
-    windows_closed_.wait(lock, [this] { return windows_.empty(); });
+  if (lock_.window_thread.load() != std::this_thread::get_id()) {
+    lock_.windows_closed.wait(lock, [this] { return lock_.windows.empty(); });
     return lock;
   }
-  const std::string inside = windows_.back();
+  const std::string inside = lock_.windows.back();
   const int rank = process_group_->getRank();
   lock.unlock();
   TORCH_CHECK(
@@ -93,28 +93,28 @@ std::unique_lock<std::mutex> Reducer::lock_state(Access access) const {
 }
 
 void Reducer::open_window(const char* what) {
-  if (window_thread_.load() == std::this_thread::get_id()) {
+  if (lock_.window_thread.load() == std::this_thread::get_id()) {
     // Nested: this thread let the mutex go already.
-    std::lock_guard<std::mutex> lock(mutex_);
-    windows_.push_back(what);
+    std::lock_guard<std::mutex> lock(lock_.mutex);
+    lock_.windows.push_back(what);
     return;
   }
   // The caller changes the reducer: it holds the mutex, and no window is open.
-  TORCH_INTERNAL_ASSERT(windows_.empty(), "a reducer window opened by two threads");
-  windows_.push_back(what);
-  window_thread_ = std::this_thread::get_id();
-  mutex_.unlock();
+  TORCH_INTERNAL_ASSERT(lock_.windows.empty(), "a reducer window opened by two threads");
+  lock_.windows.push_back(what);
+  lock_.window_thread = std::this_thread::get_id();
+  lock_.mutex.unlock();
 }
 
 void Reducer::close_window() {
-  mutex_.lock();
-  windows_.pop_back();
-  if (!windows_.empty()) {
-    mutex_.unlock(); // an outer window stays open
+  lock_.mutex.lock();
+  lock_.windows.pop_back();
+  if (!lock_.windows.empty()) {
+    lock_.mutex.unlock(); // an outer window stays open
     return;
   }
-  window_thread_ = std::thread::id();
-  windows_closed_.notify_all();
+  lock_.window_thread = std::thread::id();
+  lock_.windows_closed.notify_all();
   // The mutex stays held: the caller's lock owns it again.
 }
 

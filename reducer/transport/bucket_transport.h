@@ -61,8 +61,8 @@ namespace ddp_ext::reducer {
 // string literal) names the window.
 class LockWindows {
  public:
-  virtual void open(const char* what) = 0;
-  virtual void close() = 0;
+  virtual void open_window(const char* what) = 0;
+  virtual void close_window() = 0;
 
  protected:
   ~LockWindows() = default;
@@ -73,10 +73,10 @@ class LockWindows {
 class UnlockedWindow {
  public:
   UnlockedWindow(LockWindows& windows, const char* what) : windows_(windows) {
-    windows_.open(what);
+    windows_.open_window(what);
   }
   ~UnlockedWindow() {
-    windows_.close();
+    windows_.close_window();
   }
   UnlockedWindow(const UnlockedWindow&) = delete;
   UnlockedWindow& operator=(const UnlockedWindow&) = delete;
