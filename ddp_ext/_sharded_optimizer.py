@@ -130,6 +130,8 @@ class ShardedOptimizer:
         optimizer.register_state_dict_post_hook(self._state_dict_post)
         optimizer.register_load_state_dict_post_hook(self._load_state_dict_post)
         optimizer._ddp_ext_overlapped = True
+        self.reshards = 0  # how often a new layout made the state be gathered and cut again
+        self._load_state_dict_post(optimizer)  # state loaded before the line
 
     # --- the wrapper's interface of an overlap (no forward tail yet) --------
 
@@ -337,6 +339,7 @@ class ShardedOptimizer:
         if self.active is not None and current != self.active and self.state:
             self.loaded.update(self._gathered())
             self.state = defaultdict(dict)
+            self.reshards += 1
         if self.active is None or current != self.active:
             self.plans = {plan.layout: plan for plan in self.plans.values() if plan.layout in current}
         self.active = current
