@@ -289,6 +289,19 @@ class ShardedOptimizer:
 
     # --- clipping -------------------------------------------------------------
 
+    # Note [Clipping sharded gradients]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # torch.nn.utils.clip_grad_norm_ takes the norm of each gradient, then
+    # the norm of those norms, and multiplies every gradient by
+    # clamp(max_norm / (norm + 1e-6), max=1). Here each rank sums |g|^p over
+    # its pieces in float64, one all-reduce adds the ranks' sums (a max for
+    # p = inf), and the root is cast to the gradients' dtype: the same
+    # formula, summed in another order, so the norm (and the clipped
+    # gradients) may differ from torch's in the last bits. Every rank gets
+    # the same norm, so the parameters stay identical on every rank. The
+    # clipped pieces are remembered as the gradients the step may use (Note
+    # [Gradients after a sharded backward]).
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
         """Clips the last synchronising backward's gradient by its whole norm:
         one scalar all-reduce of the shards' sums (Note [Clipping sharded
