@@ -197,3 +197,13 @@ def _elementwise_admitted(rank, world_size):
 
 def test_an_optimizer_that_declares_itself_elementwise_is_sharded():
     assert shared_world(2).run(_elementwise_admitted) == [False, False]
+
+
+def test_a_wrapper_refusing_backward_steps_refuses_sharding(single_process_group):
+    """ddp_ext.fault_tolerance's replicas apply the steps themselves."""
+    module, ddp = plain_wrapper()
+    ddp._refuse_backward_steps("the caller steps")
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"\(overlap_optimizer\(shard=True\)\): the caller steps"):
+        ddp.overlap_optimizer(optimizer, shard=True)
+    assert ddp._optimizer_overlap is None and not ddp._comm_hooks
