@@ -13,6 +13,7 @@ import torch
 from ddp_ext import _forward_tail
 from ddp_ext._bound import Bound
 from ddp_ext._optimizer_overlap import OptimizerOverlap, hooked_step_refusal, shown_names
+from ddp_ext._sharded_optimizer import ShardedOptimizer, elementwise_refusal
 
 
 def has_optimizers_in_backward(parameters) -> bool:
@@ -82,6 +83,20 @@ class BackwardSteps(Bound):
         if held and forward_refusal:
             raise ValueError(f"DistributedDataParallel.overlap_optimizer on rank {self._rank()} {forward_refusal}")
         self.overlap = OptimizerOverlap(self.reducer, optimizer, self.named, self._rank(), held)
+        return self.overlap
+
+    def shard_optimizer(self, optimizer, refusal: str, device) -> ShardedOptimizer:
+        """Installs the sharded optimizer (ddp_ext/_sharded_optimizer.py), after
+        refusing on every rank alike what it cannot do exactly. `refusal`:
+        why the wrapper's settings cannot shard, if they cannot."""
+        self.check("overlap_optimizer(shard=True)")
+        why = elementwise_refusal(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else ""
+        if why or refusal:
+            raise ValueError(f"DistributedDataParallel.overlap_optimizer(..., shard=True) on rank {self._rank()} "
+                             f"{why or refusal}")
+        self._check_optimizer(optimizer)
+        self.overlap = ShardedOptimizer(optimizer, self.named, self.process_group, device)
+        self.reducer._set_bucket_step(self.overlap.step_bucket)
         return self.overlap
 
     def check_regroup(self) -> None:

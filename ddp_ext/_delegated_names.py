@@ -15,7 +15,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel.distributed import DistributedDataParallel as TorchDistributedDataParallel
 from torch.nn.parallel.scatter_gather import gather as _gather, scatter_kwargs as _scatter_kwargs
 
-from ddp_ext import _forward_tail, _parameters, _pickling, hierarchy
+from ddp_ext import _forward_tail, _parameters, _pickling, _sharded_optimizer, hierarchy
 from ddp_ext._buffer_sync import BROADCAST_CHUNK_BYTES
 from ddp_ext._comm_hooks import register_fused_optim
 from ddp_ext._delayed_all_reduce import DelayedAllReduce
@@ -141,6 +141,11 @@ class DelegatedNames:
                 f"DistributedDataParallel on rank {self.process_group.rank()} cannot join uneven inputs with "
                 "overlap_optimizer(..., overlap_forward=True): a joined rank shadows the buckets in the plain "
                 "order, and the overlap launches the first layers' first. Use overlap_forward=False with Join.")
+        if isinstance(self._optimizer_overlap, _sharded_optimizer.ShardedOptimizer):
+            raise RuntimeError(
+                f"DistributedDataParallel on rank {self.process_group.rank()} cannot join uneven inputs with "
+                "overlap_optimizer(..., shard=True): a joined rank would shadow each bucket's reduce-scatter with an "
+                "allreduce. Use Join without shard=True.")
         return self._join.hook(**kwargs)
     join_device = field("_settings", "device")
     join_process_group = property(lambda self: self.process_group)
@@ -181,7 +186,7 @@ class DelegatedNames:
 
     _optimizer_overlap = None  # an OptimizerOverlap once overlap_optimizer is called
 
-    def overlap_optimizer(self, optimizer: torch.optim.Optimizer, overlap_forward=False) -> None:
+    def overlap_optimizer(self, optimizer: torch.optim.Optimizer, overlap_forward=False, shard: bool = False) -> None:
         """ddp_ext only. From the next backward on, each bucket's parameters are
         stepped by `optimizer` as soon as the bucket is reduced, while later
         buckets are still being reduced; `optimizer.step()` then steps only
@@ -191,10 +196,33 @@ class DelegatedNames:
         without waiting for them; their parameters are stepped when the next
         forward first reads them. Results are bitwise those of a plain
         `optimizer.step()` after backward. Call between iterations, once. See
-        docs/OPTIMIZER_OVERLAP.md."""
+        docs/OPTIMIZER_OVERLAP.md. With `shard=True` the optimizer is sharded
+        across the ranks instead (ZeRO-2): each bucket is reduce-scattered,
+        `optimizer.step()` steps the rank's shard and all-gathers the
+        parameters, and the optimizer's state exists for the shard only.
+        See docs/SHARDING.md."""
+        if shard:
+            refusal = _sharded_optimizer.settings_refusal(
+                self.module, self._backward_steps.named, [name for name, _ in self._hooks.registered],
+                self._layer_drop, overlap_forward, self.process_group)
+            sharded = self._backward_steps.shard_optimizer(optimizer, refusal, self._settings.device)
+            self._hooks.register(None, sharded.hook)
+            self._optimizer_overlap = sharded
+            return
         refusal = _forward_tail.refusal(self._module_parameters, self._settings.gradient_as_bucket_view,
                                         self._layer_drop, bool(self._hooks.registered))
         self._optimizer_overlap = self._backward_steps.overlap_optimizer(optimizer, overlap_forward, refusal)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
+        """ddp_ext only. After backward, before optimizer.step(): clips the
+        averaged gradients by their total norm, as torch.nn.utils.clip_grad_norm_
+        over the module's parameters does. With overlap_optimizer(...,
+        shard=True) each rank clips its shard by the norm of the whole
+        gradient (one scalar all-reduce; docs/SHARDING.md). Returns the norm."""
+        sharded = self._optimizer_overlap
+        if isinstance(sharded, _sharded_optimizer.ShardedOptimizer):
+            return sharded.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type, error_if_nonfinite)
 
     def finish_forward_tail(self) -> None:
         """ddp_ext only. With overlap_optimizer(..., overlap_forward=True):

@@ -1,0 +1,478 @@
+"""The optimizer sharded across the ranks, inside the drop-in:
+`ddp.overlap_optimizer(opt, shard=True)` (ZeRO-2).
+
+Each bucket is reduce-scattered instead of all-reduced (Note [Shard plan] in
+ddp_ext/_shard_plan.py); at optimizer.step() each rank steps its shard only,
+with an inner optimizer of the user's class, then the buckets' parameters
+are all-gathered. The optimizer's state exists for the shard only.
+
+Note [Exact sharded steps]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+A parameter ends up bitwise as with a plain optimizer.step() after torch's
+DDP (at 2 ranks; at more, up to the order of the sum, below) because:
+ - the gradient: each bucket is scaled by 1/world_size (the same product as
+   the default reduction, Note [Gradient averaging] in
+   reducer/core/averaging.h) and reduce-scattered: each rank gets the sum of
+   its range. At 2 ranks a sum of two is the same whatever the order; at 3
+   and more, Gloo's reduce-scatter adds in another order than its
+   allreduce, so the gradient may differ in the last bits.
+ - the step: the optimizers admitted update each element from its own
+   gradient and state alone (Note [Elementwise optimizers]), so stepping a
+   piece of a parameter gives the bits the whole parameter's step gives to
+   those elements; torch.optim's kernels give the same bits for a slice at
+   any offset (tests/sharding checks them against plain steps).
+ - the values: each group's hyperparameters are read at optimizer.step(),
+   as a plain step reads them; the pieces are stepped through a view of the
+   user's optimizer (Note [Stepping a view of the optimizer] in
+   ddp_ext/_optimizer_overlap.py) whose state is the shard's.
+ - the all-gather copies the stepped bits to every rank unchanged.
+A parameter no rank used (find_unused_parameters) has no .grad after the
+backward, on every rank: its pieces get none, and are not stepped, as a
+plain step skips it.
+
+Note [Stepping the shard]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+At optimizer.step() the step pre-hook, for each bucket the last
+synchronising backward reduced: copies the rank's elements of the
+parameters into the bucket's flat shard (in case they were changed since:
+a loaded checkpoint), points each piece's .grad at the piece of the
+parameter's .grad (which the write-back filled with the shard's averaged
+gradient), steps the pieces, and all-gathers the flat shards into the
+parameters. The pre-hook then hands torch.optim's step wrapper a view of
+the optimizer with the parameters no bucket reduced (frozen ones, say), so
+hooks and an LR scheduler's count run as usual.
+
+Note [Gradients after a sharded backward]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+After a synchronising backward a parameter's .grad holds the averaged
+gradient in the rank's range of its bucket and zeros elsewhere. A norm of
+.grad is then the norm of the rank's shard: torch.nn.utils.clip_grad_norm_
+would clip each rank by a different norm. Changes of .grad between
+backward and step are refused as with the overlap (Note [Gradients edited
+before the step] in ddp_ext/_optimizer_overlap.py); ddp.clip_grad_norm_
+clips by the whole gradient's norm.
+"""
+
+import math
+from collections import defaultdict
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ddp_ext._gradient_edits import GradientEdits
+from ddp_ext._optimizer_overlap import (_called_by_grad_scaler, _unhooked_step, _view, hooked_step_refusal,
+                                        shown_names)
+from ddp_ext._shard_plan import ShardPlan, layout_of
+from ddp_ext._work_waiter import WorkWaiter
+
+# torch 2.13 renamed reduce_scatter_tensor (the old name warns).
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# Note [Elementwise optimizers]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Sharding is exact for an optimizer whose update of each element depends
+# only on that element's gradient and state, and on scalars the same for
+# every element (the group's values, a step count). torch.optim's below
+# are (foreach, fused or not). An optimizer of the user's own is admitted
+# when its class says so: `ddp_ext_elementwise = True`.
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad,
+               torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax, torch.optim.Adadelta)
+_MIXING = {
+    "LBFGS": "its step needs a closure and mixes every parameter's gradient in one line search",
+    "SparseAdam": "it steps sparse gradients, which the buckets do not reduce-scatter",
+    "Adafactor": "it factors the second moment of a matrix into its rows' and columns' means, which look across "
+                 "the whole parameter",
+}
+
+
+def elementwise_refusal(optimizer) -> str:
+    """Why `optimizer` cannot be sharded exactly, or ''."""
+    cls = type(optimizer)
+    if cls in ELEMENTWISE or getattr(cls, "ddp_ext_elementwise", False) is True:
+        return ""
+    reason = _MIXING.get(cls.__name__)
+    if reason:
+        return f"cannot shard {cls.__qualname__}: {reason}, so a rank holding part of a parameter cannot step it."
+    return (f"cannot shard {cls.__qualname__}: only optimizers that update each element from its own gradient and "
+            "state can be stepped by pieces (torch.optim's SGD, Adam, AdamW, RMSprop, Adagrad, NAdam, RAdam, Adamax, "
+            "Adadelta). If yours does, set `ddp_ext_elementwise = True` on its class.")
+
+
+class ShardedOptimizer:
+    """One wrapper's sharded optimizer: the reduce-scatter (a communication
+    hook), the shard plans, the inner state, and the step. Holds neither the
+    wrapper nor the reducer. A pickled or deep-copied wrapper has none."""
+
+    def __reduce__(self):
+        return (type(None), ())
+
+    def __init__(self, optimizer, named: List[Tuple[str, torch.Tensor]], group, device):
+        self.optimizer = optimizer
+        self.group = group
+        self.rank = group.rank()
+        self.world_size = group.size()
+        self.device = device
+        self.params = [p for _, p in named]
+        self.names = {id(p): name for name, p in named}
+        self.index_of = {id(p): i for i, p in enumerate(self.params)}
+        self.plans: Dict[Tuple, ShardPlan] = {}  # by layout
+        self.reduced: Dict[int, ShardPlan] = {}  # by bucket index: reduced since the last step
+        self.active: Optional[frozenset] = None  # the layouts the state is sharded by
+        self.state: Dict[torch.Tensor, dict] = defaultdict(dict)  # the inner optimizer's, by piece
+        self.loaded: Dict[int, dict] = {}  # unsharded state not yet cut into pieces, by reducer index
+        self.edits = GradientEdits()
+        self.written: List[int] = []  # the parameters written back since the last step
+        self.written_buckets = 0
+        self.waiter = WorkWaiter()
+        self.clipped = False
+        self._step_hook = optimizer.register_step_pre_hook(self.before_step)
+        optimizer.register_state_dict_post_hook(self._state_dict_post)
+        optimizer.register_load_state_dict_post_hook(self._load_state_dict_post)
+        optimizer._ddp_ext_overlapped = True
+        self.reshards = 0  # how often a new layout made the state be gathered and cut again
+        self._load_state_dict_post(optimizer)  # state loaded before the line
+
+    # --- the wrapper's interface of an overlap (no forward tail yet) --------
+
+    overlaps_forward = False
+
+    def forward_begins(self, module) -> None:
+        pass
+
+    def forward_done(self, synchronising: bool) -> None:
+        pass
+
+    def finish_forward_tail(self) -> None:
+        pass
+
+    def check_regroup(self) -> None:
+        raise RuntimeError(
+            f"DistributedDataParallel on rank {self.rank} cannot change its process group with overlap_optimizer("
+            "..., shard=True): the optimizer's state is sharded across the ranks of the group.")
+
+    def _error(self, what: str) -> str:
+        return f"DistributedDataParallel on rank {self.rank}: overlap_optimizer(..., shard=True) {what}"
+
+    # --- the backward: reduce-scatter, then write-back ------------------------
+
+    def hook(self, state, bucket):
+        """The communication hook: scales the bucket, reduce-scatters it into
+        the plan's gradient, and returns the buffer with the shard's range
+        filled and zeros elsewhere (Note [Gradients after a sharded backward])."""
+        buffer = bucket.buffer()
+        if buffer.is_sparse:
+            raise RuntimeError(self._error("cannot reduce-scatter sparse gradients: use dense ones."))
+        if bucket.index() in self.reduced:
+            raise RuntimeError(self._error(
+                "reduced this bucket in a synchronising backward already, and optimizer.step() has not run since: "
+                "its .grad holds the rank's shard only, so a second backward cannot add to it. Accumulate "
+                "gradients inside ddp.no_sync() (every backward but the last), or call optimizer.step() after "
+                "every synchronising backward."))
+        layout = layout_of(bucket, self.index_of)
+        plan = self.plans.get(layout)
+        if plan is None:
+            plan = ShardPlan(layout, buffer.numel(), buffer.dtype, buffer.device, self.rank, self.world_size)
+            self.plans[layout] = plan
+        buffer.mul_(1.0 / self.world_size)  # Note [Exact sharded steps]
+        source = buffer
+        if plan.padded != plan.length:
+            source = torch.zeros(plan.padded, dtype=buffer.dtype, device=buffer.device)
+            source[:plan.length].copy_(buffer)
+        work = _reduce_scatter(plan.grad, source, group=self.group, async_op=True)
+        self.reduced[bucket.index()] = plan
+        lo, hi = plan.lo, plan.hi
+
+        def written():
+            buffer.zero_()
+            buffer[lo:hi].copy_(plan.grad[:hi - lo])
+            return buffer
+
+        return self.waiter.future(work, written)
+
+    def step_bucket(self, indices: List[int]) -> None:
+        """The reducer's bucket step, after each bucket's write-back: once
+        every bucket the backward reduced is written back, remembers the
+        gradients, to refuse changes before the step. (Not bucket by bucket:
+        with gradient_as_bucket_view the buckets may share one storage, and
+        so one version counter, which a later bucket's write-back bumps.)"""
+        self.written.extend(indices)
+        self.written_buckets += 1
+        if self.written_buckets == len(self.reduced):
+            self.edits.remember(self.params[i] for i in self.written)
+
+    # --- optimizer.step() -------------------------------------------------------
+
+    def before_step(self, optimizer, args, kwargs):
+        """The user's optimizer.step(): Note [Stepping the shard]."""
+        if optimizer is not self.optimizer:
+            return None  # a view
+        if any(a is not None for a in args[1:]) or any(v is not None for v in kwargs.values()):
+            raise ValueError(self._error("runs optimizer.step() without a closure only."))
+        refusal = hooked_step_refusal(optimizer, own=self._step_hook.id)
+        if refusal:
+            raise RuntimeError(self._error(refusal))
+        if _called_by_grad_scaler(optimizer):
+            raise RuntimeError(self._error(
+                "cannot step through a GradScaler (scaler.step(optimizer)): each rank holds only its shard of the "
+                "gradients, so the scaler's check for infinities would differ between ranks. Nothing was stepped."))
+        self._refuse_edits()
+        places = self._places()
+        if not self.reduced:
+            stale = [self.names[id(p)] for p in self.params if p.grad is not None and id(p) in places]
+            if stale:
+                raise RuntimeError(self._error(
+                    f"found gradients ({shown_names(stale)}) but no synchronising backward since the last "
+                    "optimizer.step(): each rank steps its shard of the averaged gradient, which only a "
+                    "synchronising backward (outside no_sync) gives. Nothing was stepped."))
+        plans = [self.reduced[i] for i in sorted(self.reduced)]
+        self.reduced = {}
+        self.edits.forget()
+        self.written, self.written_buckets = [], 0
+        self.clipped = False
+        self._reshard([plan.layout for plan in plans])
+        self._step(plans, places)
+        self._all_gather(plans)
+        stepped = {id(self.params[piece_index]) for plan in plans for piece_index, _, _ in plan.layout}
+        rest = {number: [p for p in group["params"] if id(p) not in stepped]
+                for number, group in enumerate(optimizer.param_groups)}
+        return (_view(optimizer, rest), *args[1:]), kwargs
+
+    def _refuse_edits(self) -> None:
+        edited = self.edits.edited()
+        if edited:
+            names = [self.names.get(id(p), f"a parameter of shape {tuple(p.shape)}") for p in edited]
+            raise RuntimeError(self._error(
+                f"found the gradients of {shown_names(names)} changed between backward() and optimizer.step() "
+                "(clip_grad_norm_, a GradScaler's unscale_ or another change): each rank holds only its shard of "
+                "the averaged gradient, so a norm or a check of .grad differs between ranks. Clip with "
+                "ddp.clip_grad_norm_(max_norm), which uses the whole gradient's norm. Nothing was stepped."))
+
+    def _places(self) -> Dict[int, int]:
+        """The param group of each of the optimizer's parameters, by id."""
+        return {id(p): number for number, group in enumerate(self.optimizer.param_groups) for p in group["params"]}
+
+    def _step(self, plans: List[ShardPlan], places: Dict[int, int]) -> None:
+        per_group: Dict[int, List[torch.Tensor]] = {}
+        for plan in plans:
+            for piece in plan.pieces:
+                p = self.params[piece.index]
+                number = places.get(id(p))
+                piece.flat.copy_(p.detach().reshape(-1)[piece.start:piece.stop])
+                if number is None or p.grad is None:
+                    piece.flat.grad = None
+                    continue
+                piece.flat.grad = p.grad.view(-1)[piece.start:piece.stop]
+                per_group.setdefault(number, []).append(piece.flat)
+            self._cut_loaded(plan)
+        if not per_group:
+            return
+        view = _view(self.optimizer, per_group)
+        view.state = self.state
+        with torch.no_grad():
+            _unhooked_step(view)()
+        for plan in plans:
+            for piece in plan.pieces:
+                piece.flat.grad = None
+
+    def _all_gather(self, plans: List[ShardPlan]) -> None:
+        gathered = []
+        for plan in plans:
+            full = torch.empty(plan.padded, dtype=plan.params.dtype, device=plan.params.device)
+            gathered.append((plan, full, dist.all_gather_into_tensor(full, plan.params, group=self.group,
+                                                                     async_op=True)))
+        with torch.no_grad():
+            for plan, full, work in gathered:
+                work.wait()
+                for index, offset, numel in plan.layout:
+                    self.params[index].view(-1).copy_(full[offset:offset + numel])
+
+    # --- clipping -------------------------------------------------------------
+
+    # Note [Clipping sharded gradients]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # torch.nn.utils.clip_grad_norm_ takes the norm of each gradient, then
+    # the norm of those norms, and multiplies every gradient by
+    # clamp(max_norm / (norm + 1e-6), max=1). Here each rank sums |g|^p over
+    # its pieces in float64, one all-reduce adds the ranks' sums (a max for
+    # p = inf), and the root is cast to the gradients' dtype: the same
+    # formula, summed in another order, so the norm (and the clipped
+    # gradients) may differ from torch's in the last bits. Every rank gets
+    # the same norm, so the parameters stay identical on every rank. The
+    # clipped pieces are remembered as the gradients the step may use (Note
+    # [Gradients after a sharded backward]).
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
+        """Clips the last synchronising backward's gradient by its whole norm:
+        one scalar all-reduce of the shards' sums (Note [Clipping sharded
+        gradients])."""
+        if not self.reduced:
+            raise RuntimeError(self._error(
+                "clip_grad_norm_ needs the gradients of a synchronising backward, after backward() and before "
+                "optimizer.step()."))
+        if self.clipped:
+            raise RuntimeError(self._error("clip_grad_norm_ was called already since this backward."))
+        self._refuse_edits()
+        norm_type = float(norm_type)
+        grads = [self.params[piece.index].grad.view(-1)[piece.start:piece.stop]
+                 for i in sorted(self.reduced) for piece in self.reduced[i].pieces
+                 if self.params[piece.index].grad is not None]
+        if not grads:
+            return torch.tensor(0.0)
+        local = torch.zeros((), dtype=torch.float64, device=self.device)
+        for g in grads:
+            if g.numel():
+                if math.isinf(norm_type):
+                    local = torch.maximum(local, g.detach().abs().max().to(torch.float64))
+                else:
+                    local += torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float64) ** norm_type
+        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        dist.all_reduce(local, op=op, group=self.group)
+        total = local if math.isinf(norm_type) else local ** (1.0 / norm_type)
+        total = total.to(grads[0].dtype)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
+                "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+                "`error_if_nonfinite=False`")
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        with torch.no_grad():
+            torch._foreach_mul_(grads, coefficient)
+        self.edits.remember(self.params[piece.index] for i in self.reduced for piece in self.reduced[i].pieces)
+        self.clipped = True
+        return total
+
+    # --- the state: sharded inside, unsharded outside ---------------------------
+
+    def _reshard(self, layouts: List[Tuple]) -> None:
+        """After a rebuild the state's pieces belong to the old plans: the
+        state is gathered whole, to be cut again by the new ones (a
+        collective on every rank: every rank sees the same layouts)."""
+        current = frozenset(layouts)
+        if self.active is not None and current != self.active and self.state:
+            self.loaded.update(self._gathered())
+            self.state = defaultdict(dict)
+            self.reshards += 1
+        if self.active is None or current != self.active:
+            self.plans = {plan.layout: plan for plan in self.plans.values() if plan.layout in current}
+        self.active = current
+
+    def _cut_loaded(self, plan: ShardPlan) -> None:
+        """Cuts the unsharded state of the plan's parameters into its pieces."""
+        if not self.loaded:
+            return
+        for piece in plan.pieces:
+            whole = self.loaded.get(piece.index)
+            if whole is None:
+                continue
+            p = self.params[piece.index]
+            self.state[piece.flat] = {key: _cut(key, value, p, piece.start, piece.stop) for key, value in whole.items()}
+        for index, _, _ in plan.layout:
+            self.loaded.pop(index, None)
+
+    def _gathered(self) -> Dict[int, dict]:
+        """Every parameter's unsharded state, by reducer index (a collective)."""
+        mine = {}
+        for plan in self.plans.values():
+            for piece in plan.pieces:
+                state = self.state.get(piece.flat)
+                if state:
+                    mine[piece.key] = {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
+                                       for k, v in state.items()}
+        every = [None] * self.world_size
+        dist.all_gather_object(every, mine, group=self.group)
+        pieces: Dict[int, List[Tuple[int, dict]]] = {}
+        for rank_pieces in every:
+            for (index, start, _), state in rank_pieces.items():
+                pieces.setdefault(index, []).append((start, state))
+        whole = {}
+        for index, found in pieces.items():
+            found.sort(key=lambda pair: pair[0])
+            p = self.params[index]
+            whole[index] = {key: _joined([state[key] for _, state in found], p) for key in found[0][1]}
+        for index, state in self.loaded.items():
+            whole.setdefault(index, state)
+        return whole
+
+    def _state_dict_post(self, optimizer, state_dict):
+        """The unsharded state, under the keys a plain optimizer gives."""
+        whole = self._gathered()
+        numbers = {}
+        count = 0
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                numbers.setdefault(id(p), count)
+                count += 1
+        for index, state in whole.items():
+            number = numbers.get(id(self.params[index]))
+            if number is not None:
+                state_dict["state"][number] = {k: (v.to(self.params[index].device) if isinstance(v, torch.Tensor)
+                                                   else v) for k, v in state.items()}
+        return state_dict
+
+    def _load_state_dict_post(self, optimizer) -> None:
+        """Keeps the unsharded state of the bucketed parameters to be cut into
+        pieces at the next step; the optimizer holds none of it."""
+        self.state = defaultdict(dict)
+        self.loaded = {}
+        self.active = None
+        for index, p in enumerate(self.params):
+            state = optimizer.state.pop(p, None)
+            if state is not None:
+                self.loaded[index] = state
+
+    def state_bytes(self) -> int:
+        """The bytes of the rank's optimizer state (its pieces')."""
+        return sum(v.numel() * v.element_size() for state in self.state.values() for v in state.values()
+                   if isinstance(v, torch.Tensor))
+
+
+# The scalar state of torch.optim's optimizers: told apart by name from a
+# 0-d parameter's elementwise state, which is 0-d too.
+_SCALAR_STATE = ("step", "mu_product", "eta", "mu")
+
+
+def _cut(key: str, value, p: torch.Tensor, start: int, stop: int):
+    whole = isinstance(value, torch.Tensor) and value.numel() == p.numel()
+    if whole and (value.dim() > 0 or (p.dim() == 0 and key not in _SCALAR_STATE)):
+        return value.detach().reshape(-1)[start:stop].clone()
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _joined(values: list, p: torch.Tensor):
+    first = values[0]
+    if isinstance(first, torch.Tensor) and first.dim() > 0:
+        return torch.cat([v.reshape(-1) for v in values]).view(p.shape)
+    return first
+
+
+def settings_refusal(module, named, hooks: List[str], layer_drop: bool, overlap_forward, group) -> str:
+    """Why this wrapper cannot shard its optimizer, or '' (the same on every
+    rank: it reads settings every rank shares)."""
+    if overlap_forward:
+        return ("cannot overlap the forward yet (overlap_forward): the buckets' parameters are all-gathered at "
+                "optimizer.step(). Use overlap_forward=False.")
+    if hooks:
+        return (f"cannot shard with a communication hook registered ({'; '.join(hooks)}): the sharded optimizer "
+                "reduce-scatters each bucket itself. Use one or the other.")
+    if layer_drop:
+        return ("cannot shard with layer dropping (ddp_ext.LayerDrop): a dropped layer's bucket is not reduced, "
+                "so its shard would not be stepped. Use one or the other.")
+    backend = None
+    try:
+        backend = dist.get_backend(group)
+    except (RuntimeError, ValueError):
+        pass
+    if backend not in ("gloo", "nccl"):
+        return (f"needs a Gloo or NCCL process group (got {type(group).__name__}, backend {backend}): the shards "
+                "are reduce-scattered and all-gathered with reduce_scatter_tensor and all_gather_into_tensor, "
+                "which the MPI and round-robin groups do not offer.")
+    sparse = [name for name, m in module.named_modules() if getattr(m, "sparse", False) is True]
+    if sparse:
+        return (f"cannot shard sparse gradients ({shown_names(sparse)} set sparse=True): only dense buckets are "
+                "reduce-scattered. Use dense gradients.")
+    strided = [name for name, p in named if not p.is_contiguous()]
+    if strided:
+        return (f"cannot shard non-contiguous parameters ({shown_names(strided)}): the shards are ranges of each "
+                "parameter's elements in memory order. Make them contiguous (e.g. .contiguous() before wrapping).")
+    return ""

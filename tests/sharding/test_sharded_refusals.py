@@ -1,0 +1,209 @@
+"""What overlap_optimizer(..., shard=True) refuses: on every rank, with the
+reason, and before anything is stepped (the parameters and the optimizer's
+state stay as they were)."""
+
+import dataclasses
+import functools
+from typing import Callable, Tuple
+
+import pytest
+import torch
+from torch import nn
+
+from tests.optimizer.overlap_support import backward, plain_wrapper, raised, snapshot, unchanged
+from tests.support.worlds import shared_world
+
+
+class Elementwise(torch.optim.SGD):
+    ddp_ext_elementwise = True
+
+
+class Custom(torch.optim.SGD):
+    pass
+
+
+LINE_OPTIMIZERS = {
+    "lbfgs": lambda m: torch.optim.LBFGS(m.parameters()),
+    "sparse_adam": lambda m: torch.optim.SparseAdam(list(m.parameters())),
+    "adafactor": lambda m: torch.optim.Adafactor(m.parameters()),
+    "custom": lambda m: Custom(m.parameters(), lr=0.1),
+}
+
+
+def _refuse_line(rank, world_size, name):
+    module, ddp = plain_wrapper()
+    optimizer = LINE_OPTIMIZERS[name](module)
+    before = snapshot(module)
+    message = raised(lambda: ddp.overlap_optimizer(optimizer, shard=True))
+    return message, unchanged(module, before) and ddp._optimizer_overlap is None
+
+
+def _line(name: str) -> Callable:
+    return functools.partial(_refuse_line, name=name)
+
+
+def _refuse_forward_overlap(rank, world_size):
+    module, ddp = plain_wrapper()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    return raised(lambda: ddp.overlap_optimizer(optimizer, overlap_forward=True, shard=True)), True
+
+
+def _refuse_hook_before(rank, world_size):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    module, ddp = plain_wrapper()
+    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    return raised(lambda: ddp.overlap_optimizer(torch.optim.SGD(module.parameters(), lr=0.1), shard=True)), True
+
+
+def _refuse_hook_after(rank, world_size):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    module, ddp = plain_wrapper()
+    ddp.overlap_optimizer(torch.optim.SGD(module.parameters(), lr=0.1), shard=True)
+    return raised(lambda: ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)), True
+
+
+def _refuse_mixed_precision(rank, world_size):
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    module, ddp = plain_wrapper(mixed_precision=_MixedPrecision(param_dtype=torch.float64))
+    return raised(lambda: ddp.overlap_optimizer(torch.optim.SGD(module.parameters(), lr=0.1), shard=True)), True
+
+
+def _refuse_sparse(rank, world_size):
+    import ddp_ext
+
+    module = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    ddp = ddp_ext.DistributedDataParallel(module)
+    return raised(lambda: ddp.overlap_optimizer(torch.optim.SGD(module.parameters(), lr=0.1), shard=True)), True
+
+
+def _stepped(rank, world_size, between, step):
+    """`between(ddp, module)` (a backward and more), then `step(optimizer)`:
+    its error, and whether nothing was stepped. Either may be named (BETWEEN, STEPS)."""
+    between = BETWEEN.get(between, between)
+    step = STEPS.get(step, step)
+    module, ddp = plain_wrapper()
+    optimizer = torch.optim.Adam(module.parameters(), lr=0.1)
+    ddp.overlap_optimizer(optimizer, shard=True)
+    before = snapshot(module)
+    between(ddp, module, rank, world_size)
+    message = raised(lambda: step(optimizer))
+    return message, unchanged(module, before) and not ddp._optimizer_overlap.state and not optimizer.state
+
+
+def _backward(ddp, module, rank, world_size):
+    backward(ddp, rank, world_size)
+
+
+def _clipped_by_torch(ddp, module, rank, world_size):
+    backward(ddp, rank, world_size)
+    torch.nn.utils.clip_grad_norm_(module.parameters(), 0.01)
+
+
+def _no_sync_only(ddp, module, rank, world_size):
+    with ddp.no_sync():
+        backward(ddp, rank, world_size)
+
+
+BETWEEN = {"backward": _backward, "clipped_by_torch": _clipped_by_torch, "no_sync_only": _no_sync_only}
+STEPS = {"plain": lambda o: o.step(), "closure": lambda o: o.step(lambda: torch.tensor(0.0))}
+
+
+def _refuse_grad_scaler(rank, world_size):
+    from tests.support import models
+
+    scaler = torch.amp.GradScaler("cpu")
+
+    def scaled(ddp, module, rank, world_size):
+        args, target = models.rank_batch("deep", 0, 0, rank, world_size, per_rank=4)
+        scaler.scale(models.MODELS["deep"].loss(ddp(*args), target)).backward()
+
+    return _stepped(rank, world_size, scaled, scaler.step)
+
+
+def _refuse_join(rank, world_size):
+    module, ddp = plain_wrapper()
+    ddp.overlap_optimizer(torch.optim.SGD(module.parameters(), lr=0.1), shard=True)
+
+    def joined():
+        with ddp.join():
+            backward(ddp, rank, world_size)
+    before = snapshot(module)
+    return raised(joined), unchanged(module, before)
+
+
+def _refuse_second_backward(rank, world_size):
+    module, ddp = plain_wrapper()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    ddp.overlap_optimizer(optimizer, shard=True)
+    backward(ddp, rank, world_size)
+    before = snapshot(module)
+    return raised(lambda: backward(ddp, rank, world_size, step=1)), unchanged(module, before)
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    name: str
+    job: Callable
+    expected: Tuple[str, ...]
+
+
+REFUSALS = [
+    Refusal("lbfgs", _line("lbfgs"), ("cannot shard LBFGS", "line search")),
+    Refusal("sparse_adam", _line("sparse_adam"),
+            ("cannot shard SparseAdam", "sparse")),
+    Refusal("adafactor", _line("adafactor"),
+            ("cannot shard Adafactor", "rows' and columns'")),
+    Refusal("custom", _line("custom"),
+            ("cannot shard Custom", "ddp_ext_elementwise = True")),
+    Refusal("forward_overlap", _refuse_forward_overlap, ("cannot overlap the forward yet",)),
+    Refusal("hook_before", _refuse_hook_before, ("with a communication hook registered", "fp16_compress_hook")),
+    Refusal("hook_after", _refuse_hook_after, ("",)),
+    Refusal("mixed_precision", _refuse_mixed_precision, ("does not support mixed_precision",)),
+    Refusal("sparse_gradients", _refuse_sparse, ("cannot shard sparse gradients", "0 set sparse=True")),
+    Refusal("torch_clip", functools.partial(_stepped, between="clipped_by_torch", step="plain"),
+            ("changed between backward() and optimizer.step()", "ddp.clip_grad_norm_", "Nothing was stepped")),
+    Refusal("no_sync_only", functools.partial(_stepped, between="no_sync_only", step="plain"),
+            ("no synchronising backward since the last optimizer.step()", "Nothing was stepped")),
+    Refusal("closure", functools.partial(_stepped, between="backward", step="closure"),
+            ("without a closure",)),
+    Refusal("grad_scaler", _refuse_grad_scaler, ("cannot step through a GradScaler", "Nothing was stepped")),
+    Refusal("join", _refuse_join, ("cannot join uneven inputs with overlap_optimizer(..., shard=True)",)),
+    Refusal("second_backward", _refuse_second_backward, ("reduced this bucket in a synchronising backward already",
+                                                         "ddp.no_sync()")),
+]
+
+
+@pytest.mark.parametrize("r", REFUSALS, ids=lambda r: r.name)
+def test_refused_on_every_rank_before_anything_is_stepped(r):
+    for rank, (message, nothing_stepped) in enumerate(shared_world(2).run(r.job)):
+        assert message != "nothing raised", f"rank {rank}: {r.name}: nothing raised"
+        for fragment in r.expected:
+            assert fragment in message, f"rank {rank}: {fragment!r} not in {message!r}"
+        assert nothing_stepped, f"rank {rank}: {r.name}: something was stepped or installed"
+
+
+def _elementwise_admitted(rank, world_size):
+    module, ddp = plain_wrapper()
+    optimizer = Elementwise(module.parameters(), lr=0.1)
+    ddp.overlap_optimizer(optimizer, shard=True)
+    before = snapshot(module)
+    backward(ddp, rank, world_size)
+    optimizer.step()
+    return unchanged(module, before)
+
+
+def test_an_optimizer_that_declares_itself_elementwise_is_sharded():
+    assert shared_world(2).run(_elementwise_admitted) == [False, False]
+
+
+def test_a_wrapper_refusing_backward_steps_refuses_sharding(single_process_group):
+    """ddp_ext.fault_tolerance's replicas apply the steps themselves."""
+    module, ddp = plain_wrapper()
+    ddp._refuse_backward_steps("the caller steps")
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"\(overlap_optimizer\(shard=True\)\): the caller steps"):
+        ddp.overlap_optimizer(optimizer, shard=True)
+    assert ddp._optimizer_overlap is None and not ddp._comm_hooks
