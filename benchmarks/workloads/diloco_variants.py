@@ -7,7 +7,8 @@
 - `streaming`: the same in fragments, each exchange overlapping a step
   (tau = 1, Streaming DiLoCo);
 - `diloco_int8`, `streaming_int8`: those two with the exchange in 8 bits
-  (with error feedback).
+  (with error feedback);
+- `diloco_int4`: `diloco` with the exchange in 4 bits (with error feedback).
 
 Every variant starts from the same parameters (seeded), steps the same inner
 optimizer (AdamW) on the same batches per rank, and gives the parameters
@@ -27,8 +28,10 @@ from benchmarks.workloads.char_transformer import CharModelShape, CharTransforme
 
 TORCH, ADAPTIVE = "torch", "ours_adaptive"
 DILOCO, STREAMING, DILOCO_INT8, STREAMING_INT8 = "diloco", "streaming", "diloco_int8", "streaming_int8"
-VARIANTS = (TORCH, ADAPTIVE, DILOCO, STREAMING, DILOCO_INT8, STREAMING_INT8)
-OUTER_VARIANTS = (DILOCO, STREAMING, DILOCO_INT8, STREAMING_INT8)
+DILOCO_INT4 = "diloco_int4"
+VARIANTS = (TORCH, ADAPTIVE, DILOCO, STREAMING, DILOCO_INT8, STREAMING_INT8, DILOCO_INT4)
+OUTER_VARIANTS = (DILOCO, STREAMING, DILOCO_INT8, STREAMING_INT8, DILOCO_INT4)
+BITS = {DILOCO_INT8: 8, STREAMING_INT8: 8, DILOCO_INT4: 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +52,7 @@ class TrainSettings:
         """DiLoCo's keyword arguments for `variant` (one of OUTER_VARIANTS)."""
         streaming = variant in (STREAMING, STREAMING_INT8)
         return {"sync_every": self.sync_every, "fragments": self.fragments if streaming else 1,
-                "delay": self.delay if streaming else 0, "bits": 8 if variant in (DILOCO_INT8, STREAMING_INT8) else 32,
+                "delay": self.delay if streaming else 0, "bits": BITS.get(variant, 32),
                 "outer_optimizer": self.outer_optimizer}
 
     def describe(self, variant: str) -> str:

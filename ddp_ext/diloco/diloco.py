@@ -48,8 +48,8 @@ class DiLoCo:
             optimizer stepping them; called once per fragment, with that
             fragment's last synced copies. Default: Nesterov SGD, lr 0.7,
             momentum 0.9.
-        bits: 32 (float32) or 8 (int8 with one scale per `int8_chunk`
-            elements, and error feedback across syncs).
+        bits: 32 (float32), 8 or 4 (one scale per `int8_chunk` elements,
+            and error feedback across syncs).
         mix: weight of the new global parameters at a merge; default 1
             without delay, 0.5 with (Note [DiLoCo merge]).
         inner_group: ddp's process group (default: taken from ddp).
@@ -110,8 +110,8 @@ class DiLoCo:
     def _make_fragments(self, factory: OuterOptimizerFactory) -> List[str]:
         try:
             runs = _fragments.split(self._parameters, self.settings.fragments)
-            chunk = self.settings.int8_chunk if self.settings.bits == 8 else None
-            self._fragments = [FragmentState([self._parameters[i] for i in run], factory, chunk) for run in runs]
+            self._fragments = [FragmentState([self._parameters[i] for i in run], factory, self.settings.bits,
+                                             self.settings.int8_chunk) for run in runs]
         except Exception as error:  # the user's factory may raise anything: report it on every rank
             return [f"{type(error).__name__}: {error}"]
         return []
