@@ -39,14 +39,14 @@ class TrainSettings:
     shape: CharModelShape = CharModelShape()
     batch: int = 4  # sequences per rank and step
     lr: float = 2e-3  # AdamW, every variant
-    sync_every: int = 50  # H
+    sync_every: int = 25  # H
     fragments: int = 2  # F of `streaming`
     delay: int = 1  # tau of `streaming`
     outer_lr: float = 0.7
     outer_momentum: float = 0.5
 
     def outer_optimizer(self, params):
-        return torch.optim.SGD(params, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=True)
+        return torch.optim.SGD(params, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.outer_momentum > 0)
 
     def diloco_arguments(self, variant: str) -> dict:
         """DiLoCo's keyword arguments for `variant` (one of OUTER_VARIANTS)."""
