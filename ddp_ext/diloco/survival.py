@@ -100,7 +100,8 @@ class SurvivingSync:
                                heartbeat_timeout=settings.heartbeat_timeout)
         self._contributes = False  # until this rank took part in a committed sync
         self._expected = -1
-        self.last_members: tuple = ()
+        self.last_members: tuple = ()  # the last committed sync's quorum
+        self.last_attempts = 0  # how often it ran (more than 1: members failed during it)
 
     def sync(self, expected: int) -> int:
         """One sync, run again with the survivors if a member dies in it;
@@ -113,6 +114,7 @@ class SurvivingSync:
         result = self.replica.run_step(self._exchange)
         self._contributes = True
         self.last_members = result.membership.members
+        self.last_attempts = result.attempts
         with torch.no_grad():
             for synced, live in zip(self._fragment.synced, self._fragment.live):
                 live.copy_(synced)

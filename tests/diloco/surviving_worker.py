@@ -7,6 +7,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import sys
 import time
 
@@ -34,6 +35,7 @@ def main(argv=None) -> int:
     parser.add_argument("--outer", default="default", choices=["default", "plain"])
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds per inner step")
     parser.add_argument("--gate", default="", help="STEP:FILE: before step STEP, wait until FILE exists")
+    parser.add_argument("--die-in-sync", type=int, default=0, help="N: SIGKILL this rank as sync N starts its exchange")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
@@ -52,6 +54,16 @@ def main(argv=None) -> int:
     outer = ddp_ext.DiLoCo(ddp, optimizer, sync_every=args.sync_every, outer_optimizer=outer_optimizer,
                            fault_tolerance=FaultTolerance(args.coordinator, args.host, heartbeat_timeout=2.0))
     record(kind="joined", step=outer.step_count, members=list(outer._surviving.last_members))
+    if args.die_in_sync:
+        exchange = outer._surviving._exchange
+
+        def dying(membership):
+            if membership.step == args.die_in_sync:
+                record(kind="fault", step=outer.step_count)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return exchange(membership)
+
+        outer._surviving._exchange = dying
     while outer.step_count < args.steps:
         step = outer.step_count
         if args.gate and step == int(args.gate.split(":")[0]):
@@ -65,7 +77,8 @@ def main(argv=None) -> int:
         outer.step()
         synced = outer.step_count % args.sync_every == 0
         record(kind="step", step=outer.step_count, loss=loss.item(),
-               members=list(outer._surviving.last_members) if synced else None)
+               members=list(outer._surviving.last_members) if synced else None,
+               attempts=outer._surviving.last_attempts if synced else None)
         time.sleep(args.sleep)
     torch.save({"live": [p.detach().clone() for p in ddp.module.parameters()],
                 "global": [p.clone() for p in outer.global_parameters()]}, args.out + ".pt")

@@ -2,7 +2,8 @@
 host a torch.distributed job of its own, meeting through a fault-tolerance
 coordinator (tests/diloco/surviving_worker.py). One host's ranks are killed
 (SIGKILL) between two syncs: the other goes on without a restart, and a
-replacement host joins at a later sync and heals from it."""
+replacement host joins at a later sync and heals from it. Or they are
+killed in a sync: the survivors run it again without them."""
 
 import os
 import signal
@@ -119,3 +120,23 @@ def test_a_killed_host_is_dropped_and_a_replacement_heals(run):
             assert torch.equal(a, b), key
     losses = [rec["loss"] for rec in _steps(r, "a0")]
     assert sum(losses[-4:]) < 0.7 * sum(losses[:4])
+
+
+def test_a_host_killed_in_a_sync_makes_the_survivors_run_it_again(run):
+    steps, sync_every, dies_in = 20, 4, 3  # the sync at step 12
+    r = run(min_replicas=4)
+    _start_host(r, "a", 0, "a", steps, sync_every)
+    _start_host(r, "b", 1, "b", steps, sync_every, die_in_sync=dies_in)
+    codes = r.wait(["a0", "a1", "b0", "b1"], timeout=240)
+    assert codes == {"a0": 0, "a1": 0, "b0": -signal.SIGKILL, "b1": -signal.SIGKILL}, r.logs()
+    assert [rec["step"] for rec in r.records("b0") if rec["kind"] == "fault"] == [dies_in * sync_every]
+    for key in ("a0", "a1"):
+        syncs = {rec["step"]: rec for rec in _steps(r, key) if rec["members"]}
+        assert sorted(syncs) == list(range(sync_every, steps + 1, sync_every))
+        assert all(len(syncs[s]["members"]) == 4 and syncs[s]["attempts"] == 1 for s in (4, 8))
+        # aborted with b in it, then committed by a alone; nothing of it applied twice or half
+        assert sorted(syncs[12]["members"]) == ["a/0", "a/1"] and syncs[12]["attempts"] >= 2
+        assert all(sorted(syncs[s]["members"]) == ["a/0", "a/1"] for s in (16, 20))
+    a0, a1 = _final(r, "a0"), _final(r, "a1")
+    for x, y in zip(a0["global"] + a0["live"], a1["global"] + a1["global"], strict=True):
+        assert torch.equal(x, y)
