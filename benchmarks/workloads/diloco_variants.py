@@ -17,7 +17,7 @@ synced ones for DiLoCo.
 """
 
 import dataclasses
-from typing import List
+from typing import List, Optional
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
@@ -42,6 +42,7 @@ class TrainSettings:
     sync_every: int = 25  # H
     fragments: int = 2  # F of `streaming`
     delay: int = 1  # tau of `streaming`
+    mix: Optional[float] = None  # of `streaming`; None: DiLoCo's default (0.5 with a delay)
     outer_lr: float = 0.7
     outer_momentum: float = 0.5
 
@@ -53,7 +54,7 @@ class TrainSettings:
         streaming = variant in (STREAMING, STREAMING_INT8)
         return {"sync_every": self.sync_every, "fragments": self.fragments if streaming else 1,
                 "delay": self.delay if streaming else 0, "bits": BITS.get(variant, 32),
-                "outer_optimizer": self.outer_optimizer}
+                "outer_optimizer": self.outer_optimizer, "mix": self.mix if streaming else None}
 
     def describe(self, variant: str) -> str:
         if variant == TORCH:
