@@ -315,14 +315,14 @@ def table(data: dict) -> str:
 
 def plot(data: dict, path: str) -> None:
     """One row per link: held-out loss against wall time, and against tokens.
-    Dashed: the 8-bit variants; dotted: torch's DDP's final loss."""
+    Dashed: the 8- and 4-bit variants; dotted: torch's DDP's final loss."""
     names = list(data["curves"])
     figure, grid = figures.plt.subplots(len(names), 2, figsize=(8.0, 2.7 * len(names)), squeeze=False)
     per_step_tokens = {r["variant"]: r["tokens"] / r["steps"] for r in data["rows"]}
     for (by_time, by_tokens), name in zip(grid, names):
         curves = data["curves"][name]
         for variant, c in curves.items():
-            style = {"label": variant, "linestyle": "--" if "int8" in variant else "-", "linewidth": 1.2}
+            style = {"label": variant, "linestyle": "--" if "_int" in variant else "-", "linewidth": 1.2}
             by_time.plot(c["curve_wall_s"], c["curve_loss"], **style)
             by_tokens.plot([s * per_step_tokens[variant] / 1e6 for s in c["curve_steps"]], c["curve_loss"], **style)
         target = [r["loss_equal_tokens"] for r in data["rows"]

@@ -7,7 +7,8 @@
 - `streaming`: the same in fragments, each exchange overlapping a step
   (tau = 1, Streaming DiLoCo);
 - `diloco_int8`, `streaming_int8`: those two with the exchange in 8 bits
-  (with error feedback).
+  (with error feedback);
+- `diloco_int4`: `diloco` with the exchange in 4 bits (with error feedback).
 
 Every variant starts from the same parameters (seeded), steps the same inner
 optimizer (AdamW) on the same batches per rank, and gives the parameters
@@ -16,7 +17,7 @@ synced ones for DiLoCo.
 """
 
 import dataclasses
-from typing import List
+from typing import List, Optional
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
@@ -27,8 +28,10 @@ from benchmarks.workloads.char_transformer import CharModelShape, CharTransforme
 
 TORCH, ADAPTIVE = "torch", "ours_adaptive"
 DILOCO, STREAMING, DILOCO_INT8, STREAMING_INT8 = "diloco", "streaming", "diloco_int8", "streaming_int8"
-VARIANTS = (TORCH, ADAPTIVE, DILOCO, STREAMING, DILOCO_INT8, STREAMING_INT8)
-OUTER_VARIANTS = (DILOCO, STREAMING, DILOCO_INT8, STREAMING_INT8)
+DILOCO_INT4 = "diloco_int4"
+VARIANTS = (TORCH, ADAPTIVE, DILOCO, STREAMING, DILOCO_INT8, STREAMING_INT8, DILOCO_INT4)
+OUTER_VARIANTS = (DILOCO, STREAMING, DILOCO_INT8, STREAMING_INT8, DILOCO_INT4)
+BITS = {DILOCO_INT8: 8, STREAMING_INT8: 8, DILOCO_INT4: 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,21 +39,22 @@ class TrainSettings:
     shape: CharModelShape = CharModelShape()
     batch: int = 4  # sequences per rank and step
     lr: float = 2e-3  # AdamW, every variant
-    sync_every: int = 50  # H
+    sync_every: int = 25  # H
     fragments: int = 2  # F of `streaming`
     delay: int = 1  # tau of `streaming`
+    mix: Optional[float] = None  # of `streaming`; None: DiLoCo's default (0.5 with a delay)
     outer_lr: float = 0.7
     outer_momentum: float = 0.5
 
     def outer_optimizer(self, params):
-        return torch.optim.SGD(params, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=True)
+        return torch.optim.SGD(params, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.outer_momentum > 0)
 
     def diloco_arguments(self, variant: str) -> dict:
         """DiLoCo's keyword arguments for `variant` (one of OUTER_VARIANTS)."""
         streaming = variant in (STREAMING, STREAMING_INT8)
         return {"sync_every": self.sync_every, "fragments": self.fragments if streaming else 1,
-                "delay": self.delay if streaming else 0, "bits": 8 if variant in (DILOCO_INT8, STREAMING_INT8) else 32,
-                "outer_optimizer": self.outer_optimizer}
+                "delay": self.delay if streaming else 0, "bits": BITS.get(variant, 32),
+                "outer_optimizer": self.outer_optimizer, "mix": self.mix if streaming else None}
 
     def describe(self, variant: str) -> str:
         if variant == TORCH:

@@ -12,5 +12,6 @@ in 32 or 8 bits. See docs/DILOCO.md.
 
 from ddp_ext.diloco.diloco import DiLoCo
 from ddp_ext.diloco.groups import HostGroups, host_groups
+from ddp_ext.diloco.survival import FaultTolerance
 
-__all__ = ["DiLoCo", "HostGroups", "host_groups"]
+__all__ = ["DiLoCo", "FaultTolerance", "HostGroups", "host_groups"]

@@ -15,6 +15,7 @@ from ddp_ext.diloco.exchange import Arrived, Exchange
 from ddp_ext.diloco.outer_state import FragmentState, OuterOptimizerFactory, default_outer_optimizer
 from ddp_ext.diloco.schedule import Schedule
 from ddp_ext.diloco.settings import Settings, default_mix
+from ddp_ext.diloco.survival import FaultTolerance, SurvivingSync
 
 
 @dataclasses.dataclass
@@ -47,13 +48,18 @@ class DiLoCo:
             optimizer stepping them; called once per fragment, with that
             fragment's last synced copies. Default: Nesterov SGD, lr 0.7,
             momentum 0.9.
-        bits: 32 (float32) or 8 (int8 with one scale per `int8_chunk`
-            elements, and error feedback across syncs).
+        bits: 32 (float32), 8 or 4 (one scale per `int8_chunk` elements,
+            and error feedback across syncs).
         mix: weight of the new global parameters at a merge; default 1
             without delay, 0.5 with (Note [DiLoCo merge]).
         inner_group: ddp's process group (default: taken from ddp).
         outer_group: this rank's outer group (default: derived from the inner
             groups, the ranks at the same position in each).
+        fault_tolerance: a `ddp_ext.diloco.FaultTolerance`: each host is a job
+            of its own (its default group is the inner group), the hosts meet
+            through a fault-tolerance coordinator, and a host that dies is
+            dropped at the next sync (Note [DiLoCo survives a host]). One
+            fragment, no delay, 32 bits.
 
     Construction is collective over the default process group; bad
     settings raise ValueError on every rank.
@@ -62,7 +68,8 @@ class DiLoCo:
     def __init__(self, ddp: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *, sync_every: int,
                  fragments: int = 1, delay: int = 0, outer_optimizer: Optional[OuterOptimizerFactory] = None,
                  bits: int = 32, mix: Optional[float] = None, int8_chunk: int = 1024,
-                 inner_group: Optional[dist.ProcessGroup] = None, outer_group: Optional[dist.ProcessGroup] = None):
+                 inner_group: Optional[dist.ProcessGroup] = None, outer_group: Optional[dist.ProcessGroup] = None,
+                 fault_tolerance: Optional[FaultTolerance] = None):
         self.settings = Settings(sync_every, fragments, delay, bits, default_mix(delay, mix), int8_chunk)
         self.module = getattr(ddp, "module", None)
         self.inner_optimizer = inner_optimizer
@@ -70,32 +77,41 @@ class DiLoCo:
         inner = inner_group if inner_group is not None else getattr(ddp, "process_group", None)
         problems = self.settings.problems() + _local_problems(ddp, inner_group, inner_optimizer, outer_optimizer,
                                                               self._parameters)
+        if fault_tolerance is not None:
+            problems += _surviving_problems(self.settings, fault_tolerance, inner, outer_group)
         self._fragments: List[FragmentState] = []
         if not problems:
             problems += self._make_fragments(outer_optimizer or default_outer_optimizer)
         facts = (_groups.members(inner) if inner is not None else [],
                  _groups.members(outer_group) if outer_group is not None else None)
         same = {"settings": self.settings, "outer_group given": outer_group is not None,
+                "fault_tolerance": fault_tolerance,
                 "parameters": [(tuple(p.shape), str(p.dtype)) for p in self._parameters]}
         gathered = agree("DiLoCo", problems, same, facts)
+        self._schedule = Schedule(self.settings)
+        self._in_flight: List[_InFlight] = []
+        self.bytes_sent = 0
+        self.inner_group = inner
+        self._surviving: Optional[SurvivingSync] = None
+        if fault_tolerance is not None:
+            self.outer_group = None
+            self._surviving = SurvivingSync(self._fragments[0], fault_tolerance)
+            self._step = self._surviving.sync(-1) * self.settings.sync_every
+            return
         inner_by_rank = [inner_members for inner_members, _ in gathered]
         outer_by_rank = None if outer_group is None else [outer_members for _, outer_members in gathered]
         structure = _groups.structure_problems(inner_by_rank, outer_by_rank)
         if structure:
             raise ValueError("DiLoCo: " + "; ".join(structure))  # the same on every rank: all saw the same facts
-        self.inner_group = inner
         self.outer_group = outer_group if outer_group is not None else _groups.derive_outer(inner_by_rank)
-        self._schedule = Schedule(self.settings)
         self._step = 0
-        self._in_flight: List[_InFlight] = []
-        self.bytes_sent = 0
         self._start_equal()
 
     def _make_fragments(self, factory: OuterOptimizerFactory) -> List[str]:
         try:
             runs = _fragments.split(self._parameters, self.settings.fragments)
-            chunk = self.settings.int8_chunk if self.settings.bits == 8 else None
-            self._fragments = [FragmentState([self._parameters[i] for i in run], factory, chunk) for run in runs]
+            self._fragments = [FragmentState([self._parameters[i] for i in run], factory, self.settings.bits,
+                                             self.settings.int8_chunk) for run in runs]
         except Exception as error:  # the user's factory may raise anything: report it on every rank
             return [f"{type(error).__name__}: {error}"]
         return []
@@ -129,6 +145,12 @@ class DiLoCo:
         """Call after each `inner_optimizer.step()`: launches the fragments
         whose step this is and merges the exchanges due."""
         self._step += 1
+        if self._surviving is not None:
+            if self._schedule.launches_at(self._step):
+                number = self._surviving.sync(self._step // self.settings.sync_every)
+                self._step = number * self.settings.sync_every
+                self.bytes_sent += 4 * self._fragments[0].numel
+            return
         for p in self._schedule.launches_at(self._step):
             fragment = self._fragments[p]
             exchange = Exchange(fragment.pseudo_gradient(), self.outer_group, fragment.codec)
@@ -159,6 +181,9 @@ class DiLoCo:
     def load_state_dict(self, state: Dict) -> None:
         """Restores what `state_dict` saved, into a DiLoCo with the same
         settings and no exchange in flight (one just constructed)."""
+        if self._surviving is not None:
+            raise ValueError("DiLoCo.load_state_dict: with fault_tolerance a host (re)starts by healing from a live "
+                             "peer at the next sync; a checkpoint cannot be loaded into one host alone")
         saved = Settings(**state["settings"])
         if saved != self.settings:
             raise ValueError(f"DiLoCo.load_state_dict: saved with {saved}, this one has {self.settings}")
@@ -173,6 +198,22 @@ class DiLoCo:
                            for f in state["in_flight"]]
         self._step = state["step"]
         self.bytes_sent = state["bytes_sent"]
+
+
+def _surviving_problems(settings: Settings, fault_tolerance, inner, outer_group) -> List[str]:
+    """What keeps these arguments from a fault-tolerant DiLoCo."""
+    if not isinstance(fault_tolerance, FaultTolerance):
+        return [f"fault_tolerance must be a ddp_ext.diloco.FaultTolerance, got {type(fault_tolerance).__name__}"]
+    problems = fault_tolerance.problems()
+    if (settings.fragments, settings.delay, settings.bits) != (1, 0, 32):
+        problems.append(f"with fault_tolerance, DiLoCo syncs one fragment without delay in 32 bits; got "
+                        f"fragments={settings.fragments}, delay={settings.delay}, bits={settings.bits}")
+    if outer_group is not None:
+        problems.append("with fault_tolerance the coordinator makes the outer groups: do not pass outer_group")
+    if inner is not None and dist.get_world_size(inner) != dist.get_world_size():
+        problems.append("with fault_tolerance each host is a job of its own: the DDP model's group must be the "
+                        "whole default process group (the host's ranks)")
+    return problems
 
 
 def _local_problems(ddp, inner_group, inner_optimizer, outer_optimizer, parameters) -> List[str]:

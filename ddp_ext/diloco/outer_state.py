@@ -24,6 +24,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from ddp_ext.diloco.int4 import Int4ErrorFeedback
 from ddp_ext.diloco.int8 import ErrorFeedback
 
 OuterOptimizerFactory = Callable[[List[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -35,9 +36,10 @@ def default_outer_optimizer(params: List[torch.nn.Parameter]) -> torch.optim.Opt
 
 
 class FragmentState:
-    def __init__(self, live: Sequence[torch.Tensor], factory: OuterOptimizerFactory, int8_chunk: Optional[int]):
-        """`live`: the fragment's model parameters; `int8_chunk`: the codec's
-        chunk in 8 bits, None in 32. Raises ValueError if the factory's
+    def __init__(self, live: Sequence[torch.Tensor], factory: OuterOptimizerFactory, bits: int = 32,
+                 chunk: int = 1024):
+        """`live`: the fragment's model parameters; `bits`: 32, or 8 or 4
+        with `chunk` elements per scale. Raises ValueError if the factory's
         optimizer steps other tensors than the synced copies it was given."""
         self.live = list(live)
         self.synced = [torch.nn.Parameter(p.detach().clone()) for p in self.live]
@@ -53,7 +55,8 @@ class FragmentState:
                 "it returned one over other tensors"
             )
         device = self.live[0].device
-        self.codec = ErrorFeedback(self.numel, int8_chunk, device) if int8_chunk is not None else None
+        codecs = {8: ErrorFeedback, 4: Int4ErrorFeedback}
+        self.codec = codecs[bits](self.numel, chunk, device) if bits in codecs else None
 
     @torch.no_grad()
     def reset_synced(self) -> None:

@@ -3,7 +3,7 @@
 import dataclasses
 from typing import List, Optional
 
-BITS = (8, 32)
+BITS = (4, 8, 32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -11,9 +11,9 @@ class Settings:
     sync_every: int  # H: inner steps between two syncs of the same fragment
     fragments: int  # F: parts of the model, synced at staggered steps
     delay: int  # tau: inner steps an exchange runs beside before it is merged
-    bits: int  # 8 (int8 with error feedback) or 32 (float32)
+    bits: int  # 4 or 8 (with error feedback) or 32 (float32)
     mix: float  # weight of the new global parameters when merging (1: replace)
-    int8_chunk: int  # elements per int8 scale
+    int8_chunk: int  # elements per scale in 8 and 4 bits
 
     def problems(self) -> List[str]:
         """What is wrong with these settings (empty if nothing), one sentence each."""

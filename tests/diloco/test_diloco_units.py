@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from ddp_ext.diloco.fragments import split
+from ddp_ext.diloco.int4 import Int4ErrorFeedback
 from ddp_ext.diloco.int8 import ErrorFeedback
 from ddp_ext.diloco.schedule import Schedule
 from ddp_ext.diloco.settings import Settings, default_mix
@@ -32,7 +33,7 @@ def test_schedule_spreads_fragments_over_each_window():
     ((4, 2, 2), "delay=2 >= sync_every/fragments=4/2"),
     ((4, 1, 4), "delay=4 >= sync_every/fragments=4/1"),
     ((0,), "sync_every must be an integer >= 1"),
-    ((4, 1, 0, 16), "bits must be one of (8, 32)"),
+    ((4, 1, 0, 16), "bits must be one of (4, 8, 32)"),
     ((4, 1, 0, 32, 0.0), "mix must be a number in (0, 1]"),
 ])
 def test_settings_problems(args, problem):
@@ -105,3 +106,55 @@ def test_error_feedback_mean_is_in_payload_order_and_exact_for_codes():
     b = ErrorFeedback(4, 4).encode(torch.tensor([1.0, 1.0, 1.0, 1.0]))
     assert codec.residual.abs().max().item() == 0  # these values are codes times a scale of 1
     assert torch.equal(codec.decode_mean([a, b]), torch.tensor([64.0, -63.0, 0.5, 1.0]))
+
+
+def test_int4_round_trip_is_within_half_a_step_and_packs_two_a_byte():
+    gen = torch.Generator().manual_seed(1)
+    numel, chunk = 1001, 100  # an odd count, and a last chunk of one element
+    codec = Int4ErrorFeedback(numel, chunk)
+    values = torch.randn(numel, generator=gen)
+    values[200:300] = 0.0  # a chunk of zeros
+    payload = codec.encode(values)
+    assert payload.dtype == torch.uint8 and payload.numel() == codec.payload_bytes == 4 * 11 + 1002 // 2
+    decoded = codec.decode(payload)
+    step = torch.stack([values[i:i + chunk].abs().max() / 7 for i in range(0, numel, chunk)])
+    bound = step.repeat_interleave(chunk)[:numel] / 2
+    assert ((values - decoded).abs() <= bound * (1 + 1e-6)).all()
+    assert torch.equal(decoded[200:300], torch.zeros(100))
+    torch.testing.assert_close(codec.residual, values - decoded, rtol=0, atol=0)  # what it missed is kept
+    # largest magnitudes are sent exactly as +-7 steps
+    assert (decoded - values).abs()[values.abs() == values.abs().max()].max() < 1e-6
+
+
+def test_int4_error_feedback_makes_the_sum_sent_track_the_true_sum():
+    gen = torch.Generator().manual_seed(0)
+    numel, chunk, syncs = 3000, 256, 40
+    codec = Int4ErrorFeedback(numel, chunk)
+    true_sum = torch.zeros(numel, dtype=torch.float64)
+    sent_sum = torch.zeros(numel, dtype=torch.float64)
+    plain_sum = torch.zeros(numel, dtype=torch.float64)
+    for _ in range(syncs):
+        values = torch.randn(numel, generator=gen) * 1e-2
+        true_sum += values.double()
+        sent_sum += codec.decode_mean([codec.encode(values)]).double()
+        once = Int4ErrorFeedback(numel, chunk)
+        plain_sum += once.decode_mean([once.encode(values)]).double()
+    torch.testing.assert_close(true_sum - sent_sum, codec.residual.double(), rtol=0, atol=1e-6)
+    # half a step of at most (largest |value + residual|) / 7, below 0.06 / 7
+    assert (true_sum - sent_sum).abs().max().item() <= 0.5 * 0.06 / 7
+    assert (true_sum - plain_sum).abs().mean().item() > 3 * (true_sum - sent_sum).abs().mean().item()
+
+
+def test_int4_stays_finite_when_a_chunk_gets_only_zeros_and_sums_in_payload_order():
+    codec = Int4ErrorFeedback(64, 32)
+    first = torch.randn(64, generator=torch.Generator().manual_seed(0)) * 1e-5
+    first[32:] = 1.0
+    sent = [codec.decode_mean([codec.encode(first)])]
+    for _ in range(60):  # each sync re-sends what the last missed, about 14 times smaller
+        sent.append(codec.decode_mean([codec.encode(torch.zeros(64))]))
+    assert torch.isfinite(codec.residual).all() and all(torch.isfinite(m).all() for m in sent)
+    torch.testing.assert_close(torch.stack(sent).double().sum(0) + codec.residual.double(), first.double(),
+                               rtol=0, atol=1e-12)
+    a = Int4ErrorFeedback(4, 4).encode(torch.tensor([7.0, -7.0, 0.0, 1.0]))
+    b = Int4ErrorFeedback(4, 4).encode(torch.tensor([1.0, 1.0, 1.0, 1.0]))
+    assert torch.equal(codec.__class__(4, 4).decode_mean([a, b]), torch.tensor([4.0, -3.0, 0.5, 1.0]))

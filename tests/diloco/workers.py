@@ -13,7 +13,7 @@ from torch import nn
 import torch.nn.functional as F
 
 import ddp_ext
-from ddp_ext.diloco import host_groups
+from ddp_ext.diloco import FaultTolerance, host_groups
 
 RANKS_PER_HOST = 2
 BATCH = 4
@@ -138,6 +138,8 @@ def construct(rank, world_size, case):
         diloco.update(outer_group=within[rank // RANKS_PER_HOST])
     elif case == "delay_too_long_on_rank_0" and rank == 0:
         diloco.update(delay=4)
+    elif case == "fault_tolerance_with_fragments":  # refused before any coordinator is reached
+        diloco.update(fragments=2, fault_tolerance=FaultTolerance("127.0.0.1:1", f"host{rank // RANKS_PER_HOST}"))
     elif case == "settings_differ_on_rank_3" and rank == 3:
         diloco.update(sync_every=8)
     try:
@@ -150,12 +152,12 @@ def construct(rank, world_size, case):
 # --- References, in one process ----------------------------------------------
 
 
-def local_sgd_reference(steps: int, average: bool):
+def local_sgd_reference(steps: int, average: bool, seed: int = 0):
     """Each host's model trained with SGD (lr 0.1) on its two ranks'
     batches concatenated (what DDP over the host computes, up to rounding),
     the hosts' parameters replaced by their mean after every step if
-    `average`. The hosts' parameters, by host."""
-    hosts = [build_model() for _ in range(2)]
+    `average`. Both start from build_model(seed). The hosts' parameters, by host."""
+    hosts = [build_model(seed) for _ in range(2)]
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in hosts]
     for step in range(steps):
         for host, (model, optimizer) in enumerate(zip(hosts, optimizers)):

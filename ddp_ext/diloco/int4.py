@@ -1,0 +1,75 @@
+"""Outer gradients in 4 bits, with error feedback across syncs.
+
+One 4-bit code per element, two a byte (the element of even index in the
+low half), and one float32 scale per chunk of `chunk` elements, the
+chunk's largest magnitude / 7: codes are -7 .. 7, stored plus 8. As in 8
+bits (int8.py), what a sync's codes miss is kept and added to the same
+fragment's next pseudo-gradient, so the sum sent tracks the sum of the true
+pseudo-gradients to within one sync's rounding (half a scale step per
+element). Plain torch operations: the same bits on every rank for the same
+payloads in the same order.
+"""
+
+from typing import List
+
+import torch
+
+LEVELS = 7
+# Below this a chunk's largest magnitude is sent as zero (kept in the
+# residual): dividing by a scale that is no normal float overflows.
+SMALLEST = 1e-30
+
+
+class Int4ErrorFeedback:
+    """One fragment's 4-bit encoder: its residual and its chunk size."""
+
+    def __init__(self, numel: int, chunk: int, device: torch.device = torch.device("cpu")):
+        self.chunk = chunk
+        self.numel = numel
+        self.chunks = -(-numel // chunk)
+        self.residual = torch.zeros(numel, dtype=torch.float32, device=device)
+        self.payload_bytes = 4 * self.chunks + (numel + 1) // 2
+
+    def _padded(self, values: torch.Tensor) -> torch.Tensor:
+        padded = torch.zeros(self.chunks * self.chunk, dtype=torch.float32, device=values.device)
+        padded[:self.numel] = values
+        return padded.view(self.chunks, self.chunk)
+
+    def encode(self, values: torch.Tensor) -> torch.Tensor:
+        """The payload of `values` (1-D float32) plus what earlier payloads
+        missed; the residual then holds what this one misses."""
+        self.residual.add_(values)
+        chunks = self._padded(self.residual)
+        largest = chunks.abs().amax(dim=1)
+        scales = torch.where(largest > SMALLEST, largest / LEVELS, torch.zeros_like(largest))
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        codes = torch.round(chunks / safe[:, None]).clamp_(-LEVELS, LEVELS)
+        codes = torch.where(scales[:, None] > 0, codes, torch.zeros_like(codes))
+        self.residual.sub_((codes * scales[:, None]).reshape(-1)[:self.numel])
+        nibbles = (codes.reshape(-1)[:self.numel] + 8).to(torch.uint8)
+        if nibbles.numel() % 2:
+            nibbles = torch.cat([nibbles, nibbles.new_full((1,), 8)])
+        packed = nibbles[0::2] | (nibbles[1::2] << 4)
+        return torch.cat([scales.view(torch.uint8), packed])
+
+    def decode(self, payload: torch.Tensor) -> torch.Tensor:
+        """The values one payload stands for (1-D float32, `numel` long)."""
+        scales = payload[:4 * self.chunks].view(torch.float32)
+        packed = payload[4 * self.chunks:]
+        nibbles = torch.stack([packed & 0xF, packed >> 4], dim=1).reshape(-1)[:self.numel]
+        codes = self._padded(nibbles.to(torch.float32).sub_(8))
+        return (codes * scales[:, None]).reshape(-1)[:self.numel]
+
+    def decode_mean(self, payloads: List[torch.Tensor]) -> torch.Tensor:
+        """The mean of what `payloads` (one per outer rank, in rank order)
+        stand for, summed in that order, so every rank gets the same bits."""
+        total = self.decode(payloads[0]).clone()
+        for payload in payloads[1:]:
+            total.add_(self.decode(payload))
+        return total.div_(len(payloads))
+
+    def state_dict(self) -> dict:
+        return {"residual": self.residual.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.residual.copy_(state["residual"])

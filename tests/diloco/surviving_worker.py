@@ -1,0 +1,92 @@
+"""One rank of one host of a fault-tolerant DiLoCo run (tests/diloco/
+test_diloco_survival.py): the host is a two-rank torch.distributed job of
+its own, the hosts meet through a fault-tolerance coordinator. Writes one
+JSON line per event to --out, and the final parameters to --out + ".pt"."""
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import ddp_ext  # noqa: E402
+from ddp_ext.diloco import FaultTolerance  # noqa: E402
+from tests.diloco import workers  # noqa: E402
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--coordinator", required=True)
+    parser.add_argument("--host", required=True)
+    parser.add_argument("--host-index", type=int, required=True, help="which ranks' batches: 2 * index + rank")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True, help="the host's own rendezvous port")
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--sync-every", type=int, required=True)
+    parser.add_argument("--outer", default="default", choices=["default", "plain"])
+    parser.add_argument("--sleep", type=float, default=0.0, help="seconds per inner step")
+    parser.add_argument("--gate", default="", help="STEP:FILE: before step STEP, wait until FILE exists")
+    parser.add_argument("--die-in-sync", type=int, default=0, help="N: SIGKILL this rank as sync N starts its exchange")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+
+    out = open(args.out, "a")
+
+    def record(**fields):
+        out.write(json.dumps(dict(fields, time=time.time(), pid=os.getpid())) + "\n")
+        out.flush()
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
+                            world_size=workers.RANKS_PER_HOST, timeout=datetime.timedelta(seconds=60))
+    ddp = ddp_ext.DistributedDataParallel(workers.build_model(seed=args.host_index))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    outer_optimizer = workers.plain_outer_sgd if args.outer == "plain" else None
+    record(kind="started")
+    outer = ddp_ext.DiLoCo(ddp, optimizer, sync_every=args.sync_every, outer_optimizer=outer_optimizer,
+                           fault_tolerance=FaultTolerance(args.coordinator, args.host, heartbeat_timeout=2.0))
+    record(kind="joined", step=outer.step_count, members=list(outer._surviving.last_members))
+    if args.die_in_sync:
+        exchange = outer._surviving._exchange
+
+        def dying(membership):
+            if membership.step == args.die_in_sync:
+                record(kind="fault", step=outer.step_count)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return exchange(membership)
+
+        outer._surviving._exchange = dying
+    while outer.step_count < args.steps:
+        step = outer.step_count
+        if args.gate and step == int(args.gate.split(":")[0]):
+            while not os.path.exists(args.gate.split(":", 1)[1]):
+                time.sleep(0.05)
+        x, y = workers.batch(step, workers.RANKS_PER_HOST * args.host_index + args.rank)
+        loss = F.mse_loss(ddp(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        outer.step()
+        synced = outer.step_count % args.sync_every == 0
+        record(kind="step", step=outer.step_count, loss=loss.item(),
+               members=list(outer._surviving.last_members) if synced else None,
+               attempts=outer._surviving.last_attempts if synced else None)
+        time.sleep(args.sleep)
+    torch.save({"live": [p.detach().clone() for p in ddp.module.parameters()],
+                "global": [p.clone() for p in outer.global_parameters()]}, args.out + ".pt")
+    record(kind="done", step=outer.step_count)
+    outer._surviving.replica.close()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

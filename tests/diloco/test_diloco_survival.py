@@ -1,0 +1,142 @@
+"""Fault-tolerant DiLoCo in real processes: two hosts of two ranks, each
+host a torch.distributed job of its own, meeting through a fault-tolerance
+coordinator (tests/diloco/surviving_worker.py). One host's ranks are killed
+(SIGKILL) between two syncs: the other goes on without a restart, and a
+replacement host joins at a later sync and heals from it. Or they are
+killed in a sync: the survivors run it again without them."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.diloco import workers
+from tests.support.fault_tolerance_harness import ROOT, runs_closed_after
+
+WORKER = os.path.join(ROOT, "tests", "diloco", "surviving_worker.py")
+
+
+@pytest.fixture
+def run(tmp_path):
+    with runs_closed_after(tmp_path) as make:
+        yield make
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_host(r, host: str, index: int, name: str, steps: int, sync_every: int, **options):
+    """Starts a host's two ranks as replicas `name`0 and `name`1 of run `r`."""
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    for rank in range(workers.RANKS_PER_HOST):
+        key = f"{name}{rank}"
+        cmd = [sys.executable, WORKER, "--coordinator", r.address, "--host", host, "--host-index", str(index),
+               "--rank", str(rank), "--port", str(port), "--steps", str(steps), "--sync-every", str(sync_every),
+               "--out", str(r.tmp / f"{key}.jsonl")]
+        for option, value in options.items():
+            cmd += [f"--{option.replace('_', '-')}", str(value)]
+        log = open(str(r.tmp / f"{key}.log"), "w")
+        r.procs[key] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _steps(r, key):
+    return [rec for rec in r.records(key) if rec["kind"] == "step"]
+
+
+def _final(r, key):
+    return torch.load(str(r.tmp / f"{key}.jsonl.pt"))
+
+
+def test_without_failure_at_every_step_with_plain_outer_sgd_is_local_sgd(run):
+    # As in test_diloco_training: H = 1, outer SGD at lr 1. The hosts start
+    # from different models; the first quorum gives every rank its first
+    # member's (the first to say hello).
+    steps = 6
+    r = run(min_replicas=4)
+    _start_host(r, "a", 0, "a", steps, 1, outer="plain")
+    _start_host(r, "b", 1, "b", steps, 1, outer="plain")
+    assert r.wait(["a0", "a1", "b0", "b1"], timeout=240) == {k: 0 for k in ["a0", "a1", "b0", "b1"]}, r.logs()
+    first = r.epochs()[0][0]
+    expected = workers.local_sgd_reference(steps, average=True, seed={"a": 0, "b": 1}[first[0]])[0]
+    for key in ["a0", "a1", "b0", "b1"]:
+        final = _final(r, key)
+        for actual, reference in zip(final["global"], expected, strict=True):
+            torch.testing.assert_close(actual, reference, rtol=0, atol=1e-6)
+        assert all(torch.equal(a, b) for a, b in zip(final["global"], _final(r, "a0")["global"]))
+        syncs = [rec["members"] for rec in _steps(r, key)]
+        assert all(sorted(m) == ["a/0", "a/1", "b/0", "b/1"] for m in syncs), syncs
+
+
+def test_a_killed_host_is_dropped_and_a_replacement_heals(run):
+    steps, sync_every = 40, 4
+    r = run(min_replicas=4)
+    gate = r.tmp / "gate"  # host a waits there (between syncs) until the replacement is let in
+    _start_host(r, "a", 0, "a", steps, sync_every, sleep=0.05, gate=f"30:{gate}")
+    _start_host(r, "b", 1, "b", steps, sync_every, sleep=0.05)
+    # Kill host b between two syncs (its steps 10, 11: mid-fragment).
+    r.wait_for(lambda: len(_steps(r, "b0")) >= 10 and len(_steps(r, "b1")) >= 10, 240, "host b to reach step 10")
+    for key in ("b0", "b1"):
+        r.signal(key, signal.SIGKILL)
+    killed_at = max(rec["step"] for key in ("b0", "b1") for rec in _steps(r, key))
+    # The survivors sync without b, with no restart.
+    r.wait_for(lambda: any(sorted(rec["members"]) == ["a/0", "a/1"] for rec in _steps(r, "a0") if rec["members"]), 120,
+               "host a to sync without host b")
+    # A replacement host (another model, no state) joins and heals.
+    _start_host(r, "b", 1, "c", steps, sync_every, sleep=0.05)
+    announced = len(r.epochs())
+    r.wait_for(lambda: any({"b/0", "b/1"} <= set(m) for m in r.epochs()[announced - 1:]), 120,
+               "the replacement to be let in")
+    gate.touch()
+    codes = r.wait(["a0", "a1", "b0", "b1", "c0", "c1"], timeout=300)
+    assert codes == {"a0": 0, "a1": 0, "b0": -signal.SIGKILL, "b1": -signal.SIGKILL, "c0": 0, "c1": 0}, r.logs()
+
+    for key in ("a0", "a1"):
+        recs = r.records(key)
+        assert len({rec["pid"] for rec in recs}) == 1  # never restarted
+        assert [rec["step"] for rec in _steps(r, key)] == list(range(1, steps + 1))
+    syncs = {rec["step"]: sorted(rec["members"]) for rec in _steps(r, "a0") if rec["members"]}
+    assert all(syncs[s] == ["a/0", "a/1", "b/0", "b/1"] for s in syncs if s < killed_at)
+    alone = [s for s in syncs if syncs[s] == ["a/0", "a/1"]]
+    assert alone and min(alone) > killed_at and min(alone) - killed_at <= sync_every
+    assert syncs[steps] == ["a/0", "a/1", "b/0", "b/1"]  # the replacement, under the dead host's name
+
+    joined = [rec for rec in r.records("c0") if rec["kind"] == "joined"][0]
+    assert joined["step"] % sync_every == 0 and joined["step"] > max(alone)
+    assert syncs[joined["step"]] == ["a/0", "a/1", "b/0", "b/1"]
+    assert [rec["step"] for rec in _steps(r, "c0")] == list(range(joined["step"] + 1, steps + 1))
+
+    finals = {key: _final(r, key) for key in ("a0", "a1", "c0", "c1")}
+    for key, final in finals.items():  # the last step is a sync: everyone holds the same parameters
+        for a, b in zip(final["global"] + final["live"], finals["a0"]["global"] + finals["a0"]["global"],
+                        strict=True):
+            assert torch.equal(a, b), key
+    losses = [rec["loss"] for rec in _steps(r, "a0")]
+    assert sum(losses[-4:]) < 0.7 * sum(losses[:4])
+
+
+def test_a_host_killed_in_a_sync_makes_the_survivors_run_it_again(run):
+    steps, sync_every, dies_in = 20, 4, 3  # the sync at step 12
+    r = run(min_replicas=4)
+    _start_host(r, "a", 0, "a", steps, sync_every)
+    _start_host(r, "b", 1, "b", steps, sync_every, die_in_sync=dies_in)
+    codes = r.wait(["a0", "a1", "b0", "b1"], timeout=240)
+    assert codes == {"a0": 0, "a1": 0, "b0": -signal.SIGKILL, "b1": -signal.SIGKILL}, r.logs()
+    assert [rec["step"] for rec in r.records("b0") if rec["kind"] == "fault"] == [dies_in * sync_every]
+    for key in ("a0", "a1"):
+        syncs = {rec["step"]: rec for rec in _steps(r, key) if rec["members"]}
+        assert sorted(syncs) == list(range(sync_every, steps + 1, sync_every))
+        assert all(len(syncs[s]["members"]) == 4 and syncs[s]["attempts"] == 1 for s in (4, 8))
+        # aborted with b in it, then committed by a alone; nothing of it applied twice or half
+        assert sorted(syncs[12]["members"]) == ["a/0", "a/1"] and syncs[12]["attempts"] >= 2
+        assert all(sorted(syncs[s]["members"]) == ["a/0", "a/1"] for s in (16, 20))
+    a0, a1 = _final(r, "a0"), _final(r, "a1")
+    for x, y in zip(a0["global"] + a0["live"], a1["global"] + a1["global"], strict=True):
+        assert torch.equal(x, y)
