@@ -4,7 +4,7 @@ outer momentum, bits; fragments, delay and mix for streaming), every run the exp
 (the link changes time, not loss), as many steps as torch's DDP. Prints
 one line per setting: its held-out loss at the last step, over torch's.
 
-    python -m benchmarks.workloads.diloco_sweep [--steps 500] [--configs 50:0.7:0.5:32,...]
+    python -m benchmarks.diloco_sweep [--steps 500] [--configs 50:0.7:0.5:32,...]
 
 A setting is H:outer_lr:outer_momentum:bits, or H:outer_lr:outer_momentum:32:F:tau:mix
 for streaming DiLoCo.
