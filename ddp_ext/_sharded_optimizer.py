@@ -67,8 +67,9 @@ from ddp_ext._optimizer_overlap import (_called_by_grad_scaler, _unhooked_step, 
 from ddp_ext._shard_plan import ShardPlan, layout_of
 from ddp_ext._work_waiter import WorkWaiter
 
-# torch 2.13 renamed reduce_scatter_tensor (the old name warns).
+# torch 2.13 renamed reduce_scatter_tensor and all_gather_into_tensor (the old names warn).
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 # Note [Elementwise optimizers]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -298,7 +299,7 @@ class ShardedOptimizer:
         keys = []
         for plan in ordered:
             full = torch.empty(plan.padded, dtype=plan.params.dtype, device=plan.params.device)
-            work = dist.all_gather_into_tensor(full, plan.params, group=self.group, async_op=True)
+            work = _all_gather(full, plan.params, group=self.group, async_op=True)
             key = self.gathers
             self.gathers += 1
             self.gathering[key] = (plan, full, work)
