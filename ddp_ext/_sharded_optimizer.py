@@ -38,7 +38,8 @@ parameters into the bucket's flat shard (in case they were changed since:
 a loaded checkpoint), points each piece's .grad at the piece of the
 parameter's .grad (which the write-back filled with the shard's averaged
 gradient), steps the pieces, and all-gathers the flat shards into the
-parameters. The pre-hook then hands torch.optim's step wrapper a view of
+parameters (with overlap_forward, returns with the all-gathers on the wire:
+Note [Gathering behind the next forward] in ddp_ext/_gather_tail.py). The pre-hook then hands torch.optim's step wrapper a view of
 the optimizer with the parameters no bucket reduced (frozen ones, say), so
 hooks and an LR scheduler's count run as usual.
 

@@ -149,7 +149,23 @@ def _optimizer_state(module, ddp, optimizer):
     return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
+def _second_step(module, ddp, optimizer):
+    optimizer.step()  # no backward since: steps nothing, after writing the last step's parameters
+    _nothing_pending(ddp)
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def _zero_grad(module, ddp, optimizer):
+    optimizer.zero_grad(set_to_none=False)
+    optimizer.zero_grad()
+    tail = ddp._optimizer_overlap.tail
+    assert tail is None or tail.pending, "zero_grad() waited for the all-gathers"
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
 READS = {
+    "second_step": _second_step,
+    "zero_grad": _zero_grad,
     "deepcopy": lambda module, ddp, optimizer: dict(copy.deepcopy(module).named_parameters()),
     "torch_save": _saved,
     "ema": _ema,
