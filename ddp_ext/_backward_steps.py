@@ -85,7 +85,7 @@ class BackwardSteps(Bound):
         self.overlap = OptimizerOverlap(self.reducer, optimizer, self.named, self._rank(), held)
         return self.overlap
 
-    def shard_optimizer(self, optimizer, refusal: str, device) -> ShardedOptimizer:
+    def shard_optimizer(self, optimizer, refusal: str, device, overlap_forward: bool) -> ShardedOptimizer:
         """Installs the sharded optimizer (ddp_ext/_sharded_optimizer.py), after
         refusing on every rank alike what it cannot do exactly. `refusal`:
         why the wrapper's settings cannot shard, if they cannot."""
@@ -95,7 +95,7 @@ class BackwardSteps(Bound):
             raise ValueError(f"DistributedDataParallel.overlap_optimizer(..., shard=True) on rank {self._rank()} "
                              f"{why or refusal}")
         self._check_optimizer(optimizer)
-        self.overlap = ShardedOptimizer(optimizer, self.named, self.process_group, device)
+        self.overlap = ShardedOptimizer(optimizer, self.named, self.process_group, device, bool(overlap_forward))
         self.reducer._set_bucket_step(self.overlap.step_bucket)
         return self.overlap
 

@@ -136,16 +136,16 @@ class DelegatedNames:
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs):
-        if self._optimizer_overlap is not None and self._optimizer_overlap.overlaps_forward:
-            raise RuntimeError(
-                f"DistributedDataParallel on rank {self.process_group.rank()} cannot join uneven inputs with "
-                "overlap_optimizer(..., overlap_forward=True): a joined rank shadows the buckets in the plain "
-                "order, and the overlap launches the first layers' first. Use overlap_forward=False with Join.")
         if isinstance(self._optimizer_overlap, _sharded_optimizer.ShardedOptimizer):
             raise RuntimeError(
                 f"DistributedDataParallel on rank {self.process_group.rank()} cannot join uneven inputs with "
                 "overlap_optimizer(..., shard=True): a joined rank would shadow each bucket's reduce-scatter with an "
                 "allreduce. Use Join without shard=True.")
+        if self._optimizer_overlap is not None and self._optimizer_overlap.overlaps_forward:
+            raise RuntimeError(
+                f"DistributedDataParallel on rank {self.process_group.rank()} cannot join uneven inputs with "
+                "overlap_optimizer(..., overlap_forward=True): a joined rank shadows the buckets in the plain "
+                "order, and the overlap launches the first layers' first. Use overlap_forward=False with Join.")
         return self._join.hook(**kwargs)
     join_device = field("_settings", "device")
     join_process_group = property(lambda self: self.process_group)
@@ -199,13 +199,15 @@ class DelegatedNames:
         docs/OPTIMIZER_OVERLAP.md. With `shard=True` the optimizer is sharded
         across the ranks instead (ZeRO-2): each bucket is reduce-scattered,
         `optimizer.step()` steps the rank's shard and all-gathers the
-        parameters, and the optimizer's state exists for the shard only.
-        See docs/SHARDING.md."""
+        parameters, and the optimizer's state exists for the shard only;
+        with `overlap_forward=True` as well, the step returns without waiting
+        for the all-gathers, and what reads a parameter (the next forward,
+        first layers first) waits for its bucket. See docs/SHARDING.md."""
         if shard:
             refusal = _sharded_optimizer.settings_refusal(
                 self.module, self._backward_steps.named, [name for name, _ in self._hooks.registered],
                 self._layer_drop, overlap_forward, self.process_group)
-            sharded = self._backward_steps.shard_optimizer(optimizer, refusal, self._settings.device)
+            sharded = self._backward_steps.shard_optimizer(optimizer, refusal, self._settings.device, overlap_forward)
             self._hooks.register(None, sharded.hook)
             self._optimizer_overlap = sharded
             return

@@ -38,7 +38,8 @@ parameters into the bucket's flat shard (in case they were changed since:
 a loaded checkpoint), points each piece's .grad at the piece of the
 parameter's .grad (which the write-back filled with the shard's averaged
 gradient), steps the pieces, and all-gathers the flat shards into the
-parameters. The pre-hook then hands torch.optim's step wrapper a view of
+parameters (with overlap_forward, returns with the all-gathers on the wire:
+Note [Gathering behind the next forward] in ddp_ext/_gather_tail.py). The pre-hook then hands torch.optim's step wrapper a view of
 the optimizer with the parameters no bucket reduced (frozen ones, say), so
 hooks and an LR scheduler's count run as usual.
 
@@ -60,14 +61,16 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ddp_ext._gather_tail import GatherTail
 from ddp_ext._gradient_edits import GradientEdits
 from ddp_ext._optimizer_overlap import (_called_by_grad_scaler, _unhooked_step, _view, hooked_step_refusal,
                                         shown_names)
 from ddp_ext._shard_plan import ShardPlan, layout_of
 from ddp_ext._work_waiter import WorkWaiter
 
-# torch 2.13 renamed reduce_scatter_tensor (the old name warns).
+# torch 2.13 renamed reduce_scatter_tensor and all_gather_into_tensor (the old names warn).
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 # Note [Elementwise optimizers]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -107,7 +110,8 @@ class ShardedOptimizer:
     def __reduce__(self):
         return (type(None), ())
 
-    def __init__(self, optimizer, named: List[Tuple[str, torch.Tensor]], group, device):
+    def __init__(self, optimizer, named: List[Tuple[str, torch.Tensor]], group, device,
+                 overlap_forward: bool = False):
         self.optimizer = optimizer
         self.group = group
         self.rank = group.rank()
@@ -131,20 +135,32 @@ class ShardedOptimizer:
         optimizer.register_load_state_dict_post_hook(self._load_state_dict_post)
         optimizer._ddp_ext_overlapped = True
         self.reshards = 0  # how often a new layout made the state be gathered and cut again
+        # Note [Gathering behind the next forward] in ddp_ext/_gather_tail.py.
+        self.gathering: Dict[int, Tuple[ShardPlan, torch.Tensor, object]] = {}  # by the tail's key
+        self.gathers = 0  # all-gathers launched: each one's key
+        self.tail = GatherTail(self._write_gathered) if overlap_forward else None
+        if self.tail is not None:
+            optimizer.register_state_dict_pre_hook(lambda opt: self.finish_forward_tail())
+            optimizer.register_load_state_dict_pre_hook(lambda opt, state: self.finish_forward_tail())
         self._load_state_dict_post(optimizer)  # state loaded before the line
 
-    # --- the wrapper's interface of an overlap (no forward tail yet) --------
+    # --- the wrapper's interface of an overlap: the all-gathers' tail --------
 
-    overlaps_forward = False
+    @property
+    def overlaps_forward(self) -> bool:
+        return self.tail is not None
 
     def forward_begins(self, module) -> None:
-        pass
+        if self.tail is not None:
+            self.tail.forward_begins(module)
 
     def forward_done(self, synchronising: bool) -> None:
-        pass
+        if self.tail is not None:
+            self.tail.forward_done(synchronising)
 
     def finish_forward_tail(self) -> None:
-        pass
+        if self.tail is not None:
+            self.tail.finish_all()
 
     def check_regroup(self) -> None:
         raise RuntimeError(
@@ -207,6 +223,7 @@ class ShardedOptimizer:
         """The user's optimizer.step(): Note [Stepping the shard]."""
         if optimizer is not self.optimizer:
             return None  # a view
+        self.finish_forward_tail()  # the last step's parameters, before anything reads them
         if any(a is not None for a in args[1:]) or any(v is not None for v in kwargs.values()):
             raise ValueError(self._error("runs optimizer.step() without a closure only."))
         refusal = hooked_step_refusal(optimizer, own=self._step_hook.id)
@@ -276,16 +293,33 @@ class ShardedOptimizer:
                 piece.flat.grad = None
 
     def _all_gather(self, plans: List[ShardPlan]) -> None:
-        gathered = []
-        for plan in plans:
+        """Launches the buckets' all-gathers, first layers' first (Note
+        [Gathering behind the next forward] in ddp_ext/_gather_tail.py); waits
+        for them and writes the parameters, unless the tail does it later."""
+        ordered = sorted(plans, key=lambda plan: min(index for index, _, _ in plan.layout))
+        keys = []
+        for plan in ordered:
             full = torch.empty(plan.padded, dtype=plan.params.dtype, device=plan.params.device)
-            gathered.append((plan, full, dist.all_gather_into_tensor(full, plan.params, group=self.group,
-                                                                     async_op=True)))
+            work = _all_gather(full, plan.params, group=self.group, async_op=True)
+            key = self.gathers
+            self.gathers += 1
+            self.gathering[key] = (plan, full, work)
+            keys.append(key)
+            if self.tail is not None:
+                self.tail.hold(key, [self.params[index] for index, _, _ in plan.layout])
+        if self.tail is not None:
+            self.tail.begin()
+            return
+        for key in keys:
+            self._write_gathered(key)
+
+    def _write_gathered(self, key: int) -> None:
+        """Waits for one bucket's all-gather and writes all its parameters."""
+        plan, full, work = self.gathering.pop(key)
+        work.wait()
         with torch.no_grad():
-            for plan, full, work in gathered:
-                work.wait()
-                for index, offset, numel in plan.layout:
-                    self.params[index].view(-1).copy_(full[offset:offset + numel])
+            for index, offset, numel in plan.layout:
+                self.params[index].view(-1).copy_(full[offset:offset + numel])
 
     # --- clipping -------------------------------------------------------------
 
@@ -449,9 +483,14 @@ def _joined(values: list, p: torch.Tensor):
 def settings_refusal(module, named, hooks: List[str], layer_drop: bool, overlap_forward, group) -> str:
     """Why this wrapper cannot shard its optimizer, or '' (the same on every
     rank: it reads settings every rank shares)."""
+    if overlap_forward not in (True, False, None):
+        return (f"takes overlap_forward=True or False (got {overlap_forward!r}): the all-gathers of every bucket "
+                "go behind the next forward, there is no fraction to hold.")
     if overlap_forward:
-        return ("cannot overlap the forward yet (overlap_forward): the buckets' parameters are all-gathered at "
-                "optimizer.step(). Use overlap_forward=False.")
+        devices = sorted({p.device.type for _, p in named})
+        if devices != ["cpu"]:
+            return (f"overlaps the all-gathers with the next forward for a module on the CPU only (this one is on "
+                    f"{devices}): use overlap_forward=False.")
     if hooks:
         return (f"cannot shard with a communication hook registered ({'; '.join(hooks)}): the sharded optimizer "
                 "reduce-scatters each bucket itself. Use one or the other.")

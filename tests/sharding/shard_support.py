@@ -67,7 +67,8 @@ def run(**kwargs) -> Run:
 
 
 def wrapped(r: Run, kind: str, seed: int = models.MODEL_SEED):
-    """(module, wrapper, optimizer, scheduler): kind 'sharded' or 'torch'."""
+    """(module, wrapper, optimizer, scheduler): kind 'sharded', 'overlapped'
+    (sharded, the all-gathers behind the next forward) or 'torch'."""
     module = models.build(r.model, seed)
     if r.freeze_first:
         next(module.parameters()).requires_grad_(False)
@@ -80,6 +81,8 @@ def wrapped(r: Run, kind: str, seed: int = models.MODEL_SEED):
     optimizer = optimizer_of(r.optimizer, module)
     if kind == "sharded":
         ddp.overlap_optimizer(optimizer, shard=True)
+    if kind == "overlapped":
+        ddp.overlap_optimizer(optimizer, shard=True, overlap_forward=True)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5) if r.scheduler else None
     return module, ddp, optimizer, scheduler
 

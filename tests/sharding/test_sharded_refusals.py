@@ -42,10 +42,10 @@ def _line(name: str) -> Callable:
     return functools.partial(_refuse_line, name=name)
 
 
-def _refuse_forward_overlap(rank, world_size):
+def _refuse_forward_fraction(rank, world_size):
     module, ddp = plain_wrapper()
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
-    return raised(lambda: ddp.overlap_optimizer(optimizer, overlap_forward=True, shard=True)), True
+    return raised(lambda: ddp.overlap_optimizer(optimizer, overlap_forward=0.5, shard=True)), True
 
 
 def _refuse_hook_before(rank, world_size):
@@ -158,7 +158,7 @@ REFUSALS = [
             ("cannot shard Adafactor", "rows' and columns'")),
     Refusal("custom", _line("custom"),
             ("cannot shard Custom", "ddp_ext_elementwise = True")),
-    Refusal("forward_overlap", _refuse_forward_overlap, ("cannot overlap the forward yet",)),
+    Refusal("forward_fraction", _refuse_forward_fraction, ("takes overlap_forward=True or False", "0.5")),
     Refusal("hook_before", _refuse_hook_before, ("with a communication hook registered", "fp16_compress_hook")),
     Refusal("hook_after", _refuse_hook_after, ("",)),
     Refusal("mixed_precision", _refuse_mixed_precision, ("does not support mixed_precision",)),
