@@ -12,7 +12,7 @@ A parameter ends up bitwise as with a plain optimizer.step() after torch's
 DDP (at 2 ranks; at more, up to the order of the sum, below) because:
  - the gradient: each bucket is scaled by 1/world_size (the same product as
    the default reduction, Note [Gradient averaging] in
-   reducer/core/averaging.h) and reduce-scattered: each rank gets the sum of
+   reducer/base/averaging.h) and reduce-scattered: each rank gets the sum of
    its range. At 2 ranks a sum of two is the same whatever the order; at 3
    and more, Gloo's reduce-scatter adds in another order than its
    allreduce, so the gradient may differ in the last bits.
