@@ -64,6 +64,7 @@ SOURCES = [
     "reducer/transport/bucket_transport.cpp",
     "reducer/transport/carrier_with_step_check.cpp",
     "reducer/transport/hook_transport.cpp",
+    "reducer/transport/step_check_policy.cpp",
 ]
 
 # The pybind11 bindings (module.cpp, the entry point, first), compiled as one

@@ -3,7 +3,6 @@
 // the later ones at the end of a backward, and new caps.
 #include <c10/util/Exception.h>
 
-#include <optional>
 #include <vector>
 
 #include "reducer/core/reducer.h"
@@ -40,11 +39,7 @@ void Reducer::arm_buckets() {
 void Reducer::conclude_layout(bool launched_at_end) {
   // See Note [Agreeing on the bucket layout]: the step check was awaited
   // before the buckets (a world of one has none).
-  std::optional<int64_t> votes;
-  if (step_check_) {
-    votes = step_check_->summed_rider();
-  }
-  if (layout_.conclude(launched_at_end, votes, *process_group_, timeline_, &stall_)) {
+  if (layout_.conclude(launched_at_end, step_check_->summed_votes(), *process_group_, timeline_, &stall_)) {
     next_bucket_ = 0;
   }
 }

@@ -15,7 +15,6 @@
 #include "reducer/agreement/step_check.h"
 #include "reducer/participation/usage.h"
 #include "reducer/transport/allreduce.h"
-#include "reducer/transport/carrier_with_step_check.h"
 
 namespace ddp_ext::reducer {
 
@@ -32,6 +31,8 @@ namespace ddp_ext::reducer {
 // cannot be seen: any other group, such as one written in Python, is user
 // code whose collectives may do more than reduce (count steps, coordinate
 // replicas), so it gets every collective torch's DDP would call, alone too.
+// A world of one has no peer to be out of step with: Note [Step check
+// policies] in reducer/transport/step_check_policy.h.
 
 static_assert(StepCheck::kTimings == StepTimings::kTimings, "Note [Stragglers]");
 
@@ -174,9 +175,7 @@ void Reducer::prepare_for_backward(
   enter(phase_, Phase::kExpectingGradients);
   ++iterations_;
   observers_.notify(&ReducerObserver::on_backward_armed);
-  if (step_check_) {
-    step_check_->drop(); // before the wait: a bucket 0 that carried it is not unpacked
-  }
+  step_check_->drop(); // before the wait: a bucket 0 that carried it is not unpacked
   wait_for_launched_buckets(); // left over from an unfinished iteration
   layout_.forget_vote();
   layout_.order().begin_iteration();
@@ -218,31 +217,22 @@ void Reducer::start_reducing() {
   observers_.notify(&ReducerObserver::on_backward_begin);
   backward_step_ = training_steps_;
   reported_unfinished_ = false;
-  if (stall_.on() && step_check_ && !static_graph_.learning()) {
-    watch_backward_end(); // queued before finalize_backward, so it runs first
-  }
   const int64_t order_vote = layout_.cast_vote();
-  if (step_check_) {
+  const bool checked = step_check_->launch_backward(
+      layout_.buckets().front(), needs_own_step_check(), transport_->runs_hook(),
+      transport_context(), [&] {
+        StepEntry entry = StepCheck::backward_entry(training_steps_);
+        entry.rider = order_vote;
+        entry.plan = drop_plan_.fingerprint();
+        entry.hooks = hook_fingerprint_;
+        // See Note [Stragglers]: every rank is at the same step, so all publish.
+        entry.timings = timings_.to_publish(training_steps_);
+        return entry;
+      });
+  if (checked) {
     ++backwards_begun_;
-    StepEntry entry = StepCheck::backward_entry(training_steps_);
-    entry.rider = order_vote;
-    entry.plan = drop_plan_.fingerprint();
-    entry.hooks = hook_fingerprint_;
-    // See Note [Stragglers]: every rank is at the same step, so all publish.
-    entry.timings = timings_.to_publish(training_steps_);
-    // See Note [The step check on bucket 0].
-    if (!rides_on_bucket0(layout_.buckets().front(), *process_group_, needs_own_step_check())) {
-      step_check_->launch_backward(*process_group_, entry);
-      observers_.notify(&ReducerObserver::on_step_check_launched);
-    } else if (!transport_->runs_hook()) {
-      // See Note [The step check on bucket 0]: launched with bucket 0.
-      step_check_->ride_on_bucket0(entry, layout_.buckets().front().flat.scalar_type());
-    } else {
-      // A hook registered after the first forward: shaped like the bucket 0
-      // its peers may carry their checks on, awaited before any bucket.
-      step_check_->launch_backward_shaped_like(
-          *process_group_, layout_.buckets().front().flat, entry);
-      observers_.notify(&ReducerObserver::on_step_check_launched);
+    if (stall_.on() && !static_graph_.learning()) {
+      watch_backward_end(); // queued before finalize_backward, so it runs first
     }
   }
   averaging_.take(process_group_->getSize()); // See Note [Join and the divide factor].

@@ -8,12 +8,10 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "reducer/agreement/step_check.h"
 #include "reducer/base/accumulator_hooks.h"
 #include "reducer/base/averaging.h"
 #include "reducer/base/reducer_options.h"
@@ -32,13 +30,15 @@
 #include "reducer/participation/usage.h"
 #include "reducer/transport/bucket_hook.h"
 #include "reducer/transport/bucket_transport.h"
+#include "reducer/transport/step_check_policy.h"
 
 namespace ddp_ext::reducer {
 
 // The gradient reducer of paper section 3.2 (Algorithm 1), as a small core
 // (phases, readiness, launch order in the same bucket order on every rank)
 // that owns one object per variant: its bucket transport (Note [Bucket
-// transports]) and its end of a backward (Note [The end of a backward]).
+// transports]), its step check (Note [Step check policies]) and its end of
+// a backward (Note [The end of a backward]).
 // Always owned by a std::shared_ptr: Note [Reducer lifetime].
 class Reducer : public std::enable_shared_from_this<Reducer>, private LockWindows {
  public:
@@ -221,7 +221,8 @@ class Reducer : public std::enable_shared_from_this<Reducer>, private LockWindow
   int64_t iterations_ = 0;
   int64_t training_steps_ = 0; // Note [Ranks out of step]
   int64_t backwards_begun_ = 0;
-  std::optional<StepCheck> step_check_; // none in a world of one
+  // NoStepCheck or PeerStepCheck (Note [Step check policies]); never null.
+  std::unique_ptr<StepCheckPolicy> step_check_;
   std::vector<bool> ready_; // per parameter, this iteration
   size_t next_bucket_ = 0; // first bucket not yet launched
   StaticGraph static_graph_;

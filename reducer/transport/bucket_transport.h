@@ -29,7 +29,8 @@ namespace ddp_ext::reducer {
 //   CarrierWithStepCheck  Allreduce, where bucket 0 may carry the step check
 //                         (Note [The step check on bucket 0] in
 //                         reducer/agreement/step_check.h): chosen wherever a
-//                         world of more than one rank runs no hook.
+//                         world of more than one rank runs no hook, by its
+//                         step check (Note [Step check policies]).
 //   HookTransport         a communication hook (a BucketHook) replaces the
 //                         allreduce; gradients are copied in undivided
 //                         (Note [Communication hooks] in comm_hooks/comm_hook.h).
