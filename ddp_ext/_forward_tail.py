@@ -159,13 +159,21 @@ class ForwardTail:
         try:
             for p in members:
                 self.pending.pop(id(p), None)
-            self.reducer._finish_deferred(bucket)
+            self._complete(bucket)
             if not self.buckets:
-                self.reducer = None
+                self._let_go()
                 self._release()
             self.on_finished(members)
         finally:
             self.finishing = False
+
+    def _complete(self, bucket: int) -> None:
+        """Waits for `bucket` and writes what it brings: its gradients, back to .grad."""
+        self.reducer._finish_deferred(bucket)
+
+    def _let_go(self) -> None:
+        """Nothing is pending any more: the reducer, held while buckets were, is let go."""
+        self.reducer = None
 
     def finish_all(self) -> None:
         for bucket in list(self.buckets):

@@ -63,6 +63,7 @@ class GatherTail(ForwardTail):
         self.thread = None
         self.started = True
         self._kept = None  # itself while a bucket is pending
+        self.on_finished = lambda members: None  # nobody to tell: the write is the whole of it
 
     def hold(self, key: int, members: List[torch.Tensor]) -> None:
         """Bucket `key`'s all-gather is on the wire: its parameters are pending."""
@@ -75,20 +76,11 @@ class GatherTail(ForwardTail):
             self._kept = self
             self._push()
 
-    def finish(self, key: int) -> None:
-        members = self.buckets.pop(key, None)
-        if members is None:
-            return
-        self.finishing = True
-        try:
-            for p in members:
-                self.pending.pop(id(p), None)
-            self.write(key)
-            if not self.buckets:
-                self._kept = None
-                self._release()
-        finally:
-            self.finishing = False
+    def _complete(self, key: int) -> None:
+        self.write(key)
+
+    def _let_go(self) -> None:
+        self._kept = None
 
     def finish_all(self) -> None:
         """Writes every pending bucket, and takes the mode off (from outside its handler)."""
