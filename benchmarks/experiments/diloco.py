@@ -55,6 +55,7 @@ DEFAULT_STEPS = 500
 OVERRUN = 1.5
 TRAIN_BYTES, HELD_OUT_BYTES = 4_000_000, 400_000
 EVAL_SEQUENCES = 64
+EVAL_EVERY = 5  # steps between snapshots: streaming's fragments merge every H / F steps
 # The targets, for the DiLoCo variants.
 LOSS_BOUND = 1.02  # loss at equal tokens / torch's
 TIME_BOUND = 0.2  # time to torch's final loss / torch's, at 100 Mbit/s
@@ -90,7 +91,7 @@ def plan_for(options: BenchOptions) -> Plan:
     if options.quick:
         return dataclasses.replace(QUICK_PLAN, seed=options.seed)
     steps = options.steps or DEFAULT_STEPS
-    return Plan(dv.TrainSettings(), steps=steps, overrun=OVERRUN, eval_every=25, seed=options.seed)
+    return Plan(dv.TrainSettings(), steps=steps, overrun=OVERRUN, eval_every=EVAL_EVERY, seed=options.seed)
 
 
 @dataclasses.dataclass
@@ -114,13 +115,19 @@ def _enter_host(placed, ranks_per_host, rank):
 
 
 def _score(snapshots, shape, inputs, targets) -> List[float]:
+    """Each snapshot's held-out loss (scored once where the parameters did
+    not change since the one before: DiLoCo's between merges)."""
     model = CharTransformer(shape)
-    scores = []
+    scores, previous = [], None
     for _, _, parameters in snapshots:
+        if previous is not None and all(torch.equal(a, b) for a, b in zip(parameters, previous)):
+            scores.append(scores[-1])
+            continue
         with torch.no_grad():
             for p, value in zip(model.parameters(), parameters, strict=True):
                 p.copy_(value)
         scores.append(held_out_loss(model, inputs, targets))
+        previous = parameters
     return scores
 
 
@@ -147,7 +154,7 @@ def _train_one(rank: int, variant: str, job: _Job) -> dict:
     sent = hosts.link_bytes()[1] - sent_before if counts_link else 0
     totals = torch.tensor([sent, trainer.outer_bytes_sent], dtype=torch.int64)
     dist.all_reduce(totals)
-    formats = trainer.adaptive_formats()
+    formats, outer_s = trainer.adaptive_formats(), trainer.outer_s
     del trainer
     if rank != 0:
         return {}
@@ -155,7 +162,7 @@ def _train_one(rank: int, variant: str, job: _Job) -> dict:
     return {"steps": steps, "wall_s": wall_s, "link_bytes": int(totals[0]) if job.linked else None,
             "outer_bytes": int(totals[1]), "curve_steps": [s for s, _, _ in snapshots],
             "curve_wall_s": [t for _, t, _ in snapshots], "curve_loss": losses, "train_losses": train_losses,
-            "adaptive_formats": formats}
+            "adaptive_formats": formats, "outer_s": outer_s}
 
 
 def _ranks(rank: int, world_size: int, job: _Job) -> dict:
@@ -207,6 +214,7 @@ def summarize(link_gbit: Optional[float], by_variant: dict, plan: Plan, ranks: i
             "link_bytes_per_step": per_step,
             "bytes_over_torch": None if not torch_per_step or per_step is None else per_step / torch_per_step,
             "outer_bytes_per_step": r["outer_bytes"] / r["steps"],
+            "outer_ms_per_step": 1e3 * r.get("outer_s", 0.0) / r["steps"],
         })
     return rows
 
@@ -278,7 +286,8 @@ def _notes(plan: Plan, corpus: stdlib_text.Corpus, reason: Optional[str]) -> Lis
         f"step {plan.steps}. `time to torch's loss` is the wall time of the first snapshot at or below torch's "
         "DDP's held-out loss at its last step (snapshots every few steps: a coarse reading).",
         "link bytes/step: bytes both hosts sent on their veths, TCP/IP headers included; outer bytes/step: what "
-        "DiLoCo's `bytes_sent` counts, summed over ranks.",
+        "DiLoCo's `bytes_sent` counts, summed over ranks; outer ms/step: rank 0's time in `DiLoCo.step` "
+        "(launching, waiting for and merging exchanges) per step.",
     ]
     if reason:
         notes.append(f"Links not measured: {reason}.")
@@ -303,9 +312,10 @@ def table(data: dict) -> str:
                      f"{r['loss_equal_tokens']:.3f}", f"{r['loss_over_torch']:.3f}",
                      _fmt(r["time_to_torch_loss_s"], ".1f", "not reached"), _fmt(r["time_over_torch"], ".3f"),
                      _fmt(None if r["link_bytes_per_step"] is None else r["link_bytes_per_step"] / 1e3, ".1f"),
-                     _fmt(r["bytes_over_torch"], ".4f"), f"{r['outer_bytes_per_step'] / 1e3:.1f}"])
+                     _fmt(r["bytes_over_torch"], ".4f"), f"{r['outer_bytes_per_step'] / 1e3:.1f}",
+                     _fmt(r.get("outer_ms_per_step"), ".1f")])
     main = markdown.table(["link", "variant", "ms/step", "loss @ equal tokens", "/ torch", "time to torch's loss (s)",
-                           "/ torch", "link kB/step", "/ torch", "outer kB/step"], rows)
+                           "/ torch", "link kB/step", "/ torch", "outer kB/step", "outer ms/step"], rows)
     checks = [[t["target"], t["variant"], _link_name(t["link_gbit"]), _fmt(t["value"], ".4f", "not reached"),
                f"<= {t['bound']}", "met" if t["met"] else "not met"] for t in data.get("targets", [])]
     if not checks:

@@ -5,7 +5,7 @@
   (gradients in 16 or 8 bits where that pays; docs/COMPRESSION.md);
 - `diloco`: ddp_ext's DDP inside each host, DiLoCo across hosts (F = 1);
 - `streaming`: the same in fragments, each exchange overlapping a step
-  (tau = 1, Streaming DiLoCo);
+  (tau = 1, Streaming DiLoCo), merged with mix 0.6;
 - `diloco_int8`, `streaming_int8`: those two with the exchange in 8 bits
   (with error feedback);
 - `diloco_int4`: `diloco` with the exchange in 4 bits (with error feedback).
@@ -17,6 +17,7 @@ synced ones for DiLoCo.
 """
 
 import dataclasses
+import time
 from typing import List, Optional
 
 import torch
@@ -42,7 +43,7 @@ class TrainSettings:
     sync_every: int = 25  # H
     fragments: int = 2  # F of `streaming`
     delay: int = 1  # tau of `streaming`
-    mix: Optional[float] = None  # of `streaming`; None: DiLoCo's default (0.5 with a delay)
+    mix: Optional[float] = 0.6  # of `streaming` (the sweep's); None: DiLoCo's default (0.5 with a delay)
     outer_lr: float = 0.7
     outer_momentum: float = 0.5
 
@@ -62,7 +63,8 @@ class TrainSettings:
         if variant == ADAPTIVE:
             return "ddp_ext + AdaptivePrecision, every rank"
         a = self.diloco_arguments(variant)
-        return f"DiLoCo H={a['sync_every']} F={a['fragments']} tau={a['delay']}, {a['bits']} bits"
+        mix = "" if a["mix"] is None else f" mix={a['mix']:g}"
+        return f"DiLoCo H={a['sync_every']} F={a['fragments']} tau={a['delay']}{mix}, {a['bits']} bits"
 
 
 class Trainer:
@@ -74,6 +76,7 @@ class Trainer:
         torch.manual_seed(seed)
         module = CharTransformer(settings.shape)
         self.variant, self.outer, self.adaptive = variant, None, None
+        self.outer_s = 0.0  # seconds in DiLoCo's step: launching, waiting for and merging exchanges
         if variant == TORCH:
             self.ddp = TorchDDP(module)
         elif variant == ADAPTIVE:
@@ -94,7 +97,9 @@ class Trainer:
         value.backward()
         self.optimizer.step()
         if self.outer is not None:
+            started = time.perf_counter()
             self.outer.step()
+            self.outer_s += time.perf_counter() - started
         return value.item()
 
     def agreed_parameters(self) -> List[torch.Tensor]:

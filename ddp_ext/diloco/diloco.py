@@ -58,8 +58,8 @@ class DiLoCo:
         fault_tolerance: a `ddp_ext.diloco.FaultTolerance`: each host is a job
             of its own (its default group is the inner group), the hosts meet
             through a fault-tolerance coordinator, and a host that dies is
-            dropped at the next sync (Note [DiLoCo survives a host]). One
-            fragment, no delay, 32 bits.
+            dropped at the next sync (Note [DiLoCo survives a host]). No
+            delay.
 
     Construction is collective over the default process group; bad
     settings raise ValueError on every rank.
@@ -95,8 +95,8 @@ class DiLoCo:
         self._surviving: Optional[SurvivingSync] = None
         if fault_tolerance is not None:
             self.outer_group = None
-            self._surviving = SurvivingSync(self._fragments[0], fault_tolerance)
-            self._step = self._surviving.sync(-1) * self.settings.sync_every
+            self._surviving = SurvivingSync(self._fragments, self._schedule, self.settings.mix, fault_tolerance)
+            self._step = self._schedule.launch_step(self._surviving.sync(-1))
             return
         inner_by_rank = [inner_members for inner_members, _ in gathered]
         outer_by_rank = None if outer_group is None else [outer_members for _, outer_members in gathered]
@@ -147,9 +147,10 @@ class DiLoCo:
         self._step += 1
         if self._surviving is not None:
             if self._schedule.launches_at(self._step):
-                number = self._surviving.sync(self._step // self.settings.sync_every)
-                self._step = number * self.settings.sync_every
-                self.bytes_sent += 4 * self._fragments[0].numel
+                sent = self._surviving.bytes_sent
+                number = self._surviving.sync(self._schedule.launches_up_to(self._step))
+                self._step = self._schedule.launch_step(number)
+                self.bytes_sent += self._surviving.bytes_sent - sent
             return
         for p in self._schedule.launches_at(self._step):
             fragment = self._fragments[p]
@@ -205,9 +206,9 @@ def _surviving_problems(settings: Settings, fault_tolerance, inner, outer_group)
     if not isinstance(fault_tolerance, FaultTolerance):
         return [f"fault_tolerance must be a ddp_ext.diloco.FaultTolerance, got {type(fault_tolerance).__name__}"]
     problems = fault_tolerance.problems()
-    if (settings.fragments, settings.delay, settings.bits) != (1, 0, 32):
-        problems.append(f"with fault_tolerance, DiLoCo syncs one fragment without delay in 32 bits; got "
-                        f"fragments={settings.fragments}, delay={settings.delay}, bits={settings.bits}")
+    if settings.delay != 0:
+        problems.append(f"with fault_tolerance, DiLoCo waits for each exchange at once (a sync is committed or "
+                        f"aborted before training goes on): use delay=0, got delay={settings.delay}")
     if outer_group is not None:
         problems.append("with fault_tolerance the coordinator makes the outer groups: do not pass outer_group")
     if inner is not None and dist.get_world_size(inner) != dist.get_world_size():

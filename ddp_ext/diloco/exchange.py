@@ -40,15 +40,20 @@ class Exchange:
     def wait(self) -> torch.Tensor:
         if self._result is None:
             self._work.wait()
-            if self._codec is not None:
-                self._result = self._codec.decode_mean(self._gathered)
-            else:
-                total = self._gathered[0].clone()
-                for values in self._gathered[1:]:
-                    total.add_(values)
-                self._result = total.div_(len(self._gathered))
+            self._result = mean_of(self._gathered, self._codec)
             self._gathered = self._work = None
         return self._result
+
+
+def mean_of(gathered: List[torch.Tensor], codec: Optional[ErrorFeedback]) -> torch.Tensor:
+    """The mean of what `gathered` (one payload per rank, in rank order)
+    stands for, added in that order."""
+    if codec is not None:
+        return codec.decode_mean(gathered)
+    total = gathered[0].clone()
+    for values in gathered[1:]:
+        total.add_(values)
+    return total.div_(len(gathered))
 
 
 class Arrived:

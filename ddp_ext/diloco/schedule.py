@@ -6,6 +6,10 @@ steps t >= 1 with t = offset(p) (mod H), offset(p) = (p + 1) * H // F: the F
 fragments are spread evenly over each window of H steps, and the last one
 syncs at multiples of H (with F = 1, at H, 2H, ...). A fragment launched at
 step t is merged at step t + tau.
+
+Counting every fragment's launches in order, the n-th (1-based) is fragment
+(n - 1) mod F at step ((n - 1) div F) H + offset((n - 1) mod F): a
+fault-tolerant DiLoCo numbers its syncs so (survival.py).
 """
 
 from typing import List
@@ -27,3 +31,19 @@ class Schedule:
 
     def merge_step(self, launch_step: int) -> int:
         return launch_step + self.delay
+
+    def fragment_of(self, number: int) -> int:
+        """The fragment of the `number`-th launch (1-based, every fragment's counted)."""
+        return (number - 1) % len(self.offsets)
+
+    def launch_step(self, number: int) -> int:
+        """The step of the `number`-th launch; 0 for number 0 (before any)."""
+        if number <= 0:
+            return 0
+        window, fragment = divmod(number - 1, len(self.offsets))
+        return window * self.sync_every + self.offsets[fragment]
+
+    def launches_up_to(self, step: int) -> int:
+        """How many launches happen at steps 1 .. `step`."""
+        window, phase = divmod(step, self.sync_every)
+        return window * len(self.offsets) + sum(1 for offset in self.offsets if offset <= phase)

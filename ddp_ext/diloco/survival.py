@@ -7,41 +7,54 @@ part in each sync.
 With `fault_tolerance=`, each host is a torch.distributed job of its own (its
 default group is the host's ranks, the inner group), and every rank of every
 host is a replica of one fault-tolerant run, named "<host_id>/<rank>". Each
-sync is one `Replica.run_step` over a module holding the last synced
-parameters (`_Synced`): each rank's "gradient" is its pseudo-gradient, the
-replica's DDP averages it over the sync's quorum, and the replica steps the
-outer optimizer only once every member of the quorum finished the exchange
-(Note [Committing a step] in ddp_ext/fault_tolerance/commit.py). So:
+sync (of one fragment: the n-th sync, counting every fragment's, is the
+schedule's n-th launch) is one `Replica.run_step` over a module holding
+every fragment's last synced parameters (`_Synced`), with the fragments'
+outer optimizers as the replica's optimizer (`_OuterSteps`). In the step
+each rank sends its fragment's pseudo-gradient (in 32, 8 or 4 bits) to
+every member of the sync's quorum (an all-gather over the quorum's group),
+and every rank adds the members' values in the quorum's order, so all get
+the same bits; the outer optimizer steps, and the live parameters are
+merged, only once every member finished the exchange (Note [Committing a
+step] in ddp_ext/fault_tolerance/commit.py). So:
   - a host that died between syncs is missing from the next sync's quorum:
     the others average without it and go on; what it trained since its
-    last sync is lost, nothing else;
+    last sync of each fragment is lost, nothing else;
   - a death during a sync aborts that sync on every survivor before any of
-    them applies it, and the survivors run it again among themselves;
-  - every rank of every host applies the same mean (one all-reduce over
-    the quorum), so a host's ranks stay equal, as DDP inside it needs;
+    them applies it, and the survivors run it again among themselves. In 8
+    and 4 bits each attempt encodes from the residual held before the
+    first, so what an aborted attempt rounded away is not counted twice;
+  - every rank of every host applies the same mean, so a host's ranks stay
+    equal, as DDP inside it needs;
   - a replacement (or a host started late) joins at the others' next sync:
-    the replica heals it from a live peer (the synced parameters and the
-    outer optimizer's state), it takes part in that sync with nothing to
-    contribute, and afterwards starts, like every rank, from the new
+    the replica heals it from a live peer (every fragment's synced
+    parameters and outer optimizer state), it takes part in that sync with
+    nothing to contribute, and afterwards starts from every fragment's new
     synced parameters, at the others' step. Its inner optimizer starts
-    afresh.
-Members that contribute nothing (joiners) are not counted in the mean: each
-contributor scales its pseudo-gradient by members / contributors, counted by
-an all-reduce in the same step. The first sync, at construction, has no
+    afresh, its 8- or 4-bit residuals at zero.
+Error-feedback residuals are each rank's own: a dead host's die with it
+(what they held is lost, as its training since its last sync is), the
+survivors keep theirs, and a rank that was healed (a joiner, or one the
+others went on without) zeroes its own.
+Members that contribute nothing (joiners) are not counted in the mean: they
+send zeros, the number of contributors is all-reduced in the same step, and
+the sum is divided by it. The first sync, at construction, has no
 contributor and steps nothing: it forms the first quorum, which starts every
 host from the first member's parameters.
-The exchange is not overlapped with training here (delay 0, one fragment):
-a sync is over, or aborted, before training goes on.
+The exchange is not overlapped with training here (no delay): a sync is
+over, or aborted, before training goes on.
 """
 
 import dataclasses
-from typing import List
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddp_ext.diloco.exchange import mean_of
 from ddp_ext.diloco.outer_state import FragmentState
+from ddp_ext.diloco.schedule import Schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,64 +87,111 @@ class FaultTolerance:
 
 
 class _Synced(nn.Module):
-    """The last synced parameters as a module: what the replica heals and
-    averages. forward(pseudo-gradients) is a loss whose gradient with
-    respect to each parameter is its pseudo-gradient."""
+    """Every fragment's last synced parameters as one module: what a replica
+    heals from a peer."""
 
     def __init__(self, synced: List[torch.nn.Parameter]):
         super().__init__()
         self.synced = nn.ParameterList(synced)
 
-    def forward(self, pseudo_gradients: List[torch.Tensor]) -> torch.Tensor:
-        return sum((p * g).sum() for p, g in zip(self.synced, pseudo_gradients))
+
+class _OuterSteps:
+    """The fragments' outer optimizers as the one optimizer a Replica holds:
+    it heals their states together, and at a commit steps the fragment whose
+    sync committed with the mean the exchange left (`due`)."""
+
+    def __init__(self, fragments: List[FragmentState], mix: float):
+        self._fragments = fragments
+        self._mix = mix
+        self.due: Optional[Tuple[int, torch.Tensor]] = None  # (fragment, mean) of the sync being run
+
+    def step(self) -> None:
+        if self.due is not None:
+            fragment, mean = self.due
+            self._fragments[fragment].merge(mean, self._mix)
+        self.due = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass  # merge leaves no gradient behind
+
+    def state_dict(self) -> dict:
+        return {"outer_optimizers": [f.optimizer.state_dict() for f in self._fragments]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for fragment, saved in zip(self._fragments, state["outer_optimizers"], strict=True):
+            fragment.optimizer.load_state_dict(saved)
 
 
 class SurvivingSync:
     """The outer syncs of one rank of a fault-tolerant DiLoCo (Note [DiLoCo
     survives a host])."""
 
-    def __init__(self, fragment: FragmentState, settings: FaultTolerance):
+    def __init__(self, fragments: List[FragmentState], schedule: Schedule, mix: float, settings: FaultTolerance):
         from ddp_ext.fault_tolerance import Replica  # its threads and sockets only when asked for
 
-        self._fragment = fragment
-        self._synced = _Synced(fragment.synced)
-        self.replica = Replica(self._synced, fragment.optimizer, coordinator=settings.coordinator,
+        self._fragments = fragments
+        self._schedule = schedule
+        self._steps = _OuterSteps(fragments, mix)
+        self._synced = _Synced([p for fragment in fragments for p in fragment.synced])
+        self.replica = Replica(self._synced, self._steps, coordinator=settings.coordinator,
                                replica_id=f"{settings.host_id}/{dist.get_rank()}", run_id=settings.run_id,
                                heartbeat_timeout=settings.heartbeat_timeout)
         self._contributes = False  # until this rank took part in a committed sync
         self._expected = -1
+        self._residual_before: Optional[dict] = None
+        self.bytes_sent = 0
         self.last_members: tuple = ()  # the last committed sync's quorum
         self.last_attempts = 0  # how often it ran (more than 1: members failed during it)
 
     def sync(self, expected: int) -> int:
-        """One sync, run again with the survivors if a member dies in it;
-        afterwards the live parameters are the new synced ones. `expected`:
-        the sync's number as this rank counts (syncs committed before it; -1
-        before its first). Returns the number the quorum gives it: a rank
-        the others went on without (dropped while stopped, then back) was
-        healed to theirs, and contributed nothing."""
+        """One sync, run again with the survivors if a member dies in it.
+        `expected`: the sync's number as this rank counts (launches so far,
+        every fragment's; -1 before its first). Returns the number the
+        quorum gives it: a rank the others went on without (dropped while
+        stopped, then back; or joining) was healed to theirs, contributed
+        nothing, and takes every fragment's synced parameters as its live ones."""
         self._expected = expected
+        codec = self._fragments[self._schedule.fragment_of(expected)].codec if expected > 0 else None
+        self._residual_before = codec.state_dict() if codec is not None else None
         result = self.replica.run_step(self._exchange)
+        healed = not (self._contributes and result.membership.step == expected)
         self._contributes = True
         self.last_members = result.membership.members
         self.last_attempts = result.attempts
-        with torch.no_grad():
-            for synced, live in zip(self._fragment.synced, self._fragment.live):
-                live.copy_(synced)
+        if healed:
+            with torch.no_grad():
+                for fragment in self._fragments:
+                    for synced, live in zip(fragment.synced, fragment.live):
+                        live.copy_(synced)
+                    if fragment.codec is not None:  # what it missed before is not the others' business now
+                        fragment.codec.residual.zero_()
         return result.membership.step
 
     def _exchange(self, membership) -> None:
-        for p in self._synced.parameters():
-            p.grad = None
-        ddp = self.replica.ddp
+        """One attempt: every member's payload all-gathered over the
+        quorum's group, the mean over those that trained left for the
+        commit (Note [DiLoCo survives a host])."""
+        self._steps.due = None
+        group = self.replica.ddp.process_group  # not in torch.distributed's map of groups: used directly
         contributes = self._contributes and membership.step == self._expected
         count = torch.tensor([1.0 if contributes else 0.0])
-        # On the group itself: it is not in torch.distributed's map of groups.
-        ddp.process_group.allreduce([count]).wait()
+        group.allreduce([count]).wait()
         if count.item() == 0:
             return  # nobody trained yet: the first quorum; nothing to step
-        scale = membership.world_size / count.item() if contributes else 0.0
-        with torch.no_grad():
-            pseudo = [(s - p).mul_(scale) for s, p in zip(self._fragment.synced, self._fragment.live)]
-        with torch.enable_grad():  # DiLoCo.step runs under no_grad
-            ddp(pseudo).backward()
+        index = self._schedule.fragment_of(membership.step)
+        fragment = self._fragments[index]
+        if contributes:
+            if self._residual_before is not None:  # an attempt after an aborted one encodes from the same residual
+                fragment.codec.load_state_dict(self._residual_before)
+            values = fragment.pseudo_gradient()
+            payload = values if fragment.codec is None else fragment.codec.encode(values)
+        else:
+            payload = torch.zeros(fragment.numel if fragment.codec is None else fragment.codec.payload_bytes,
+                                  dtype=torch.float32 if fragment.codec is None else torch.uint8)
+        gathered = [torch.empty_like(payload) for _ in range(membership.world_size)]
+        group.allgather([gathered], [payload]).wait()
+        mean = mean_of(gathered, fragment.codec)
+        if count.item() != membership.world_size:
+            mean.mul_(membership.world_size / count.item())
+        self.bytes_sent += payload.numel() * payload.element_size()
+        self._steps.due = (index, mean)

@@ -36,6 +36,9 @@ def main(argv=None) -> int:
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds per inner step")
     parser.add_argument("--gate", default="", help="STEP:FILE: before step STEP, wait until FILE exists")
     parser.add_argument("--die-in-sync", type=int, default=0, help="N: SIGKILL this rank as sync N starts its exchange")
+    parser.add_argument("--fragments", type=int, default=1)
+    parser.add_argument("--bits", type=int, default=32)
+    parser.add_argument("--mix", type=float, default=None)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
@@ -52,7 +55,7 @@ def main(argv=None) -> int:
     outer_optimizer = workers.plain_outer_sgd if args.outer == "plain" else None
     record(kind="started")
     outer = ddp_ext.DiLoCo(ddp, optimizer, sync_every=args.sync_every, outer_optimizer=outer_optimizer,
-                           fault_tolerance=FaultTolerance(args.coordinator, args.host, heartbeat_timeout=2.0))
+                           fragments=args.fragments, bits=args.bits, mix=args.mix, fault_tolerance=FaultTolerance(args.coordinator, args.host, heartbeat_timeout=2.0))
     record(kind="joined", step=outer.step_count, members=list(outer._surviving.last_members))
     if args.die_in_sync:
         exchange = outer._surviving._exchange
@@ -75,7 +78,7 @@ def main(argv=None) -> int:
         loss.backward()
         optimizer.step()
         outer.step()
-        synced = outer.step_count % args.sync_every == 0
+        synced = bool(outer._schedule.launches_at(outer.step_count))
         record(kind="step", step=outer.step_count, loss=loss.item(),
                members=list(outer._surviving.last_members) if synced else None,
                attempts=outer._surviving.last_attempts if synced else None)

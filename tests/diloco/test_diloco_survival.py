@@ -3,7 +3,9 @@ host a torch.distributed job of its own, meeting through a fault-tolerance
 coordinator (tests/diloco/surviving_worker.py). One host's ranks are killed
 (SIGKILL) between two syncs: the other goes on without a restart, and a
 replacement host joins at a later sync and heals from it. Or they are
-killed in a sync: the survivors run it again without them."""
+killed in a sync: the survivors run it again without them. With fragments
+and 8 or 4 bits, the same, and without failures the same result as DiLoCo
+in one job."""
 
 import os
 import signal
@@ -16,6 +18,7 @@ import torch
 
 from tests.diloco import workers
 from tests.support.fault_tolerance_harness import ROOT, runs_closed_after
+from tests.support.worlds import shared_world
 
 WORKER = os.path.join(ROOT, "tests", "diloco", "surviving_worker.py")
 
@@ -140,3 +143,68 @@ def test_a_host_killed_in_a_sync_makes_the_survivors_run_it_again(run):
     a0, a1 = _final(r, "a0"), _final(r, "a1")
     for x, y in zip(a0["global"] + a0["live"], a1["global"] + a1["global"], strict=True):
         assert torch.equal(x, y)
+
+
+def test_without_failure_fragments_in_8_bits_train_as_diloco_in_one_job(run):
+    # Every host starts from the first member's model; DiLoCo in one job of
+    # 4 ranks, from that model, is the reference: the same pseudo-gradients,
+    # payloads and outer steps, the mean added over 4 members rather than 2
+    # hosts (rounding).
+    steps, sync_every = 12, 4
+    settings = {"fragments": 2, "bits": 8, "mix": 0.5}
+    r = run(min_replicas=4)
+    _start_host(r, "a", 0, "a", steps, sync_every, **settings)
+    _start_host(r, "b", 1, "b", steps, sync_every, **settings)
+    assert r.wait(["a0", "a1", "b0", "b1"], timeout=240) == {k: 0 for k in ["a0", "a1", "b0", "b1"]}, r.logs()
+    seed = {"a": 0, "b": 1}[r.epochs()[0][0][0]]
+    reference = shared_world(4).run(workers.train, steps, "sgd", dict(settings, sync_every=sync_every), seed,
+                                    timeout=120)
+    for key, rank in (("a0", 0), ("a1", 1), ("b0", 2), ("b1", 3)):
+        final = _final(r, key)
+        live, glob = reference[rank][0], reference[rank][1]
+        for actual, expected in zip(final["global"] + final["live"], glob + live, strict=True):
+            torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+        syncs = {rec["step"]: sorted(rec["members"]) for rec in _steps(r, key) if rec["members"]}
+        assert sorted(syncs) == list(range(2, steps + 1, 2)) and all(len(m) == 4 for m in syncs.values())
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_fragments_in_few_bits_a_host_killed_in_a_sync_is_dropped_and_a_replacement_heals(run, bits):
+    # F = 2, H = 4: syncs at steps 2, 4, 6, ..., the n-th of fragment (n - 1) mod 2.
+    steps, sync_every, dies_in = 24, 4, 5  # the sync at step 10, fragment 0's
+    settings = {"fragments": 2, "bits": bits}
+    r = run(min_replicas=4)
+    gate = r.tmp / "gate"  # host a waits there until the replacement is let in
+    _start_host(r, "a", 0, "a", steps, sync_every, gate=f"16:{gate}", **settings)
+    _start_host(r, "b", 1, "b", steps, sync_every, die_in_sync=dies_in, **settings)
+    r.wait_for(lambda: any(sorted(rec["members"]) == ["a/0", "a/1"] for rec in _steps(r, "a0") if rec["members"]), 120,
+               "host a to sync without host b")
+    _start_host(r, "b", 1, "c", steps, sync_every, **settings)
+    announced = len(r.epochs())
+    r.wait_for(lambda: any({"b/0", "b/1"} <= set(m) for m in r.epochs()[announced - 1:]), 120,
+               "the replacement to be let in")
+    gate.touch()
+    codes = r.wait(["a0", "a1", "b0", "b1", "c0", "c1"], timeout=300)
+    assert codes == {"a0": 0, "a1": 0, "b0": -signal.SIGKILL, "b1": -signal.SIGKILL, "c0": 0, "c1": 0}, r.logs()
+    assert [rec["step"] for rec in r.records("b0") if rec["kind"] == "fault"] == [2 * dies_in]
+
+    for key in ("a0", "a1"):
+        assert len({rec["pid"] for rec in r.records(key)}) == 1  # never restarted
+        syncs = {rec["step"]: rec for rec in _steps(r, key) if rec["members"]}
+        assert sorted(syncs) == list(range(2, steps + 1, 2))
+        assert all(len(syncs[s]["members"]) == 4 and syncs[s]["attempts"] == 1 for s in (2, 4, 6, 8))
+        # aborted with b in it, then committed by a alone
+        assert sorted(syncs[10]["members"]) == ["a/0", "a/1"] and syncs[10]["attempts"] >= 2
+        assert sorted(syncs[steps]["members"]) == ["a/0", "a/1", "b/0", "b/1"]
+    joined = [rec for rec in r.records("c0") if rec["kind"] == "joined"][0]
+    assert joined["step"] % 2 == 0 and joined["step"] > 16 and sorted(joined["members"]) == [
+        "a/0", "a/1", "b/0", "b/1"]
+    assert [rec["step"] for rec in _steps(r, "c0")] == list(range(joined["step"] + 1, steps + 1))
+
+    finals = {key: _final(r, key) for key in ("a0", "a1", "c0", "c1")}
+    for key, final in finals.items():  # every fragment's synced parameters agree everywhere
+        assert all(torch.equal(a, b) for a, b in zip(final["global"], finals["a0"]["global"], strict=True)), key
+    for x, y in (("a0", "a1"), ("c0", "c1")):  # a host's ranks stay equal
+        assert all(torch.equal(a, b) for a, b in zip(finals[x]["live"], finals[y]["live"], strict=True))
+    losses = [rec["loss"] for rec in _steps(r, "a0")]
+    assert sum(losses[-4:]) < 0.7 * sum(losses[:4])

@@ -84,10 +84,10 @@ class Run:
         return [p.clone() for p in self.outer.global_parameters()]
 
 
-def train(rank, world_size, steps, inner, diloco):
-    """Trains `steps` steps; this rank's live parameters, global parameters
-    (None without DiLoCo), losses and bytes sent."""
-    run = Run(rank, inner, diloco)
+def train(rank, world_size, steps, inner, diloco, seed=0):
+    """Trains `steps` steps from build_model(seed); this rank's live
+    parameters, global parameters (None without DiLoCo), losses and bytes sent."""
+    run = Run(rank, inner, diloco, seed=seed)
     run.train(0, steps)
     glob = run.global_parameters() if run.outer is not None else None
     return run.parameters(), glob, run.losses, run.outer.bytes_sent if run.outer is not None else 0
@@ -138,8 +138,8 @@ def construct(rank, world_size, case):
         diloco.update(outer_group=within[rank // RANKS_PER_HOST])
     elif case == "delay_too_long_on_rank_0" and rank == 0:
         diloco.update(delay=4)
-    elif case == "fault_tolerance_with_fragments":  # refused before any coordinator is reached
-        diloco.update(fragments=2, fault_tolerance=FaultTolerance("127.0.0.1:1", f"host{rank // RANKS_PER_HOST}"))
+    elif case == "fault_tolerance_with_delay":  # refused before any coordinator is reached
+        diloco.update(fragments=2, delay=1, fault_tolerance=FaultTolerance("127.0.0.1:1", f"host{rank // RANKS_PER_HOST}"))
     elif case == "settings_differ_on_rank_3" and rank == 3:
         diloco.update(sync_every=8)
     try:
