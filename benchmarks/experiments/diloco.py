@@ -198,7 +198,8 @@ def summarize(link_gbit: Optional[float], by_variant: dict, plan: Plan, ranks: i
     """One row per variant of one link's records."""
     torch_record = by_variant[dv.TORCH]
     target = loss_at(torch_record, plan.steps)
-    torch_time = torch_record["curve_wall_s"][torch_record["curve_steps"].index(plan.steps)]
+    # Read as the others' are: its first snapshot at or below its final loss (at the latest, its last step).
+    torch_time = first_time_at_or_below(torch_record["curve_loss"], torch_record["curve_wall_s"], target)
     rows = []
     for variant, r in by_variant.items():
         reached = first_time_at_or_below(r["curve_loss"], r["curve_wall_s"], target)

@@ -117,6 +117,7 @@ def test_quick_plan_on_the_loopback_trains_every_variant():
     parameters = dv.parameter_count(plan.settings.shape)
     assert records[dv.DILOCO]["outer_bytes"] == 2 * syncs * parameters * 4
     assert records[dv.TORCH]["outer_bytes"] == 0
+    assert records[dv.DILOCO]["outer_s"] > 0 and records[dv.TORCH]["outer_s"] == 0
     assert 0.24 < records[dv.DILOCO_INT8]["outer_bytes"] / records[dv.DILOCO]["outer_bytes"] < 0.27
     assert 0.12 < records[dv.DILOCO_INT4]["outer_bytes"] / records[dv.DILOCO]["outer_bytes"] < 0.14
     rows = diloco.summarize(None, records, plan, ranks=2)
