@@ -58,8 +58,7 @@ class DiLoCo:
         fault_tolerance: a `ddp_ext.diloco.FaultTolerance`: each host is a job
             of its own (its default group is the inner group), the hosts meet
             through a fault-tolerance coordinator, and a host that dies is
-            dropped at the next sync (Note [DiLoCo survives a host]). No
-            delay.
+            dropped at the next sync (Note [DiLoCo survives a host]).
 
     Construction is collective over the default process group; bad
     settings raise ValueError on every rank.
@@ -95,7 +94,9 @@ class DiLoCo:
         self._surviving: Optional[SurvivingSync] = None
         if fault_tolerance is not None:
             self.outer_group = None
-            self._surviving = SurvivingSync(self._fragments, self._schedule, self.settings.mix, fault_tolerance)
+            self._surviving = SurvivingSync(self._fragments, self._schedule, self.settings.mix, self.settings.delay,
+                                            fault_tolerance)
+            self._surviving_merge_step = 0
             self._step = self._schedule.launch_step(self._surviving.sync(-1))
             return
         inner_by_rank = [inner_members for inner_members, _ in gathered]
@@ -146,11 +147,11 @@ class DiLoCo:
         whose step this is and merges the exchanges due."""
         self._step += 1
         if self._surviving is not None:
+            self._finish_surviving_sync()
             if self._schedule.launches_at(self._step):
-                sent = self._surviving.bytes_sent
-                number = self._surviving.sync(self._schedule.launches_up_to(self._step))
-                self._step = self._schedule.launch_step(number)
-                self.bytes_sent += self._surviving.bytes_sent - sent
+                self._surviving.launch(self._schedule.launches_up_to(self._step))
+                self._surviving_merge_step = self._schedule.merge_step(self._step)
+                self._finish_surviving_sync()
             return
         for p in self._schedule.launches_at(self._step):
             fragment = self._fragments[p]
@@ -162,10 +163,23 @@ class DiLoCo:
         for flight in due:
             self._fragments[flight.fragment].merge(flight.exchange.wait(), self.settings.mix)
 
+    def _finish_surviving_sync(self) -> None:
+        """Finishes the fault-tolerant sync in flight if its merge step has
+        come; a rank healed to the others' sync takes their step count."""
+        if not self._surviving.in_flight or self._step < self._surviving_merge_step:
+            return
+        sent = self._surviving.bytes_sent
+        number = self._surviving.finish()
+        self._step = self._schedule.launch_step(number) + self.settings.delay
+        self.bytes_sent += self._surviving.bytes_sent - sent
+
     def state_dict(self) -> Dict:
         """Everything a resumed run needs to continue bit for bit: the model,
         the inner optimizer, each fragment's outer state and the exchanges in
         flight (waited for here, and kept as their results)."""
+        if self._surviving is not None and self._surviving.in_flight:
+            raise ValueError("DiLoCo.state_dict: with fault_tolerance, a sync is in flight until its merge step; "
+                             "save at a step with none in flight (before a launch, or at or after its merge)")
         for flight in self._in_flight:
             flight.exchange = Arrived(flight.exchange.wait())
         return {
@@ -206,9 +220,6 @@ def _surviving_problems(settings: Settings, fault_tolerance, inner, outer_group)
     if not isinstance(fault_tolerance, FaultTolerance):
         return [f"fault_tolerance must be a ddp_ext.diloco.FaultTolerance, got {type(fault_tolerance).__name__}"]
     problems = fault_tolerance.problems()
-    if settings.delay != 0:
-        problems.append(f"with fault_tolerance, DiLoCo waits for each exchange at once (a sync is committed or "
-                        f"aborted before training goes on): use delay=0, got delay={settings.delay}")
     if outer_group is not None:
         problems.append("with fault_tolerance the coordinator makes the outer groups: do not pass outer_group")
     if inner is not None and dist.get_world_size(inner) != dist.get_world_size():

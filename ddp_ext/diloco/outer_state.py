@@ -73,6 +73,12 @@ class FragmentState:
     def merge(self, mean: torch.Tensor, mix: float) -> None:
         """Steps the synced copy with the outer group's mean pseudo-gradient,
         then mixes it into the live parameters (Note [DiLoCo merge])."""
+        self.outer_step(mean)
+        self.mix_into_live(mix)
+
+    @torch.no_grad()
+    def outer_step(self, mean: torch.Tensor) -> None:
+        """Steps the synced copy with the mean pseudo-gradient."""
         offset = 0
         for synced in self.synced:
             n = synced.numel()
@@ -80,6 +86,10 @@ class FragmentState:
             offset += n
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def mix_into_live(self, mix: float) -> None:
+        """live := mix * synced + (1 - mix) * live."""
         for synced, live in zip(self.synced, self.live):
             if mix == 1:
                 live.copy_(synced)

@@ -41,11 +41,20 @@ send zeros, the number of contributors is all-reduced in the same step, and
 the sum is divided by it. The first sync, at construction, has no
 contributor and steps nothing: it forms the first quorum, which starts every
 host from the first member's parameters.
-The exchange is not overlapped with training here (no delay): a sync is
-over, or aborted, before training goes on.
+With a delay (tau > 0) the sync runs on a thread of its own (the Replica's
+collectives are on the quorum's group, the training's on the host's) while
+the training thread takes tau more steps; at the merge step it waits for
+the sync, committed (with as many attempts as deaths required), and mixes
+the stepped fragment into the live parameters. The pseudo-gradient is taken
+at the launch, as without fault tolerance; a death while it is in flight
+aborts the attempt, and the survivors run it again with the same
+pseudo-gradients. The outer step (on the synced copy, which training does
+not touch) is applied at the commit, on the sync's thread; only the merge
+into the live parameters waits for the merge step.
 """
 
 import dataclasses
+import threading
 from typing import List, Optional, Tuple
 
 import torch
@@ -97,22 +106,25 @@ class _Synced(nn.Module):
 
 class _OuterSteps:
     """The fragments' outer optimizers as the one optimizer a Replica holds:
-    it heals their states together, and at a commit steps the fragment whose
-    sync committed with the mean the exchange left (`due`)."""
+    it heals their states together, and at a commit steps the synced copy
+    of the fragment whose sync committed with the mean the exchange left
+    (`due`); the live parameters are merged later, by the training thread."""
 
-    def __init__(self, fragments: List[FragmentState], mix: float):
+    def __init__(self, fragments: List[FragmentState]):
         self._fragments = fragments
-        self._mix = mix
         self.due: Optional[Tuple[int, torch.Tensor]] = None  # (fragment, mean) of the sync being run
+        self.stepped: Optional[int] = None  # the fragment the last commit stepped
 
     def step(self) -> None:
+        self.stepped = None
         if self.due is not None:
             fragment, mean = self.due
-            self._fragments[fragment].merge(mean, self._mix)
+            self._fragments[fragment].outer_step(mean)
+            self.stepped = fragment
         self.due = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        pass  # merge leaves no gradient behind
+        pass  # outer_step leaves no gradient behind
 
     def state_dict(self) -> dict:
         return {"outer_optimizers": [f.optimizer.state_dict() for f in self._fragments]}
@@ -124,47 +136,86 @@ class _OuterSteps:
 
 class SurvivingSync:
     """The outer syncs of one rank of a fault-tolerant DiLoCo (Note [DiLoCo
-    survives a host])."""
+    survives a host]): `launch` one, `finish` it (at once, or `delay` steps
+    later: it runs on a thread of its own meanwhile)."""
 
-    def __init__(self, fragments: List[FragmentState], schedule: Schedule, mix: float, settings: FaultTolerance):
+    def __init__(self, fragments: List[FragmentState], schedule: Schedule, mix: float, delay: int,
+                 settings: FaultTolerance):
         from ddp_ext.fault_tolerance import Replica  # its threads and sockets only when asked for
 
         self._fragments = fragments
         self._schedule = schedule
-        self._steps = _OuterSteps(fragments, mix)
+        self._mix = mix
+        self._delay = delay
+        self._steps = _OuterSteps(fragments)
         self._synced = _Synced([p for fragment in fragments for p in fragment.synced])
         self.replica = Replica(self._synced, self._steps, coordinator=settings.coordinator,
                                replica_id=f"{settings.host_id}/{dist.get_rank()}", run_id=settings.run_id,
                                heartbeat_timeout=settings.heartbeat_timeout)
         self._contributes = False  # until this rank took part in a committed sync
         self._expected = -1
+        self._pseudo_gradient: Optional[torch.Tensor] = None  # this rank's, taken at the launch
         self._residual_before: Optional[dict] = None
+        self._thread: Optional[threading.Thread] = None
+        self._outcome: Optional[tuple] = None  # (StepResult, None) or (None, the exception)
+        self.in_flight = False
         self.bytes_sent = 0
         self.last_members: tuple = ()  # the last committed sync's quorum
         self.last_attempts = 0  # how often it ran (more than 1: members failed during it)
 
     def sync(self, expected: int) -> int:
-        """One sync, run again with the survivors if a member dies in it.
-        `expected`: the sync's number as this rank counts (launches so far,
-        every fragment's; -1 before its first). Returns the number the
-        quorum gives it: a rank the others went on without (dropped while
-        stopped, then back; or joining) was healed to theirs, contributed
-        nothing, and takes every fragment's synced parameters as its live ones."""
+        """`launch` and `finish` at once."""
+        self.launch(expected)
+        return self.finish()
+
+    def launch(self, expected: int) -> None:
+        """Starts a sync; `expected`: its number as this rank counts
+        (launches so far, every fragment's; -1 before its first). The
+        pseudo-gradient is taken here: training may go on meanwhile."""
         self._expected = expected
-        codec = self._fragments[self._schedule.fragment_of(expected)].codec if expected > 0 else None
+        fragment = self._fragments[self._schedule.fragment_of(expected)] if expected > 0 else None
+        self._pseudo_gradient = fragment.pseudo_gradient() if fragment is not None else None
+        codec = fragment.codec if fragment is not None else None
         self._residual_before = codec.state_dict() if codec is not None else None
-        result = self.replica.run_step(self._exchange)
-        healed = not (self._contributes and result.membership.step == expected)
+        self.in_flight = True
+        if self._delay == 0 or expected <= 0:
+            self._run()
+        else:
+            self._thread = threading.Thread(target=self._run, name="ddp_ext-diloco-sync", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._outcome = (self.replica.run_step(self._exchange), None)
+        except BaseException as error:  # raised where the sync is finished, on the training thread
+            self._outcome = (None, error)
+
+    def finish(self) -> int:
+        """Waits for the sync launched last, and merges it into the live
+        parameters. Returns the number the quorum gave it: a rank the
+        others went on without (dropped while stopped, then back; or
+        joining) was healed to theirs, contributed nothing, and takes every
+        fragment's synced parameters as its live ones."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        (result, error), self._outcome = self._outcome, None
+        self.in_flight = False
+        self._pseudo_gradient = None
+        if error is not None:
+            raise error
+        healed = not (self._contributes and result.membership.step == self._expected)
         self._contributes = True
         self.last_members = result.membership.members
         self.last_attempts = result.attempts
-        if healed:
-            with torch.no_grad():
+        with torch.no_grad():
+            if healed:
                 for fragment in self._fragments:
-                    for synced, live in zip(fragment.synced, fragment.live):
-                        live.copy_(synced)
+                    fragment.mix_into_live(1.0)
                     if fragment.codec is not None:  # what it missed before is not the others' business now
                         fragment.codec.residual.zero_()
+            elif self._steps.stepped is not None:
+                self._fragments[self._steps.stepped].mix_into_live(self._mix)
         return result.membership.step
 
     def _exchange(self, membership) -> None:
@@ -183,7 +234,7 @@ class SurvivingSync:
         if contributes:
             if self._residual_before is not None:  # an attempt after an aborted one encodes from the same residual
                 fragment.codec.load_state_dict(self._residual_before)
-            values = fragment.pseudo_gradient()
+            values = self._pseudo_gradient
             payload = values if fragment.codec is None else fragment.codec.encode(values)
         else:
             payload = torch.zeros(fragment.numel if fragment.codec is None else fragment.codec.payload_bytes,

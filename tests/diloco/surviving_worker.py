@@ -39,6 +39,8 @@ def main(argv=None) -> int:
     parser.add_argument("--fragments", type=int, default=1)
     parser.add_argument("--bits", type=int, default=32)
     parser.add_argument("--mix", type=float, default=None)
+    parser.add_argument("--delay", type=int, default=0)
+    parser.add_argument("--state-dict-at", default="", help="STEP,...: after these steps, try outer.state_dict()")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
@@ -55,7 +57,8 @@ def main(argv=None) -> int:
     outer_optimizer = workers.plain_outer_sgd if args.outer == "plain" else None
     record(kind="started")
     outer = ddp_ext.DiLoCo(ddp, optimizer, sync_every=args.sync_every, outer_optimizer=outer_optimizer,
-                           fragments=args.fragments, bits=args.bits, mix=args.mix, fault_tolerance=FaultTolerance(args.coordinator, args.host, heartbeat_timeout=2.0))
+                           fragments=args.fragments, bits=args.bits, mix=args.mix, delay=args.delay,
+                           fault_tolerance=FaultTolerance(args.coordinator, args.host, heartbeat_timeout=2.0))
     record(kind="joined", step=outer.step_count, members=list(outer._surviving.last_members))
     if args.die_in_sync:
         exchange = outer._surviving._exchange
@@ -78,10 +81,17 @@ def main(argv=None) -> int:
         loss.backward()
         optimizer.step()
         outer.step()
-        synced = bool(outer._schedule.launches_at(outer.step_count))
-        record(kind="step", step=outer.step_count, loss=loss.item(),
+        launched = outer.step_count - args.delay  # the launch of the sync merged at this step, if any
+        synced = launched >= 1 and bool(outer._schedule.launches_at(launched))
+        record(kind="step", step=outer.step_count, loss=loss.item(), launched=launched if synced else None,
                members=list(outer._surviving.last_members) if synced else None,
                attempts=outer._surviving.last_attempts if synced else None)
+        if str(outer.step_count) in args.state_dict_at.split(","):
+            try:
+                saved = sorted(outer.state_dict())
+                record(kind="state_dict", step=outer.step_count, saved=saved)
+            except ValueError as error:
+                record(kind="state_dict", step=outer.step_count, error=str(error))
         time.sleep(args.sleep)
     torch.save({"live": [p.detach().clone() for p in ddp.module.parameters()],
                 "global": [p.clone() for p in outer.global_parameters()]}, args.out + ".pt")

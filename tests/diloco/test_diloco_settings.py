@@ -13,7 +13,7 @@ CASES = {
     "outer_group_within_a_host": "outer group [0, 1] does not hold exactly one rank of each of the 2 inner groups",
     "delay_too_long_on_rank_0": "rank 0: delay=4 >= sync_every/fragments=4/1",
     "settings_differ_on_rank_3": "rank 3 has settings=",
-    "fault_tolerance_with_delay": "with fault_tolerance, DiLoCo waits for each exchange at once",
+    "fault_tolerance_with_outer_group": "with fault_tolerance the coordinator makes the outer groups",
 }
 
 

@@ -138,8 +138,9 @@ def construct(rank, world_size, case):
         diloco.update(outer_group=within[rank // RANKS_PER_HOST])
     elif case == "delay_too_long_on_rank_0" and rank == 0:
         diloco.update(delay=4)
-    elif case == "fault_tolerance_with_delay":  # refused before any coordinator is reached
-        diloco.update(fragments=2, delay=1, fault_tolerance=FaultTolerance("127.0.0.1:1", f"host{rank // RANKS_PER_HOST}"))
+    elif case == "fault_tolerance_with_outer_group":  # refused before any coordinator is reached
+        diloco.update(outer_group=host_groups().outer,
+                      fault_tolerance=FaultTolerance("127.0.0.1:1", f"host{rank // RANKS_PER_HOST}"))
     elif case == "settings_differ_on_rank_3" and rank == 3:
         diloco.update(sync_every=8)
     try:
