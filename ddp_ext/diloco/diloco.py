@@ -77,7 +77,7 @@ class DiLoCo:
         problems = self.settings.problems() + _local_problems(ddp, inner_group, inner_optimizer, outer_optimizer,
                                                               self._parameters)
         if fault_tolerance is not None:
-            problems += _surviving_problems(self.settings, fault_tolerance, inner, outer_group)
+            problems += _surviving_problems(fault_tolerance, inner, outer_group)
         self._fragments: List[FragmentState] = []
         if not problems:
             problems += self._make_fragments(outer_optimizer or default_outer_optimizer)
@@ -215,7 +215,7 @@ class DiLoCo:
         self.bytes_sent = state["bytes_sent"]
 
 
-def _surviving_problems(settings: Settings, fault_tolerance, inner, outer_group) -> List[str]:
+def _surviving_problems(fault_tolerance, inner, outer_group) -> List[str]:
     """What keeps these arguments from a fault-tolerant DiLoCo."""
     if not isinstance(fault_tolerance, FaultTolerance):
         return [f"fault_tolerance must be a ddp_ext.diloco.FaultTolerance, got {type(fault_tolerance).__name__}"]
