@@ -393,6 +393,8 @@ class ShardedOptimizer:
 
     def _cut_loaded(self, plan: ShardPlan) -> None:
         """Cuts the unsharded state of the plan's parameters into its pieces."""
+        if getattr(self, "pending", None) is not None:  # Note [Sharded checkpoints] in ddp_ext/_sharded_checkpoint.py
+            self.pending.cut(plan, self)
         if not self.loaded:
             return
         for piece in plan.pieces:

@@ -22,7 +22,8 @@ Per variant and configuration:
 - ms: the median iteration, with its interquartile range and phases;
 - bytes_per_rank: what a rank sent per iteration, counted by the kernel
   (harness/sent_bytes.py), over a few untimed iterations after the timed
-  blocks, the largest rank's;
+  blocks, from and to a point where nothing is on the wire (the forward
+  overlap's tail finished), the largest rank's;
 - peak_mib: the most bytes of torch CPU tensors a rank held during an
   iteration, persistent state included (parameters, gradients, optimizer
   state, buckets, the batch): each variant built again under torch's
@@ -102,7 +103,8 @@ def _measure(rank: int, world_size: int, job):
 
         steps = {kind: make(kind) for kind in TIMED}
         samples = run_interleaved(steps, **options.run_lengths(), progress=progress, label=model)
-        counted = {kind: sent_bytes.per_iteration(steps[kind], COUNTED_ITERATIONS) for kind in VARIANTS}
+        counted = {kind: sent_bytes.per_iteration(steps[kind], COUNTED_ITERATIONS,
+                                                  functools.partial(_finished, steps[kind])) for kind in VARIANTS}
         modules = {kind: _finished(steps[kind]) for kind in VARIANTS}
         differing = [f"{OURS_OVERLAP}: {name}" for name in overlap.differing_tensors(modules[OURS],
                                                                                     modules[OURS_OVERLAP])]

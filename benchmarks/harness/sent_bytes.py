@@ -24,17 +24,18 @@ def written_bytes() -> int:
     raise OSError(f"{IO_PATH} has no wchar line")
 
 
-def per_iteration(step: Callable[[], object], iterations: int) -> float:
+def per_iteration(step: Callable[[], object], iterations: int, settle: Callable[[], object]) -> float:
     """Bytes this rank sent per iteration of `step`, over `iterations` of
-    them after one unmeasured, every rank starting together: from the start
-    of the second to the start of the one after the last, so that what an
-    iteration leaves on the wire for the next (overlap_forward's all-gathers)
-    is counted once per iteration."""
+    them after one unmeasured, every rank starting together. `settle()`
+    waits for what an iteration leaves on the wire for the next
+    (overlap_forward's allreduces and all-gathers); it runs before each
+    count, so the count holds exactly the iterations' collectives."""
     step()
+    settle()
     dist.barrier()
     start = written_bytes()
     for _ in range(iterations):
         step()
+    settle()
     end = written_bytes()
-    step()  # the last counted iteration's tail goes out before the next variant
     return (end - start) / iterations
