@@ -3,7 +3,7 @@
 (each rank writes its own ranges), read back in a new run with
 ddp.load_sharded_optimizer_state_dict(), continues bitwise as the unbroken
 run does (which is torch's DDP with a plain optimizer, at 2 ranks). Read at
-3 ranks, or with other buckets, the same checkpoint continues as torch's DDP
+3 ranks, or with other buckets (1 MiB), the same checkpoint continues as torch's DDP
 does from the gathered optimizer.state_dict() saved at the same step. A
 checkpoint of another model is refused at the first step, on every rank,
 before stepping; so is optimizer.state_dict() before that step."""
@@ -76,12 +76,29 @@ def _other_world_job(rank, world_size, folder: str):
     return _resumed(rank, world_size, folder, "sharded"), _resumed(rank, world_size, folder, "torch")
 
 
+def _other_buckets_job(rank, world_size, folder: str):
+    return (_resumed(rank, world_size, folder, "sharded", bucket_cap_mb=1.0),
+            _resumed(rank, world_size, folder, "torch", bucket_cap_mb=1.0))
+
+
+class _Outer(torch.nn.Module):
+    """The saved model inside another: its parameters' names differ."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args):
+        return self.inner(*args)
+
+
 def _refusals_job(rank, world_size, folder: str):
     import ddp_ext
 
-    module = models.build(R.model, seed=123)
-    optimizer = optimizer_of(R.optimizer, module)
-    ddp = ddp_ext.DistributedDataParallel(module, bucket_cap_mb=1.0)  # one bucket, not the saved ones
+    module = _Outer(models.build(R.model, seed=123))
+    optimizer = torch.optim.Adam(module.parameters(), lr=0.01)
+    optimizer.add_param_group({"params": []})  # the saved run's two groups
+    ddp = ddp_ext.DistributedDataParallel(module, bucket_cap_mb=SMALL_BUCKETS)
     ddp.overlap_optimizer(optimizer, shard=True)
     ddp.load_sharded_optimizer_state_dict(os.path.join(folder, "dcp"), key="optimizer")
     messages = {}
@@ -96,6 +113,7 @@ def _refusals_job(rank, world_size, folder: str):
         optimizer.step()
     except RuntimeError as error:
         messages["step"] = str(error)
+    ddp.finish_forward_tail()
     messages["stepped"] = any(not torch.equal(a, p) for a, p in zip(before, module.parameters()))
     return messages
 
@@ -130,9 +148,17 @@ def test_dcp_checkpoint_loads_at_another_world_size(saved):
             assert_states_close(sharded[kind], plain[kind], f"rank {rank}: read at 3 ranks: {kind}")
 
 
-def test_other_buckets_are_refused_before_stepping(saved):
+def test_dcp_checkpoint_loads_with_other_buckets(saved):
+    folder, _ = saved
+    for rank, (sharded, plain) in enumerate(shared_world(2).run(_other_buckets_job, folder)):
+        for kind in ("params", "optimizer"):
+            assert_states_bitwise(sharded[kind], plain[kind], f"rank {rank}: read with 1 MiB buckets: {kind}")
+
+
+def test_another_models_checkpoint_is_refused_before_stepping(saved):
     folder, _ = saved
     for rank, messages in enumerate(shared_world(2).run(_refusals_job, folder)):
         assert "before the next optimizer.step()" in messages.get("state_dict", ""), messages
-        assert "no bucket laid out as this one" in messages.get("step", "") and "Nothing was stepped" in messages["step"]
-        assert messages["stepped"] is False, f"rank {rank} stepped"
+        step = messages.get("step", "")
+        assert "cannot place the saved state of 'inner.layers" in step and "not in the checkpoint" in step, messages
+        assert "Nothing was stepped" in step and messages["stepped"] is False, f"rank {rank}: {messages}"
