@@ -48,7 +48,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from benchmarks.experiments import overlap
+import benchmarks.experiments.overlap as overlap
 from benchmarks.harness import fake_hosts as hosts
 from benchmarks.harness import iteration_bound, link_configs, peak_memory, sent_bytes, stats
 from benchmarks.harness.interleave import merge_ranks, run_interleaved
