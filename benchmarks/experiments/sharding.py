@@ -88,7 +88,8 @@ def largest_difference(a: nn.Module, b: nn.Module) -> float:
     for name, t in [*a.named_parameters(), *a.named_buffers()]:
         other = named_b[name]
         if not torch.equal(t, other):
-            worst = max(worst, float((t.double() - other.double()).abs().max()) if t.is_floating_point() else 1.0)
+            gap = (t.detach().double() - other.detach().double()).abs().max() if t.is_floating_point() else 1.0
+            worst = max(worst, float(gap))
     return worst
 
 
