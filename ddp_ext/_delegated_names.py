@@ -208,7 +208,6 @@ class DelegatedNames:
                 self.module, self._backward_steps.named, [name for name, _ in self._hooks.registered],
                 self._layer_drop, overlap_forward, self.process_group)
             sharded = self._backward_steps.shard_optimizer(optimizer, refusal, self._settings.device, overlap_forward)
-            self._hooks.register(None, sharded.hook)
             self._optimizer_overlap = sharded
             return
         refusal = _forward_tail.refusal(self._module_parameters, self._settings.gradient_as_bucket_view,
