@@ -14,7 +14,7 @@ QUICK_SOAK_ITERATIONS = 100
 # The experiments --backend ddp_ext_mpi applies to.
 BACKEND_EXPERIMENTS = ("allreduce", "compare")
 # The experiments --link applies to (scaleout shapes its own links).
-LINK_EXPERIMENTS = ("overlap",)
+LINK_EXPERIMENTS = ("overlap", "sharding")
 
 
 def _link_gbit(text: str) -> float:

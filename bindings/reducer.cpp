@@ -18,12 +18,15 @@
 #include "bindings/bindings.h"
 #include "comm_hooks/comm_hook.h"
 #include "reducer/core/reducer.h"
+#include "reducer/layout/bucket_memory.h"
 
 namespace ddp_ext::bindings {
 namespace {
 
+using ddp_ext::reducer::Bucket;
 using ddp_ext::reducer::BucketLayout;
 using ddp_ext::reducer::BucketRebuild;
+using ddp_ext::reducer::bucket_memory_bytes;
 using ddp_ext::reducer::phase_name;
 using ddp_ext::reducer::Reducer;
 using ddp_ext::reducer::ReducerOptions;
@@ -137,6 +140,32 @@ Reducer::BucketStep bucket_step(py::function step) {
   return [fn](const std::vector<size_t>& indices) {
     py::gil_scoped_acquire gil;
     (*fn)(indices);
+  };
+}
+
+// The step of reduce-scattered buckets (Note [Sharded buckets]): `step` is
+// called with the parameters of a bucket that some rank used, the bucket's
+// parameter indices, offsets and lengths, its length and its shard (the
+// tensor the reducer fills again at every synchronising backward).
+Reducer::BucketStep shard_step(std::weak_ptr<Reducer> weak, py::function step) {
+  std::shared_ptr<py::function> fn(new py::function(std::move(step)), [](py::function* f) {
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      delete f;
+    }
+  });
+  return [fn, weak = std::move(weak)](const std::vector<size_t>& used) {
+    const std::shared_ptr<Reducer> reducer = weak.lock();
+    if (used.empty() || !reducer) {
+      return;
+    }
+    auto bucket = reducer->read_layout([&used](const BucketLayout& l) {
+      const Bucket& b = l.buckets()[l.bucket_index_of(used.front())];
+      return std::make_tuple(b.param_indices, b.offsets, b.lengths, b.flat.numel(), b.shard);
+    });
+    py::gil_scoped_acquire gil;
+    (*fn)(used, std::get<0>(bucket), std::get<1>(bucket), std::get<2>(bucket),
+          std::get<3>(bucket), std::get<4>(bucket));
   };
 }
 
@@ -327,6 +356,24 @@ void bind_observation(ReducerClass& cls) {
             r.set_bucket_step(std::move(call));
           },
           py::arg("step"))
+      .def(
+          "_set_reduce_scatter",
+          [](Reducer& r, py::function step) {
+            Reducer::BucketStep call = shard_step(r.weak_from_this(), std::move(step));
+            py::gil_scoped_release no_gil;
+            r.set_reduce_scatter(std::move(call));
+          },
+          py::arg("step"))
+      // Per bucket: the bytes its memory holds now, and its shard's.
+      .def("_bucket_memory", layout_reader([](const BucketLayout& l) {
+        std::vector<std::pair<int64_t, int64_t>> bytes;
+        for (const Bucket& b : l.buckets()) {
+          bytes.emplace_back(
+              static_cast<int64_t>(bucket_memory_bytes(b)),
+              b.shard.defined() ? static_cast<int64_t>(b.shard.nbytes()) : 0);
+        }
+        return bytes;
+      }))
       .def(
           "_set_forward_tail",
           [](Reducer& r, double fraction) {

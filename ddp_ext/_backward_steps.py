@@ -96,7 +96,7 @@ class BackwardSteps(Bound):
                              f"{why or refusal}")
         self._check_optimizer(optimizer)
         self.overlap = ShardedOptimizer(optimizer, self.named, self.process_group, device, bool(overlap_forward))
-        self.reducer._set_bucket_step(self.overlap.step_bucket)
+        self.reducer._set_reduce_scatter(self.overlap.step_bucket)  # Note [Sharded buckets]
         return self.overlap
 
     def check_regroup(self) -> None:

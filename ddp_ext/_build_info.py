@@ -42,11 +42,13 @@ SOURCES = [
     "reducer/core/rebuilds.cpp",
     "reducer/core/reducer.cpp",
     "reducer/core/settings_and_figures.cpp",
+    "reducer/core/sharded_buckets.cpp",
     "reducer/core/stall_report.cpp",
     "reducer/core/state_lock.cpp",
     "reducer/core/static_graph_iteration.cpp",
     "reducer/core/step_agreement.cpp",
     "reducer/core/write_back.cpp",
+    "reducer/finish/keep_shards.cpp",
     "reducer/finish/step_and_defer_tail.cpp",
     "reducer/finish/step_per_bucket.cpp",
     "reducer/finish/write_back_all.cpp",
@@ -64,6 +66,7 @@ SOURCES = [
     "reducer/transport/bucket_transport.cpp",
     "reducer/transport/carrier_with_step_check.cpp",
     "reducer/transport/hook_transport.cpp",
+    "reducer/transport/reduce_scatter.cpp",
     "reducer/transport/step_check_policy.cpp",
 ]
 

@@ -104,6 +104,11 @@ class CommHooks(Bound):
         return _C.python_comm_hook(state, hook)
 
     def _install(self, native, name: str, state) -> None:
+        if getattr(self.backward_steps.overlap, "reduce_scatters", False):
+            raise RuntimeError(
+                f"DistributedDataParallel on rank {self.process_group.rank()} cannot register the communication hook "
+                f"{name} with overlap_optimizer(..., shard=True): the reducer reduce-scatters each bucket itself. "
+                "Use one or the other.")
         self.reducer._register_comm_hook(native)
         self.registered.append((name, state))
         self.logging.hook_registered(name)

@@ -208,7 +208,6 @@ class DelegatedNames:
                 self.module, self._backward_steps.named, [name for name, _ in self._hooks.registered],
                 self._layer_drop, overlap_forward, self.process_group)
             sharded = self._backward_steps.shard_optimizer(optimizer, refusal, self._settings.device, overlap_forward)
-            self._hooks.register(None, sharded.hook)
             self._optimizer_overlap = sharded
             return
         refusal = _forward_tail.refusal(self._module_parameters, self._settings.gradient_as_bucket_view,
@@ -225,6 +224,29 @@ class DelegatedNames:
         if isinstance(sharded, _sharded_optimizer.ShardedOptimizer):
             return sharded.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
         return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type, error_if_nonfinite)
+
+    def sharded_optimizer_state_dict(self) -> dict:
+        """ddp_ext only. With overlap_optimizer(..., shard=True), after a step:
+        this rank's shard of the optimizer's state, as torch.distributed.checkpoint
+        saves it without gathering (dcp.save({"optimizer": ...})). See docs/SHARDING.md."""
+        from ddp_ext import _sharded_checkpoint  # torch.distributed.checkpoint, imported when used
+
+        return _sharded_checkpoint.state_dict(self._sharded_or_refuse("sharded_optimizer_state_dict()"))
+
+    def load_sharded_optimizer_state_dict(self, checkpoint_id, key: str = "optimizer", storage_reader=None) -> None:
+        """ddp_ext only. Reads what sharded_optimizer_state_dict() saved under
+        `key` (a collective, on every rank); the state takes its place at the
+        next optimizer.step(). See docs/SHARDING.md."""
+        from ddp_ext import _sharded_checkpoint  # torch.distributed.checkpoint, imported when used
+
+        _sharded_checkpoint.load(self._sharded_or_refuse("load_sharded_optimizer_state_dict()"), checkpoint_id,
+                                 key, storage_reader)
+
+    def _sharded_or_refuse(self, what: str):
+        if not isinstance(self._optimizer_overlap, _sharded_optimizer.ShardedOptimizer):
+            raise RuntimeError(f"DistributedDataParallel on rank {self.process_group.rank()}: {what} is for a sharded "
+                               "optimizer: call ddp.overlap_optimizer(optimizer, shard=True) first.")
+        return self._optimizer_overlap
 
     def finish_forward_tail(self) -> None:
         """ddp_ext only. With overlap_optimizer(..., overlap_forward=True):

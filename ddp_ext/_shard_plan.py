@@ -53,8 +53,9 @@ class ShardPlan:
         self.shard = -(-length // world_size) if length else 0
         self.lo = min(rank * self.shard, length)
         self.hi = min((rank + 1) * self.shard, length)
-        # The reduce-scatter's output: the averaged gradient of the shard.
-        self.grad = torch.zeros(self.shard, dtype=dtype, device=device)
+        # The reducer's shard of the bucket, the averaged gradient of the
+        # range, from a synchronising backward to the step (else None).
+        self.grad = None
         # The rank's copy of its parameters' elements, stepped in place.
         self.params = torch.zeros(self.shard, dtype=dtype, device=device)
         self.pieces: List[Piece] = []
@@ -68,13 +69,3 @@ class ShardPlan:
     def padded(self) -> int:
         return self.shard * self.world_size
 
-
-def layout_of(bucket, index_of) -> Tuple[Placed, ...]:
-    """A GradBucket's layout: (reducer index, offset, numel) of each parameter,
-    offsets read from where each gradient view starts in the buffer."""
-    buffer = bucket.buffer()
-    base, size = buffer.data_ptr(), buffer.element_size()
-    placed = []
-    for p, g in zip(bucket.parameters(), bucket.gradients()):
-        placed.append((index_of[id(p)], (g.data_ptr() - base) // size, g.numel()))
-    return tuple(placed)

@@ -1,21 +1,25 @@
 """The optimizer sharded across the ranks, inside the drop-in:
 `ddp.overlap_optimizer(opt, shard=True)` (ZeRO-2).
 
-Each bucket is reduce-scattered instead of all-reduced (Note [Shard plan] in
-ddp_ext/_shard_plan.py); at optimizer.step() each rank steps its shard only,
-with an inner optimizer of the user's class, then the buckets' parameters
-are all-gathered. The optimizer's state exists for the shard only.
+Each bucket is reduce-scattered instead of all-reduced, by the reducer
+(Note [Sharded buckets] in reducer/transport/reduce_scatter.h; the ranges:
+Note [Shard plan] in ddp_ext/_shard_plan.py); at optimizer.step() each rank
+steps its shard only, with an inner optimizer of the user's class, then the
+buckets' parameters are all-gathered. The optimizer's state exists for the
+shard only.
 
 Note [Exact sharded steps]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
 A parameter ends up bitwise as with a plain optimizer.step() after torch's
-DDP (at 2 ranks; at more, up to the order of the sum, below) because:
- - the gradient: each bucket is scaled by 1/world_size (the same product as
-   the default reduction, Note [Gradient averaging] in
-   reducer/base/averaging.h) and reduce-scattered: each rank gets the sum of
-   its range. At 2 ranks a sum of two is the same whatever the order; at 3
-   and more, Gloo's reduce-scatter adds in another order than its
-   allreduce, so the gradient may differ in the last bits.
+DDP (over Gloo at any world size; over NCCL at 2 ranks, below) because:
+ - the gradient: each bucket is scaled by 1/world_size as it is copied in
+   (the same product as the default reduction, Note [Gradient averaging] in
+   reducer/base/averaging.h) and reduced by the reducer (Note [Sharded
+   buckets] in reducer/transport/reduce_scatter.h): over Gloo allreduced in
+   place as the default allreduces it, each rank keeping its range, so the
+   same sums in the same order; over NCCL reduce-scattered, which at 2
+   ranks is a sum of two, the same in any order, and at more may add in
+   another order than the allreduce (the last bits may differ).
  - the step: the optimizers admitted update each element from its own
    gradient and state alone (Note [Elementwise optimizers]), so stepping a
    piece of a parameter gives the bits the whole parameter's step gives to
@@ -26,32 +30,27 @@ DDP (at 2 ranks; at more, up to the order of the sum, below) because:
    user's optimizer (Note [Stepping a view of the optimizer] in
    ddp_ext/_optimizer_overlap.py) whose state is the shard's.
  - the all-gather copies the stepped bits to every rank unchanged.
-A parameter no rank used (find_unused_parameters) has no .grad after the
-backward, on every rank: its pieces get none, and are not stepped, as a
-plain step skips it.
+A parameter no rank used (find_unused_parameters) is not handed over by
+the reducer, on any rank: its .grad stays as it was, and its pieces are not
+stepped, as a plain step skips it.
 
 Note [Stepping the shard]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 At optimizer.step() the step pre-hook, for each bucket the last
 synchronising backward reduced: copies the rank's elements of the
 parameters into the bucket's flat shard (in case they were changed since:
-a loaded checkpoint), points each piece's .grad at the piece of the
-parameter's .grad (which the write-back filled with the shard's averaged
-gradient), steps the pieces, and all-gathers the flat shards into the
-parameters (with overlap_forward, returns with the all-gathers on the wire:
+a loaded checkpoint), points each piece's .grad at its range of the
+reducer's shard of the bucket (the averaged gradient), steps the pieces,
+and all-gathers the flat shards into the parameters (with overlap_forward, returns with the all-gathers on the wire:
 Note [Gathering behind the next forward] in ddp_ext/_gather_tail.py). The pre-hook then hands torch.optim's step wrapper a view of
 the optimizer with the parameters no bucket reduced (frozen ones, say), so
 hooks and an LR scheduler's count run as usual.
 
-Note [Gradients after a sharded backward]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-After a synchronising backward a parameter's .grad holds the averaged
-gradient in the rank's range of its bucket and zeros elsewhere. A norm of
-.grad is then the norm of the rank's shard: torch.nn.utils.clip_grad_norm_
-would clip each rank by a different norm. Changes of .grad between
-backward and step are refused as with the overlap (Note [Gradients edited
-before the step] in ddp_ext/_optimizer_overlap.py); ddp.clip_grad_norm_
-clips by the whole gradient's norm.
+After a synchronising backward a parameter's .grad is a ShardGradient
+(Note [Gradients after a sharded backward] in ddp_ext/_shard_gradient.py),
+which refuses to be read or changed; one replaced or set to None before
+the step is refused there, as with the overlap (Note [Gradients edited
+before the step] in ddp_ext/_optimizer_overlap.py).
 """
 
 import math
@@ -65,11 +64,10 @@ from ddp_ext._gather_tail import GatherTail
 from ddp_ext._gradient_edits import GradientEdits
 from ddp_ext._optimizer_overlap import (_called_by_grad_scaler, _unhooked_step, _view, hooked_step_refusal,
                                         shown_names)
-from ddp_ext._shard_plan import ShardPlan, layout_of
-from ddp_ext._work_waiter import WorkWaiter
+from ddp_ext._shard_gradient import ShardGradient, drop_zeroed
+from ddp_ext._shard_plan import ShardPlan
 
-# torch 2.13 renamed reduce_scatter_tensor and all_gather_into_tensor (the old names warn).
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch 2.13 renamed all_gather_into_tensor (the old name warns).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 # Note [Elementwise optimizers]
@@ -103,9 +101,12 @@ def elementwise_refusal(optimizer) -> str:
 
 
 class ShardedOptimizer:
-    """One wrapper's sharded optimizer: the reduce-scatter (a communication
-    hook), the shard plans, the inner state, and the step. Holds neither the
-    wrapper nor the reducer. A pickled or deep-copied wrapper has none."""
+    """One wrapper's sharded optimizer: what the reducer's reduce-scatter hands
+    over (step_bucket), the shard plans, the inner state, and the step. Holds
+    neither the wrapper nor the reducer. A pickled or deep-copied wrapper has
+    none."""
+
+    reduce_scatters = True  # the reducer reduce-scatters: no communication hook may replace it
 
     def __reduce__(self):
         return (type(None), ())
@@ -121,14 +122,12 @@ class ShardedOptimizer:
         self.names = {id(p): name for name, p in named}
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
         self.plans: Dict[Tuple, ShardPlan] = {}  # by layout
-        self.reduced: Dict[int, ShardPlan] = {}  # by bucket index: reduced since the last step
+        self.reduced: Dict[Tuple, ShardPlan] = {}  # by layout: reduced since the last step
+        self.used: set = set()  # the reducer indices some rank used in those backwards
         self.active: Optional[frozenset] = None  # the layouts the state is sharded by
         self.state: Dict[torch.Tensor, dict] = defaultdict(dict)  # the inner optimizer's, by piece
         self.loaded: Dict[int, dict] = {}  # unsharded state not yet cut into pieces, by reducer index
         self.edits = GradientEdits()
-        self.written: List[int] = []  # the parameters written back since the last step
-        self.written_buckets = 0
-        self.waiter = WorkWaiter()
         self.clipped = False
         self._step_hook = optimizer.register_step_pre_hook(self.before_step)
         optimizer.register_state_dict_post_hook(self._state_dict_post)
@@ -138,6 +137,7 @@ class ShardedOptimizer:
         # Note [Gathering behind the next forward] in ddp_ext/_gather_tail.py.
         self.gathering: Dict[int, Tuple[ShardPlan, torch.Tensor, object]] = {}  # by the tail's key
         self.gathers = 0  # all-gathers launched: each one's key
+        self.gather_buffers: Dict[Tuple, List[torch.Tensor]] = {}  # without the tail: two, reused
         self.tail = GatherTail(self._write_gathered) if overlap_forward else None
         if self.tail is not None:
             optimizer.register_state_dict_pre_hook(lambda opt: self.finish_forward_tail())
@@ -151,6 +151,7 @@ class ShardedOptimizer:
         return self.tail is not None
 
     def forward_begins(self, module) -> None:
+        drop_zeroed(self.params)  # Note [Gradients after a sharded backward]
         if self.tail is not None:
             self.tail.forward_begins(module)
 
@@ -170,52 +171,29 @@ class ShardedOptimizer:
     def _error(self, what: str) -> str:
         return f"DistributedDataParallel on rank {self.rank}: overlap_optimizer(..., shard=True) {what}"
 
-    # --- the backward: reduce-scatter, then write-back ------------------------
+    # --- the backward: what the reducer's reduce-scatter hands over ----------
 
-    def hook(self, state, bucket):
-        """The communication hook: scales the bucket, reduce-scatters it into
-        the plan's gradient, and returns the buffer with the shard's range
-        filled and zeros elsewhere (Note [Gradients after a sharded backward])."""
-        buffer = bucket.buffer()
-        if buffer.is_sparse:
-            raise RuntimeError(self._error("cannot reduce-scatter sparse gradients: use dense ones."))
-        if bucket.index() in self.reduced:
-            raise RuntimeError(self._error(
-                "reduced this bucket in a synchronising backward already, and optimizer.step() has not run since: "
-                "its .grad holds the rank's shard only, so a second backward cannot add to it. Accumulate "
-                "gradients inside ddp.no_sync() (every backward but the last), or call optimizer.step() after "
-                "every synchronising backward."))
-        layout = layout_of(bucket, self.index_of)
+    def step_bucket(self, used: List[int], members: List[int], offsets: List[int], lengths: List[int],
+                    length: int, shard: Optional[torch.Tensor]) -> None:
+        """The reducer's end of a backward, per bucket (Note [Sharded buckets]
+        in reducer/transport/reduce_scatter.h): `used` are its parameters
+        some rank used, `shard` the rank's averaged gradient of the bucket.
+        Gives those parameters a ShardGradient as .grad (Note [Gradients
+        after a sharded backward] in ddp_ext/_shard_gradient.py)."""
+        if shard is None:
+            return  # not reduced (unused by every rank, skip_all_reduce_unused_params)
+        layout = tuple(zip(members, offsets, lengths))
         plan = self.plans.get(layout)
         if plan is None:
-            plan = ShardPlan(layout, buffer.numel(), buffer.dtype, buffer.device, self.rank, self.world_size)
+            plan = ShardPlan(layout, length, shard.dtype, shard.device, self.rank, self.world_size)
             self.plans[layout] = plan
-        buffer.mul_(1.0 / self.world_size)  # Note [Exact sharded steps]
-        source = buffer
-        if plan.padded != plan.length:
-            source = torch.zeros(plan.padded, dtype=buffer.dtype, device=buffer.device)
-            source[:plan.length].copy_(buffer)
-        work = _reduce_scatter(plan.grad, source, group=self.group, async_op=True)
-        self.reduced[bucket.index()] = plan
-        lo, hi = plan.lo, plan.hi
-
-        def written():
-            buffer.zero_()
-            buffer[lo:hi].copy_(plan.grad[:hi - lo])
-            return buffer
-
-        return self.waiter.future(work, written)
-
-    def step_bucket(self, indices: List[int]) -> None:
-        """The reducer's bucket step, after each bucket's write-back: once
-        every bucket the backward reduced is written back, remembers the
-        gradients, to refuse changes before the step. (Not bucket by bucket:
-        with gradient_as_bucket_view the buckets may share one storage, and
-        so one version counter, which a later bucket's write-back bumps.)"""
-        self.written.extend(indices)
-        self.written_buckets += 1
-        if self.written_buckets == len(self.reduced):
-            self.edits.remember(self.params[i] for i in self.written)
+        plan.grad = shard
+        self.reduced[layout] = plan
+        self.used.update(used)
+        for index in used:
+            p = self.params[index]
+            p.grad = ShardGradient(p, self.names.get(id(p), f"a parameter of shape {tuple(p.shape)}"))
+        self.edits.remember(self.params[index] for index in used)
 
     # --- optimizer.step() -------------------------------------------------------
 
@@ -242,13 +220,13 @@ class ShardedOptimizer:
                     f"found gradients ({shown_names(stale)}) but no synchronising backward since the last "
                     "optimizer.step(): each rank steps its shard of the averaged gradient, which only a "
                     "synchronising backward (outside no_sync) gives. Nothing was stepped."))
-        plans = [self.reduced[i] for i in sorted(self.reduced)]
+        plans = sorted(self.reduced.values(), key=lambda plan: min(index for index, _, _ in plan.layout))
+        used, self.used = self.used, set()
         self.reduced = {}
         self.edits.forget()
-        self.written, self.written_buckets = [], 0
         self.clipped = False
         self._reshard([plan.layout for plan in plans])
-        self._step(plans, places)
+        self._step(plans, places, used)
         self._all_gather(plans)
         stepped = {id(self.params[piece_index]) for plan in plans for piece_index, _, _ in plan.layout}
         rest = {number: [p for p in group["params"] if id(p) not in stepped]
@@ -269,17 +247,17 @@ class ShardedOptimizer:
         """The param group of each of the optimizer's parameters, by id."""
         return {id(p): number for number, group in enumerate(self.optimizer.param_groups) for p in group["params"]}
 
-    def _step(self, plans: List[ShardPlan], places: Dict[int, int]) -> None:
+    def _step(self, plans: List[ShardPlan], places: Dict[int, int], used: set) -> None:
         per_group: Dict[int, List[torch.Tensor]] = {}
         for plan in plans:
             for piece in plan.pieces:
                 p = self.params[piece.index]
                 number = places.get(id(p))
                 piece.flat.copy_(p.detach().reshape(-1)[piece.start:piece.stop])
-                if number is None or p.grad is None:
+                if number is None or piece.index not in used:
                     piece.flat.grad = None
                     continue
-                piece.flat.grad = p.grad.view(-1)[piece.start:piece.stop]
+                piece.flat.grad = plan.grad[piece.at:piece.at + piece.stop - piece.start]
                 per_group.setdefault(number, []).append(piece.flat)
             self._cut_loaded(plan)
         if not per_group:
@@ -291,27 +269,41 @@ class ShardedOptimizer:
         for plan in plans:
             for piece in plan.pieces:
                 piece.flat.grad = None
+            plan.grad = None  # the reducer's shard: refilled at the next synchronising backward
 
     def _all_gather(self, plans: List[ShardPlan]) -> None:
         """Launches the buckets' all-gathers, first layers' first (Note
         [Gathering behind the next forward] in ddp_ext/_gather_tail.py); waits
         for them and writes the parameters, unless the tail does it later."""
         ordered = sorted(plans, key=lambda plan: min(index for index, _, _ in plan.layout))
-        keys = []
-        for plan in ordered:
-            full = torch.empty(plan.padded, dtype=plan.params.dtype, device=plan.params.device)
+        previous = None
+        for number, plan in enumerate(ordered):
+            if self.tail is None:  # buffer number % 2 was written at the last launch
+                full = self._gather_buffer(plan, number % 2, max(p.padded for p in ordered))
+            else:
+                full = torch.empty(plan.padded, dtype=plan.params.dtype, device=plan.params.device)
             work = _all_gather(full, plan.params, group=self.group, async_op=True)
             key = self.gathers
             self.gathers += 1
             self.gathering[key] = (plan, full, work)
-            keys.append(key)
             if self.tail is not None:
                 self.tail.hold(key, [self.params[index] for index, _, _ in plan.layout])
+            elif previous is not None:
+                self._write_gathered(previous)  # at most two buckets' gathers held at once
+            previous = key
         if self.tail is not None:
             self.tail.begin()
-            return
-        for key in keys:
-            self._write_gathered(key)
+        elif previous is not None:
+            self._write_gathered(previous)
+
+    def _gather_buffer(self, plan: ShardPlan, which: int, largest: int) -> torch.Tensor:
+        """One of the two buffers the all-gathers take turns in, of the largest
+        bucket's size (allocated again when the buckets change)."""
+        kind = (plan.params.dtype, plan.params.device)
+        buffers = self.gather_buffers.setdefault(kind, [torch.empty(0, dtype=kind[0], device=kind[1])] * 2)
+        if buffers[which].numel() != largest:
+            buffers[which] = torch.empty(largest, dtype=kind[0], device=kind[1])
+        return buffers[which][:plan.padded]
 
     def _write_gathered(self, key: int) -> None:
         """Waits for one bucket's all-gather and writes all its parameters."""
@@ -348,9 +340,8 @@ class ShardedOptimizer:
             raise RuntimeError(self._error("clip_grad_norm_ was called already since this backward."))
         self._refuse_edits()
         norm_type = float(norm_type)
-        grads = [self.params[piece.index].grad.view(-1)[piece.start:piece.stop]
-                 for i in sorted(self.reduced) for piece in self.reduced[i].pieces
-                 if self.params[piece.index].grad is not None]
+        grads = [plan.grad[piece.at:piece.at + piece.stop - piece.start]
+                 for plan in self.reduced.values() for piece in plan.pieces if piece.index in self.used]
         if not grads:
             return torch.tensor(0.0)
         local = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -372,7 +363,6 @@ class ShardedOptimizer:
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         with torch.no_grad():
             torch._foreach_mul_(grads, coefficient)
-        self.edits.remember(self.params[piece.index] for i in self.reduced for piece in self.reduced[i].pieces)
         self.clipped = True
         return total
 
@@ -393,6 +383,8 @@ class ShardedOptimizer:
 
     def _cut_loaded(self, plan: ShardPlan) -> None:
         """Cuts the unsharded state of the plan's parameters into its pieces."""
+        if getattr(self, "pending", None) is not None:  # Note [Sharded checkpoints] in ddp_ext/_sharded_checkpoint.py
+            self.pending.cut(plan, self)
         if not self.loaded:
             return
         for piece in plan.pieces:

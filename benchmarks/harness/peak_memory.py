@@ -1,5 +1,8 @@
 """Peak memory of one call on the CPU, from torch's profiler.
 
+`held_peak_bytes(build)` (at the end) counts what the step holds too, not
+only what an iteration adds.
+
 `peak_bytes(fn)` runs `fn()` once under
 `torch.profiler.profile(activities=[CPU], profile_memory=True)`, with
 kineto's console lines off (Note [Quiet profiler] in
@@ -23,7 +26,7 @@ the experiment again.
 from typing import Callable, Iterable, Tuple
 
 from torch.autograd.profiler_util import MEMORY_EVENT_NAME
-from torch.profiler import ProfilerActivity
+from torch.profiler import ProfilerActivity, record_function
 
 from benchmarks.harness.quiet_profiler import quiet_profile
 
@@ -49,3 +52,39 @@ def peak_bytes(fn: Callable[[], object]) -> int:
     events = prof.profiler.kineto_results.events()
     return running_peak((e.start_ns(), e.nbytes()) for e in events
                         if e.name() == MEMORY_EVENT_NAME and e.device_type().name in CPU_DEVICE_TYPES)
+
+
+MEASURED = "peak_memory.measured"  # the profiler's label of the iteration held_peak_bytes measures
+
+
+def held_peak_bytes(build: Callable[[], Callable[[], object]], before: int = 2) -> int:
+    """Bytes of torch CPU tensors held at the peak of one iteration, counting
+    everything the step holds: `build()` makes the step (model, wrapper,
+    optimizer, batch) under the profiler, so that every tensor it keeps is
+    counted from its allocation; `before` iterations run (the optimizer's
+    state appears in the first), then the measured one. The level the
+    running sum has reached when it starts (parameters, gradients, optimizer
+    state, buckets, the batch) is part of its peak."""
+    with quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step = build()
+        for _ in range(before):
+            step()
+        with record_function(MEASURED):
+            step()
+    events = prof.profiler.kineto_results.events()
+    marks = [e for e in events if e.name() == MEASURED]
+    if len(marks) != 1:
+        raise RuntimeError(f"held_peak_bytes: {len(marks)} events named {MEASURED!r}, not one")
+    begin, end = marks[0].start_ns(), marks[0].start_ns() + marks[0].duration_ns()
+    changes = sorted(((e.start_ns(), e.nbytes()) for e in events
+                      if e.name() == MEMORY_EVENT_NAME and e.device_type().name in CPU_DEVICE_TYPES),
+                     key=lambda change: change[0])
+    held, peak = 0, None
+    for when, nbytes in changes:
+        if when > end:
+            break
+        held += nbytes
+        if when >= begin:
+            peak = held if peak is None else max(peak, held)
+    level = sum(n for when, n in changes if when < begin)
+    return max(level, peak if peak is not None else level)

@@ -64,6 +64,16 @@ class Reducer::BucketsOfBackward final : public ReducedBuckets, public DeferredF
     UnlockedWindow window(reducer_, "the optimizer step of a reduced bucket");
     step(indices);
   }
+  void step_used(const BucketStep& step, size_t bucket) override {
+    std::vector<size_t> used;
+    for (size_t index : reducer_.layout_.buckets()[bucket].param_indices) {
+      if (!usage().used_by_no_rank(index)) {
+        used.push_back(index);
+      }
+    }
+    UnlockedWindow window(reducer_, "the record of a reduce-scattered bucket");
+    step(used);
+  }
   void collectives_done() override {
     reducer_.observers_.notify(&ReducerObserver::on_collectives_done);
   }

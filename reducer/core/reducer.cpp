@@ -12,6 +12,7 @@
 #include "reducer/base/cuda_streams.h"
 #include "reducer/base/errors.h"
 #include "reducer/core/gradient_copy.h"
+#include "reducer/layout/bucket_memory.h"
 #include "reducer/agreement/step_check.h"
 #include "reducer/participation/usage.h"
 #include "reducer/transport/allreduce.h"
@@ -329,6 +330,9 @@ void Reducer::copy_into_bucket(size_t index, bool scale) {
     bucket.sparse_grad = sparse_contribution(
         params_[index], grad, scale ? averaging_.ranks() : 1, param_names_[index]);
     return;
+  }
+  if (bucket.released) {
+    regrow_bucket_memory(bucket); // See Note [Sharded buckets].
   }
   const at::Tensor& view = bucket.views[layout_.slot_of(index)];
   if (grad.defined() && !grad.is_sparse() && is_bucket_view(grad, view) &&

@@ -132,13 +132,13 @@ class Reducer : public std::enable_shared_from_this<Reducer>, private LockWindow
   std::pair<int64_t, std::vector<int64_t>> straggler_figures() const;
   void set_timeline(bool on);
   std::vector<TimelineEvent> take_timeline(int64_t* dropped, int64_t wait_ms);
-  void set_stall_handler(
-      int64_t timeout_ms, std::function<void(const StallReport&)> handler);
+  void set_stall_handler(int64_t timeout_ms, std::function<void(const StallReport&)> handler);
 
-  // Note [The end of a backward]: a step per reduced bucket (empty: off),
-  // the share of bytes left for the next forward, and those buckets.
+  // Note [The end of a backward]: a step per reduced bucket (empty: off) or
+  // reduce-scattered buckets (Note [Sharded buckets]); the forward's share.
   using BucketStep = reducer::BucketStep;
   void set_bucket_step(BucketStep step);
+  void set_reduce_scatter(BucketStep step);
   void set_forward_tail(double fraction);
   std::vector<std::pair<size_t, std::vector<size_t>>> deferred_buckets() const;
   void finish_deferred(size_t bucket_index);

@@ -2,8 +2,10 @@
 // [Static graph] in reducer/participation/static_graph.h).
 #include <c10/util/Exception.h>
 
+#include <exception>
 #include <vector>
 
+#include "reducer/core/buckets_of_backward.h"
 #include "reducer/core/reducer.h"
 
 namespace ddp_ext::reducer {
@@ -57,9 +59,18 @@ void Reducer::finish_learning_iteration() {
   }
   observers_.notify(&ReducerObserver::on_collectives_done);
   static_graph_.learned_from(used_locally, usage_.wait(gradients_stay_local_, &stall_));
-  write_back_gradients(BackwardUsage(params_.size(), static_graph_.used_globally(), drop_plan_));
+  std::exception_ptr failed;
+  if (end_of_backward_->ends_learning_iteration()) {
+    BucketsOfBackward buckets(*this); // See Note [Sharded buckets].
+    failed = end_of_backward_->finish(buckets);
+  } else {
+    write_back_gradients(BackwardUsage(params_.size(), static_graph_.used_globally(), drop_plan_));
+  }
   conclude_layout(/*launched_at_end=*/true);
   enter(Phase::kReducing, Phase::kIdle);
+  if (failed) {
+    std::rethrow_exception(failed);
+  }
 }
 
 } // namespace ddp_ext::reducer

@@ -27,7 +27,9 @@ namespace ddp_ext::reducer {
 //    steps its parameters (Note [Stepping reduced buckets]);
 //  - StepAndDeferTail: steps per bucket, and holds the first layers' buckets:
 //    launched last, first layer first, and left on the wire for the next
-//    forward (Note [The next forward's buckets first]).
+//    forward (Note [The next forward's buckets first]);
+//  - KeepShards: with reduce-scattered buckets, writes nothing back and
+//    hands each bucket's parameters to the caller (Note [Sharded buckets]).
 // A strategy owns its state (the step, the share of bytes held, the buckets
 // left on the wire) and reaches the backward's buckets only through
 // ReducedBuckets, which the reducer hands it under its lock. Which
@@ -66,6 +68,8 @@ class ReducedBuckets {
   virtual DeferredBucket leave_on_wire(size_t bucket) = 0;
   // Runs `step` for `bucket`'s parameters, without the reducer's lock.
   virtual void step(const BucketStep& step, size_t bucket) = 0;
+  // The same with those of them some rank used (Note [Used by no rank]).
+  virtual void step_used(const BucketStep& step, size_t bucket) = 0;
   // The observers' end of communication.
   virtual void collectives_done() = 0;
 };
@@ -84,6 +88,11 @@ class EndOfBackward {
   // The step per bucket; null: none.
   virtual const BucketStep* step() const {
     return nullptr;
+  }
+  // Whether it also ends a static graph's learning iteration (else the
+  // reducer writes every gradient back).
+  virtual bool ends_learning_iteration() const {
+    return false;
   }
   // Called when a backward is armed: whether it may hold buckets (the
   // reducer's side of Note [The next forward's buckets first]).

@@ -56,6 +56,12 @@ struct Bucket {
   c10::intrusive_ptr<c10d::Work> work;
   // ... or, with a communication hook, the future it returned.
   c10::intrusive_ptr<c10::ivalue::Future> future;
+
+  // Only when the buckets are reduce-scattered (Note [Sharded buckets] in
+  // reducer/transport/reduce_scatter.h): this rank's range of the reduced
+  // bucket, and whether `flat`'s memory is released until its next gradient.
+  at::Tensor shard;
+  bool released = false;
 };
 
 } // namespace ddp_ext::reducer

@@ -82,7 +82,17 @@ BucketLayout::BucketLayout(
 }
 
 LayoutInputs BucketLayout::inputs() const {
-  return LayoutInputs{params_, names_, sparse_, reduce_dtype_, gradient_as_bucket_view_};
+  return LayoutInputs{params_, names_, sparse_, reduce_dtype_, gradient_as_bucket_view_, separate_};
+}
+
+void BucketLayout::separate_buckets() {
+  if (separate_) {
+    return;
+  }
+  separate_ = true;
+  buckets_ = lay_out_buckets(inputs(), indices(), arenas_);
+  index_buckets();
+  arenas_.clear(); // a .grad that is a view of one keeps it alive
 }
 
 void BucketLayout::index_buckets() {

@@ -160,6 +160,11 @@ class BucketLayout {
   // returns whether the layout changed.
   bool set_caps(const std::vector<int64_t>& caps, Timeline& timeline);
 
+  // From now on each bucket has memory of its own, released between its
+  // reduction and its next gradient, and no arena (Note [Sharded buckets]
+  // in reducer/transport/reduce_scatter.h). Between iterations only.
+  void separate_buckets();
+
   // This rank's rebuild vote for the backward starting now (0 if none is
   // asked for); the step check carries it.
   int64_t cast_vote();
@@ -206,6 +211,7 @@ class BucketLayout {
   const std::vector<bool>& sparse_;
   const std::optional<c10::ScalarType> reduce_dtype_;
   const bool gradient_as_bucket_view_;
+  bool separate_ = false; // see separate_buckets()
   GradientOrder order_;
   std::vector<Bucket> buckets_;
   // Where each parameter lives: bucket index and position within it.

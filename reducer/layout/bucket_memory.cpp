@@ -49,6 +49,34 @@ Kind& kind_of(std::vector<Kind>& kinds, c10::Device device, c10::ScalarType dtyp
 
 } // namespace
 
+void release_bucket_memory(Bucket& bucket) {
+  if (bucket.released || !bucket.flat.defined()) {
+    return;
+  }
+  c10::StorageImpl* storage = bucket.flat.storage().unsafeGetStorageImpl();
+  TORCH_INTERNAL_ASSERT(
+      bucket.flat.storage_offset() == 0 && storage->nbytes() == bucket.flat.nbytes(),
+      "only a separate bucket's memory can be released");
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, bucket.flat.device()));
+  storage->set_nbytes(0);
+  bucket.released = true;
+}
+
+void regrow_bucket_memory(Bucket& bucket) {
+  if (!bucket.released) {
+    return;
+  }
+  c10::StorageImpl* storage = bucket.flat.storage().unsafeGetStorageImpl();
+  const size_t bytes = bucket.flat.nbytes();
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
+  storage->set_nbytes(bytes);
+  bucket.released = false;
+}
+
+size_t bucket_memory_bytes(const Bucket& bucket) {
+  return bucket.flat.defined() ? bucket.flat.storage().nbytes() : 0;
+}
+
 bool is_bucket_view(const at::Tensor& grad, const at::Tensor& view) {
   return grad.is_alias_of(view) && grad.storage_offset() == view.storage_offset() &&
       grad.sizes() == view.sizes() && grad.strides() == view.strides();
@@ -113,6 +141,9 @@ std::vector<Bucket> lay_out_buckets(
 
   // Reuse an arena of each kind if one is large enough, else allocate one.
   for (auto& kind : kinds) {
+    if (inputs.separate) {
+      break; // no arena: each bucket gets its own memory
+    }
     auto found = std::find_if(arenas.begin(), arenas.end(), [&kind](const at::Tensor& a) {
       return a.device() == kind.device && a.scalar_type() == kind.dtype &&
           a.numel() >= kind.capacity;
@@ -147,8 +178,12 @@ std::vector<Bucket> lay_out_buckets(
     for (size_t index : members) {
       numel += params[index].numel();
     }
-    bucket.flat = arenas[kind.arena].narrow(0, kind.cursor, numel);
-    kind.cursor += numel;
+    if (inputs.separate) {
+      bucket.flat = at::empty({numel}, at::TensorOptions(dtype).device(first.device()));
+    } else {
+      bucket.flat = arenas[kind.arena].narrow(0, kind.cursor, numel);
+      kind.cursor += numel;
+    }
     int64_t offset = 0;
     for (size_t index : members) {
       const at::Tensor& param = params[index];
@@ -158,6 +193,9 @@ std::vector<Bucket> lay_out_buckets(
       bucket.params.push_back(param);
       bucket.views.push_back(view_for(bucket.flat, offset, param));
       offset += param.numel();
+    }
+    if (inputs.separate) {
+      release_bucket_memory(bucket); // grown when its first gradient arrives
     }
     buckets.push_back(std::move(bucket));
   }

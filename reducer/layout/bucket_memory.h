@@ -33,6 +33,8 @@ struct LayoutInputs {
   const std::vector<bool>& sparse; // sparse[i]: own bucket, no flat; empty: none
   std::optional<c10::ScalarType> reduce_dtype; // unset: the parameters' dtype
   bool gradient_as_bucket_view = false; // views must have the params' dtype
+  // Each bucket with memory of its own, released (Note [Sharded buckets]).
+  bool separate = false;
 };
 
 // Buckets holding `indices` (parameter indices per bucket, in launch order),
@@ -45,6 +47,19 @@ std::vector<Bucket> lay_out_buckets(
     const LayoutInputs& inputs,
     const std::vector<std::vector<size_t>>& indices,
     std::vector<at::Tensor>& arenas);
+
+// Note [Released bucket memory]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A separate bucket (LayoutInputs::separate) owns its storage, which can be
+// released (its bytes freed, its size set to 0) and grown again without
+// touching `flat` or its views: they keep their sizes and point at the
+// storage, whose memory is read afresh at every use, as FSDP does with
+// its parameters. Grown again, the memory holds garbage until the bucket's
+// gradients are copied in (every element of a bucket belongs to a view).
+void release_bucket_memory(Bucket& bucket);
+void regrow_bucket_memory(Bucket& bucket);
+// The bytes `flat`'s storage holds now (0 when released).
+size_t bucket_memory_bytes(const Bucket& bucket);
 
 // Whether `grad` is exactly `view` (same memory, shape and strides), not
 // merely another slice of the same arena.

@@ -34,17 +34,21 @@ namespace ddp_ext::reducer {
 //   HookTransport         a communication hook (a BucketHook) replaces the
 //                         allreduce; gradients are copied in undivided
 //                         (Note [Communication hooks] in comm_hooks/comm_hook.h).
+//   ReduceScatter         each rank receives the averaged gradient of its
+//                         range of the bucket, Bucket::shard, and the bucket's
+//                         memory is released (Note [Sharded buckets] in
+//                         reducer/transport/reduce_scatter.h).
 //
-// The contract, which a sibling (a reduce-scatter that leaves each rank its
-// shard) follows too:
+// The contract, which every sibling follows:
 //  - launch(bucket) starts the bucket's collective and keeps what is in
 //    flight in the bucket (Bucket::work or Bucket::future), so that the
 //    reducer can drop it (abandon an iteration) or leave it on the wire
 //    (Note [The next forward's buckets first]) without knowing the transport.
 //  - finish(bucket) waits for it, through the StallWatch (Note [Hang
 //    attribution]), in a window without the reducer's lock (Note [Windows
-//    without the lock]), and leaves the reduced values in the bucket; a
-//    bucket with nothing in flight is left as it is.
+//    without the lock]), and leaves the reduced values in the bucket (its
+//    shard, for ReduceScatter); a bucket with nothing in flight is left as
+//    it is.
 //  - averages_while_copying(): whether gradients are scaled by 1/world_size
 //    while copied into the bucket (averaging transports) or handed over
 //    undivided (hooks, which divide as they please).

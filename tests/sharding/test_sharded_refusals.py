@@ -97,9 +97,10 @@ def _backward(ddp, module, rank, world_size):
     backward(ddp, rank, world_size)
 
 
-def _clipped_by_torch(ddp, module, rank, world_size):
+def _grad_replaced(ddp, module, rank, world_size):
     backward(ddp, rank, world_size)
-    torch.nn.utils.clip_grad_norm_(module.parameters(), 0.01)
+    first = next(module.parameters())
+    first.grad = torch.zeros_like(first)
 
 
 def _no_sync_only(ddp, module, rank, world_size):
@@ -107,8 +108,34 @@ def _no_sync_only(ddp, module, rank, world_size):
         backward(ddp, rank, world_size)
 
 
-BETWEEN = {"backward": _backward, "clipped_by_torch": _clipped_by_torch, "no_sync_only": _no_sync_only}
+BETWEEN = {"backward": _backward, "grad_replaced": _grad_replaced, "no_sync_only": _no_sync_only}
 STEPS = {"plain": lambda o: o.step(), "closure": lambda o: o.step(lambda: torch.tensor(0.0))}
+
+
+# What reads or changes a ShardGradient (Note [Gradients after a sharded backward]).
+GRADIENT_OPS = {
+    "torch_clip": lambda module, scaler, optimizer: torch.nn.utils.clip_grad_norm_(module.parameters(), 0.01),
+    "mul_": lambda module, scaler, optimizer: next(module.parameters()).grad.mul_(2),
+    "norm": lambda module, scaler, optimizer: next(module.parameters()).grad.norm(),
+    "unscale_": lambda module, scaler, optimizer: scaler.unscale_(optimizer),
+}
+
+
+def _refuse_gradient_op(rank, world_size, op):
+    """A ShardGradient refuses `op` after a (scaled) backward; the step then still works."""
+    from tests.support import models
+
+    module, ddp = plain_wrapper()
+    optimizer = torch.optim.Adam(module.parameters(), lr=0.1)
+    ddp.overlap_optimizer(optimizer, shard=True)
+    scaler = torch.amp.GradScaler("cpu")
+    before = snapshot(module)
+    args, target = models.rank_batch("deep", 0, 0, rank, world_size, per_rank=4)
+    scaler.scale(models.MODELS["deep"].loss(ddp(*args), target)).backward()
+    message = raised(lambda: GRADIENT_OPS[op](module, scaler, optimizer))
+    nothing = unchanged(module, before) and not ddp._optimizer_overlap.state
+    optimizer.step()
+    return message, nothing and not unchanged(module, before)
 
 
 def _refuse_grad_scaler(rank, world_size):
@@ -163,17 +190,19 @@ REFUSALS = [
     Refusal("hook_after", _refuse_hook_after, ("",)),
     Refusal("mixed_precision", _refuse_mixed_precision, ("does not support mixed_precision",)),
     Refusal("sparse_gradients", _refuse_sparse, ("cannot shard sparse gradients", "0 set sparse=True")),
-    Refusal("torch_clip", functools.partial(_stepped, between="clipped_by_torch", step="plain"),
+    Refusal("grad_replaced", functools.partial(_stepped, between="grad_replaced", step="plain"),
             ("changed between backward() and optimizer.step()", "ddp.clip_grad_norm_", "Nothing was stepped")),
     Refusal("no_sync_only", functools.partial(_stepped, between="no_sync_only", step="plain"),
             ("no synchronising backward since the last optimizer.step()", "Nothing was stepped")),
     Refusal("closure", functools.partial(_stepped, between="backward", step="closure"),
             ("without a closure",)),
-    Refusal("grad_scaler", _refuse_grad_scaler, ("cannot step through a GradScaler", "Nothing was stepped")),
+    Refusal("grad_scaler", _refuse_grad_scaler, ("holds only this rank's shard", "ddp.clip_grad_norm_")),
     Refusal("join", _refuse_join, ("cannot join uneven inputs with overlap_optimizer(..., shard=True)",)),
-    Refusal("second_backward", _refuse_second_backward, ("reduced this bucket in a synchronising backward already",
-                                                         "ddp.no_sync()")),
+    Refusal("second_backward", _refuse_second_backward, ("holds only this rank's shard",
+                                                         "optimizer.zero_grad() before the next backward")),
 ]
+REFUSALS += [Refusal(f"gradient_{op}", functools.partial(_refuse_gradient_op, op=op),
+                     ("holds only this rank's shard", "ddp.clip_grad_norm_")) for op in GRADIENT_OPS]
 
 
 @pytest.mark.parametrize("r", REFUSALS, ids=lambda r: r.name)

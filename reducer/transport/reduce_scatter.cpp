@@ -1,0 +1,115 @@
+// Each bucket reduce-scattered into this rank's shard: Note [Sharded buckets].
+#include "reducer/transport/reduce_scatter.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#include "reducer/layout/bucket_memory.h"
+#include "reducer/transport/allreduce.h"
+
+namespace ddp_ext::reducer {
+
+namespace {
+
+// Copies this rank's range of an allreduced bucket into its shard (zeros
+// past the bucket's end).
+void copy_range(Bucket& bucket, int64_t rank) {
+  at::NoGradGuard no_grad;
+  const int64_t length = bucket.flat.numel();
+  const int64_t shard = bucket.shard.numel();
+  const int64_t lo = std::min(rank * shard, length);
+  const int64_t hi = std::min(lo + shard, length);
+  bucket.shard.narrow(0, 0, hi - lo).copy_(bucket.flat.narrow(0, lo, hi - lo));
+  if (hi - lo < shard) {
+    bucket.shard.narrow(0, hi - lo, shard - (hi - lo)).zero_();
+  }
+}
+
+} // namespace
+
+void ReduceScatter::complete(InFlight& entry, const TransportContext& context) {
+  Bucket& bucket = *entry.bucket;
+  if (bucket.work) {
+    await_work(*bucket.work, entry.index, context);
+    bucket.work.reset();
+    if (entry.in_place) {
+      copy_range(bucket, context.group.getRank());
+    }
+  }
+  entry.sent = at::Tensor();
+  release_bucket_memory(bucket);
+}
+
+void ReduceScatter::record(
+    size_t index, const Bucket& bucket, const at::Tensor& sent, const TransportContext& context,
+    TimelineRange& range) {
+  if (context.timeline.on()) {
+    range.set_value(sent.nbytes());
+    context.timeline.on_completion(*bucket.work, index);
+  }
+}
+
+void ReduceScatter::launch(
+    size_t index, size_t /*count*/, Bucket& bucket, const TransportContext& context,
+    TimelineRange& range) {
+  TORCH_CHECK(!bucket.sparse, "a sparse bucket cannot be reduce-scattered");
+  if (!in_flight_.empty() && index <= in_flight_.back().index) {
+    in_flight_.clear(); // a new backward: the last one's entries are finished or dropped
+  }
+  while (in_flight_.size() >= kInFlight) {
+    InFlight oldest = std::move(in_flight_.front());
+    in_flight_.erase(in_flight_.begin());
+    complete(oldest, context);
+  }
+  const int64_t ranks = context.group.getSize();
+  const int64_t length = bucket.flat.numel();
+  const int64_t shard = (length + ranks - 1) / ranks;
+  if (!bucket.shard.defined() || bucket.shard.numel() != shard) {
+    bucket.shard = at::empty({shard}, bucket.flat.options());
+  }
+  // The gradients are in the bucket now: autograd's own .grad goes.
+  for (const at::Tensor& param : bucket.params) {
+    param.mutable_grad().reset();
+  }
+  if (context.group.getBackend(bucket.flat.device().type())->getBackendName() == "gloo") {
+    std::vector<at::Tensor> tensors{bucket.flat};
+    bucket.work = context.group.allreduce(tensors);
+    record(index, bucket, bucket.flat, context, range);
+    in_flight_.push_back(InFlight{index, &bucket, at::Tensor(), /*in_place=*/true});
+    return;
+  }
+  at::Tensor sent = bucket.flat;
+  if (shard * ranks != length) {
+    at::NoGradGuard no_grad;
+    sent = at::empty({shard * ranks}, bucket.flat.options());
+    sent.narrow(0, 0, length).copy_(bucket.flat);
+    sent.narrow(0, length, shard * ranks - length).zero_();
+  }
+  bucket.work = context.group._reduce_scatter_base(bucket.shard, sent);
+  record(index, bucket, sent, context, range);
+  in_flight_.push_back(InFlight{index, &bucket, shard * ranks != length ? sent : at::Tensor()});
+}
+
+void ReduceScatter::finish(size_t index, Bucket& bucket, const TransportContext& context) {
+  for (auto it = in_flight_.begin(); it != in_flight_.end(); ++it) {
+    if (it->index == index && it->bucket == &bucket) {
+      InFlight entry = std::move(*it);
+      in_flight_.erase(it);
+      complete(entry, context);
+      return;
+    }
+  }
+  InFlight alone{index, &bucket, at::Tensor()};
+  complete(alone, context);
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> ReduceScatter::reduce_for_joined(
+    c10d::GradBucket& /*bucket*/, c10d::ProcessGroup& /*group*/) {
+  TORCH_CHECK(false, "a sharded bucket cannot be shadowed by a joined rank");
+}
+
+} // namespace ddp_ext::reducer

@@ -1,0 +1,87 @@
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <cstddef>
+#include <vector>
+
+#include "reducer/transport/bucket_transport.h"
+
+namespace ddp_ext::reducer {
+
+// Note [Sharded buckets]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// With the optimizer sharded (ddp_ext/_sharded_optimizer.py) each bucket is
+// reduce-scattered: the gradients are divided by the world size as they
+// are copied in, as for the allreduce (Note [Gradient averaging]), and each
+// rank receives the sum of its range of the bucket, Bucket::shard (the
+// ranges of Note [Shard plan] in ddp_ext/_shard_plan.py: S = ceil(L / N)
+// elements each, the bucket padded with zeros to N * S when L is not a
+// multiple of N). Over Gloo, whose reduce-scatter is an allreduce of a
+// copy of the bucket followed by a copy of the rank's range, the bucket is
+// allreduced in place and the range copied out when it finishes: the same
+// sums and bytes without the copy (and the shard then holds exactly what
+// the default allreduce leaves in that range, at any world size).
+// Elsewhere (NCCL) the group's own reduce-scatter runs. What the gradients
+// take on a rank is then:
+//  - each bucket's memory only while it is filled and on the wire: the
+//    buckets are separate (Note [Released bucket memory] in
+//    reducer/layout/bucket_memory.h), grown when their first gradient is
+//    copied in, released once their reduce-scatter finished;
+//  - a parameter's .grad that autograd produced: dropped once copied into
+//    its bucket (at the launch), also with gradient_as_bucket_view, which
+//    the buckets then do not alias;
+//  - the shards: 1/N of the buckets, kept.
+// At most kInFlight buckets are on the wire: launching one waits first for
+// the oldest (through the StallWatch, without the lock), so the buckets a
+// backward holds at once are those being filled and those in flight, not
+// all of them. The end of the backward (KeepShards, Note [The end of a
+// backward]) writes nothing back: it hands each bucket's used parameters
+// to the caller, which reads the shard.
+// ReduceScatter answers runs_hook() as a hook does: every rank, alone
+// too, must reduce-scatter (the shard exists nowhere else), no bucket is
+// left on the wire for the next forward, and the step check does not ride
+// on bucket 0.
+class ReduceScatter : public BucketTransport {
+ public:
+  static constexpr size_t kInFlight = 2;
+
+  void launch(
+      size_t index, size_t count, Bucket& bucket, const TransportContext& context,
+      TimelineRange& range) override;
+  void finish(size_t index, Bucket& bucket, const TransportContext& context) override;
+
+  bool averages_while_copying() const override {
+    return true;
+  }
+  bool runs_hook() const override {
+    return true; // see the Note
+  }
+  bool keeps_per_bucket_state() const override {
+    return false;
+  }
+
+  // Join is refused with sharding (a joined rank would shadow an allreduce).
+  c10::intrusive_ptr<c10::ivalue::Future> reduce_for_joined(
+      c10d::GradBucket& bucket, c10d::ProcessGroup& group) override;
+
+ private:
+  struct InFlight {
+    size_t index;
+    Bucket* bucket; // valid within the backward that launched it
+    at::Tensor sent; // the padded copy, when the bucket needed one
+    bool in_place = false; // allreduced in place: the range is copied out at the end
+  };
+  // Waits for `entry`'s reduce-scatter and releases its bucket's memory.
+  static void complete(InFlight& entry, const TransportContext& context);
+  // Tells the timeline what bucket `index` sent: `sent`'s bytes.
+  static void record(
+      size_t index, const Bucket& bucket, const at::Tensor& sent, const TransportContext& context,
+      TimelineRange& range);
+
+  std::vector<InFlight> in_flight_; // in launch order
+};
+
+} // namespace ddp_ext::reducer
