@@ -12,6 +12,7 @@ from ddp_ext.diloco import fragments as _fragments
 from ddp_ext.diloco import groups as _groups
 from ddp_ext.diloco.agreement import agree
 from ddp_ext.diloco.exchange import Arrived, Exchange
+from ddp_ext.diloco.host_split import HostSplit, parts_by_rank
 from ddp_ext.diloco.outer_state import FragmentState, OuterOptimizerFactory, default_outer_optimizer
 from ddp_ext.diloco.schedule import Schedule
 from ddp_ext.diloco.settings import Settings, default_mix
@@ -55,6 +56,13 @@ class DiLoCo:
         inner_group: ddp's process group (default: taken from ddp).
         outer_group: this rank's outer group (default: derived from the inner
             groups, the ranks at the same position in each).
+        split_within_host: each rank of an inner group exchanges only its
+            part of each fragment across hosts, and the group's ranks then
+            all-gather the parts' means among themselves: the same result,
+            with as many times fewer bytes across hosts as the group has
+            ranks (Note [DiLoCo splits the exchange within a host]). False:
+            every rank exchanges the whole fragment. Not used with
+            fault_tolerance, where every rank sends its whole fragment.
         fault_tolerance: a `ddp_ext.diloco.FaultTolerance`: each host is a job
             of its own (its default group is the inner group), the hosts meet
             through a fault-tolerance coordinator, and a host that dies is
@@ -68,7 +76,7 @@ class DiLoCo:
                  fragments: int = 1, delay: int = 0, outer_optimizer: Optional[OuterOptimizerFactory] = None,
                  bits: int = 32, mix: Optional[float] = None, int8_chunk: int = 1024,
                  inner_group: Optional[dist.ProcessGroup] = None, outer_group: Optional[dist.ProcessGroup] = None,
-                 fault_tolerance: Optional[FaultTolerance] = None):
+                 split_within_host: bool = True, fault_tolerance: Optional[FaultTolerance] = None):
         self.settings = Settings(sync_every, fragments, delay, bits, default_mix(delay, mix), int8_chunk)
         self.module = getattr(ddp, "module", None)
         self.inner_optimizer = inner_optimizer
@@ -84,7 +92,7 @@ class DiLoCo:
         facts = (_groups.members(inner) if inner is not None else [],
                  _groups.members(outer_group) if outer_group is not None else None)
         same = {"settings": self.settings, "outer_group given": outer_group is not None,
-                "fault_tolerance": fault_tolerance,
+                "split_within_host": bool(split_within_host), "fault_tolerance": fault_tolerance,
                 "parameters": [(tuple(p.shape), str(p.dtype)) for p in self._parameters]}
         gathered = agree("DiLoCo", problems, same, facts)
         self._schedule = Schedule(self.settings)
@@ -105,6 +113,7 @@ class DiLoCo:
         if structure:
             raise ValueError("DiLoCo: " + "; ".join(structure))  # the same on every rank: all saw the same facts
         self.outer_group = outer_group if outer_group is not None else _groups.derive_outer(inner_by_rank)
+        self._split = _host_split(inner, inner_by_rank, outer_by_rank) if split_within_host else None
         self._step = 0
         self._start_equal()
 
@@ -155,7 +164,7 @@ class DiLoCo:
             return
         for p in self._schedule.launches_at(self._step):
             fragment = self._fragments[p]
-            exchange = Exchange(fragment.pseudo_gradient(), self.outer_group, fragment.codec)
+            exchange = Exchange(fragment.pseudo_gradient(), self.outer_group, fragment.codec, self._split)
             self.bytes_sent += exchange.bytes_sent
             self._in_flight.append(_InFlight(p, self._schedule.merge_step(self._step), exchange))
         due = [f for f in self._in_flight if f.merge_step <= self._step]
@@ -176,7 +185,10 @@ class DiLoCo:
     def state_dict(self) -> Dict:
         """Everything a resumed run needs to continue bit for bit: the model,
         the inner optimizer, each fragment's outer state and the exchanges in
-        flight (waited for here, and kept as their results)."""
+        flight (waited for here, and kept as their results). With exchanges
+        in flight and `split_within_host`, the wait ends in a collective over
+        the host's ranks: call it on every rank of the host, or at a step
+        with no exchange in flight."""
         if self._surviving is not None and self._surviving.in_flight:
             raise ValueError("DiLoCo.state_dict: with fault_tolerance, a sync is in flight until its merge step; "
                              "save at a step with none in flight (before a launch, or at or after its merge)")
@@ -213,6 +225,18 @@ class DiLoCo:
                            for f in state["in_flight"]]
         self._step = state["step"]
         self.bytes_sent = state["bytes_sent"]
+
+
+def _host_split(inner: dist.ProcessGroup, inner_by_rank, outer_by_rank) -> Optional[HostSplit]:
+    """This rank's share of its host's exchanges (None with one rank per
+    host: nothing to share), from every rank's groups."""
+    if len(inner_by_rank[dist.get_rank()]) == 1:
+        return None
+    if outer_by_rank is None:
+        outer_by_rank = _groups.derived_outer_by_rank(inner_by_rank)
+    parts = parts_by_rank(outer_by_rank)
+    inner_members = _groups.members(inner)
+    return HostSplit(parts[dist.get_rank()], len(inner_members), inner, [parts[m] for m in inner_members])
 
 
 def _surviving_problems(fault_tolerance, inner, outer_group) -> List[str]:

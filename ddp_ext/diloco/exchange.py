@@ -19,37 +19,60 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from ddp_ext.diloco.host_split import HostSplit
 from ddp_ext.diloco.int8 import ErrorFeedback
 
 
 class Exchange:
     """The mean of a flat float32 tensor over `group`'s ranks, in flight:
-    float32 values (`codec` None) or 8-bit payloads, all-gathered, decoded
-    and added in rank order (Note [DiLoCo groups agree bitwise])."""
+    float32 values (`codec` None) or 8- or 4-bit payloads, all-gathered,
+    decoded and added in rank order (Note [DiLoCo groups agree bitwise]).
+    With `split`, this rank exchanges only its part of the tensor, and
+    `wait` all-gathers the parts' means inside the host (Note [DiLoCo
+    splits the exchange within a host])."""
 
-    def __init__(self, values: torch.Tensor, group: dist.ProcessGroup, codec: Optional[ErrorFeedback]):
+    def __init__(self, values: torch.Tensor, group: dist.ProcessGroup, codec: Optional[ErrorFeedback],
+                 split: Optional[HostSplit] = None):
         self._codec = codec
+        self._split = split
+        self._numel = values.numel()
+        self._device = values.device
         payload = values if codec is None else codec.encode(values)
+        self._bounds = None
+        self._sent_numel = self._numel  # elements this rank exchanges
+        if split is not None:
+            self._bounds = split.bounds(self._numel, 1 if codec is None else codec.split_alignment)
+            start, stop = self._bounds[split.part]
+            if codec is None or start == stop:
+                payload = payload[start:stop] if codec is None else payload[:0]
+            else:
+                payload = codec.cut(payload, start, stop)
+            self._sent_numel = stop - start
         self.bytes_sent = payload.numel() * payload.element_size()
-        self._gathered: Optional[List[torch.Tensor]] = [
-            torch.empty_like(payload) for _ in range(dist.get_world_size(group))
-        ]
-        self._work = dist.all_gather(self._gathered, payload, group=group, async_op=True)
+        self._gathered: Optional[List[torch.Tensor]] = None
+        self._work = None
+        if payload.numel() > 0:  # an empty part is empty on every host: nothing to exchange
+            self._gathered = [torch.empty_like(payload) for _ in range(dist.get_world_size(group))]
+            self._work = dist.all_gather(self._gathered, payload, group=group, async_op=True)
         self._result: Optional[torch.Tensor] = None
 
     def wait(self) -> torch.Tensor:
         if self._result is None:
-            self._work.wait()
-            self._result = mean_of(self._gathered, self._codec)
+            mine = torch.zeros(0, device=self._device)
+            if self._work is not None:
+                self._work.wait()
+                mine = mean_of(self._gathered, self._codec, self._sent_numel)
+            self._result = mine if self._split is None else self._split.gather(mine, self._numel, self._bounds)
             self._gathered = self._work = None
         return self._result
 
 
-def mean_of(gathered: List[torch.Tensor], codec: Optional[ErrorFeedback]) -> torch.Tensor:
-    """The mean of what `gathered` (one payload per rank, in rank order)
-    stands for, added in that order."""
+def mean_of(gathered: List[torch.Tensor], codec: Optional[ErrorFeedback],
+            numel: Optional[int] = None) -> torch.Tensor:
+    """The mean of what `gathered` (one payload per rank, in rank order, of
+    `numel` elements: default the codec's) stands for, added in that order."""
     if codec is not None:
-        return codec.decode_mean(gathered)
+        return codec.decode_mean(gathered) if numel is None else codec.decode_mean_of_part(gathered, numel)
     total = gathered[0].clone()
     for values in gathered[1:]:
         total.add_(values)

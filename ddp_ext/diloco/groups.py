@@ -85,6 +85,12 @@ def outer_memberships(inner_by_rank: Sequence[Sequence[int]]) -> List[List[int]]
     return [sorted(group[i] for group in inner) for i in range(len(inner[0]))]
 
 
+def derived_outer_by_rank(inner_by_rank: Sequence[Sequence[int]]) -> List[List[int]]:
+    """Each rank's derived outer group (its members), by rank."""
+    derived = outer_memberships(inner_by_rank)
+    return [next(g for g in derived if rank in g) for rank in range(len(inner_by_rank))]
+
+
 def outer_problems(inner_by_rank: Sequence[Sequence[int]], outer_by_rank: Sequence[Sequence[int]]) -> List[str]:
     """What is wrong with outer groups (each rank's members in group order,
     by rank): each must hold exactly one rank of every inner group, and list
@@ -115,8 +121,7 @@ def structure_problems(inner_by_rank: Sequence[Sequence[int]],
     if problems:
         return problems
     if outer_by_rank is None:
-        derived = outer_memberships(inner_by_rank)
-        outer_by_rank = [next(g for g in derived if rank in g) for rank in range(len(inner_by_rank))]
+        outer_by_rank = derived_outer_by_rank(inner_by_rank)
     return outer_problems(inner_by_rank, outer_by_rank)
 
 

@@ -54,18 +54,32 @@ class Int4ErrorFeedback:
 
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
         """The values one payload stands for (1-D float32, `numel` long)."""
-        scales = payload[:4 * self.chunks].view(torch.float32)
-        packed = payload[4 * self.chunks:]
-        nibbles = torch.stack([packed & 0xF, packed >> 4], dim=1).reshape(-1)[:self.numel]
-        codes = self._padded(nibbles.to(torch.float32).sub_(8))
-        return (codes * scales[:, None]).reshape(-1)[:self.numel]
+        return _decode(payload, self.numel, self.chunk)
 
     def decode_mean(self, payloads: List[torch.Tensor]) -> torch.Tensor:
         """The mean of what `payloads` (one per outer rank, in rank order)
         stand for, summed in that order, so every rank gets the same bits."""
-        total = self.decode(payloads[0]).clone()
+        return self.decode_mean_of_part(payloads, self.numel)
+
+    @property
+    def split_alignment(self) -> int:
+        """Where a payload may be cut: at whole chunks of whole bytes."""
+        return self.chunk if self.chunk % 2 == 0 else 2 * self.chunk
+
+    def cut(self, payload: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """The payload of elements [start, stop) alone (start a multiple of
+        `split_alignment`), from one of all of them: the same bytes as
+        encoding those elements alone would give (a chunk's scale and codes
+        are its own; an odd tail's padding nibble is the same 8)."""
+        first, last = start // self.chunk, -(-stop // self.chunk)
+        packed = 4 * self.chunks
+        return torch.cat([payload[4 * first:4 * last], payload[packed + start // 2:packed + -(-stop // 2)]])
+
+    def decode_mean_of_part(self, payloads: List[torch.Tensor], numel: int) -> torch.Tensor:
+        """`decode_mean` of payloads of `numel` elements (cut by `cut`)."""
+        total = _decode(payloads[0], numel, self.chunk).clone()
         for payload in payloads[1:]:
-            total.add_(self.decode(payload))
+            total.add_(_decode(payload, numel, self.chunk))
         return total.div_(len(payloads))
 
     def state_dict(self) -> dict:
@@ -73,3 +87,14 @@ class Int4ErrorFeedback:
 
     def load_state_dict(self, state: dict) -> None:
         self.residual.copy_(state["residual"])
+
+
+def _decode(payload: torch.Tensor, numel: int, chunk: int) -> torch.Tensor:
+    """The `numel` values a payload in chunks of `chunk` stands for."""
+    chunks = -(-numel // chunk)
+    scales = payload[:4 * chunks].view(torch.float32)
+    packed = payload[4 * chunks:]
+    nibbles = torch.stack([packed & 0xF, packed >> 4], dim=1).reshape(-1)[:numel]
+    codes = torch.zeros(chunks * chunk, dtype=torch.float32, device=payload.device)
+    codes[:numel] = nibbles.to(torch.float32).sub_(8)
+    return (codes.view(chunks, chunk) * scales[:, None]).reshape(-1)[:numel]

@@ -34,7 +34,25 @@ class ErrorFeedback:
     def decode_mean(self, payloads: List[torch.Tensor]) -> torch.Tensor:
         """The mean of what `payloads` (one per outer rank, in rank order)
         stand for, summed in that order, so every rank gets the same bits."""
-        out = torch.empty_like(self.residual)
+        return self.decode_mean_of_part(payloads, self.residual.numel())
+
+    @property
+    def split_alignment(self) -> int:
+        """Where a payload may be cut: at whole chunks."""
+        return self.chunk
+
+    def cut(self, payload: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """The payload of elements [start, stop) alone (start a multiple of
+        the chunk), from one of all of them: the same bytes as encoding
+        those elements alone would give (a chunk's scale and codes are its
+        own). Layout: every chunk's float32 scale, then every element's code."""
+        chunks = -(-self.residual.numel() // self.chunk)
+        first, last = start // self.chunk, -(-stop // self.chunk)
+        return torch.cat([payload[4 * first:4 * last], payload[4 * chunks + start:4 * chunks + stop]])
+
+    def decode_mean_of_part(self, payloads: List[torch.Tensor], numel: int) -> torch.Tensor:
+        """`decode_mean` of payloads of `numel` elements (cut by `cut`)."""
+        out = torch.empty(numel, dtype=torch.float32, device=self.residual.device)
         _C.decode_sum_int8(payloads, out, self.chunk)
         return out.div_(len(payloads))
 

@@ -67,11 +67,43 @@ def test_streaming_fragments_agree_on_global_parameters(bits):
     losses = results[0][2]
     assert sum(losses[-4:]) < 0.7 * sum(losses[:4])
     numel = sum(p.numel() for p in initial)
-    # Six launches of each fragment: every element sent six times, in 4 bytes, 1 or 1/2 (plus scales).
+    # Six launches of each fragment: every element sent six times by one of
+    # its host's ranks, in 4 bytes, 1 or 1/2 (plus scales). In 32 bits the
+    # two ranks send about half each; in 8 and 4 bits a fragment (about 133
+    # elements) is one chunk of 1024, which is not cut: rank 0 sends it all.
+    host_bytes = results[0][3] + results[1][3]
     if bits == 32:
-        assert results[0][3] == 6 * numel * 4
+        assert host_bytes == 6 * numel * 4
+        assert results[0][3] > 0 and results[1][3] > 0
     else:
-        assert 6 * numel * bits / 8 <= results[0][3] < 6 * numel * bits / 8 * 1.1
+        assert 6 * numel * bits / 8 <= host_bytes < 6 * numel * bits / 8 * 1.1
+        assert results[1][3] == 0
+
+
+@pytest.mark.parametrize("bits", [32, 8, 4])
+def test_split_within_host_halves_bytes_and_keeps_the_bits(bits):
+    # The same run with each host's two ranks exchanging half of each
+    # fragment (the default) and with both exchanging all of it: every
+    # element's mean adds the same two hosts' values in the same order,
+    # and a part of a payload is the payload of its chunks alone, so the
+    # parameters are bitwise equal; the bytes a host sends across hosts are
+    # exactly half (chunks of 16 elements, so the 8- and 4-bit fragments
+    # are cut too).
+    diloco = dict(sync_every=4, fragments=2, delay=1, bits=bits, int8_chunk=16)
+    results = shared_world(4).run(workers.train_split_and_whole, 24, "adamw", diloco)
+    for split, whole in results:
+        for a, b in zip(split[0] + split[1], whole[0] + whole[1], strict=True):
+            assert torch.equal(a, b)
+        assert split[2] == whole[2]  # the losses, step by step
+    for host in (0, 2):
+        split_bytes = [results[host + i][0][3] for i in range(2)]
+        whole_bytes = [results[host + i][1][3] for i in range(2)]
+        assert whole_bytes[0] == whole_bytes[1] > 0
+        assert 2 * sum(split_bytes) == sum(whole_bytes)
+        assert all(0.4 * whole_bytes[0] < b < 0.6 * whole_bytes[0] for b in split_bytes)
+    # and the runs did sync: the global parameters moved from the start
+    initial = list(workers.build_model().parameters())
+    assert all(not torch.equal(g, p) for g, p in zip(results[0][0][1], initial))
 
 
 @pytest.mark.parametrize("bits", [32, 8, 4])

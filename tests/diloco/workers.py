@@ -99,6 +99,13 @@ def train_plain_and_diloco(rank, world_size, steps, diloco):
     return plain, train(rank, world_size, steps, "sgd", diloco)[0]
 
 
+def train_split_and_whole(rank, world_size, steps, inner, diloco):
+    """`train` with each host's ranks exchanging parts of each fragment
+    (the default) and with each rank exchanging all of it."""
+    split = train(rank, world_size, steps, inner, dict(diloco, split_within_host=True))
+    return split, train(rank, world_size, steps, inner, dict(diloco, split_within_host=False))
+
+
 def checkpoint_and_resume(rank, world_size, steps, at, inner, diloco):
     """Trains `steps` steps uninterrupted, saving a checkpoint after step
     `at`; then a fresh model (another seed), optimizer and DiLoCo load it and
