@@ -113,7 +113,7 @@ class DiLoCo:
         if structure:
             raise ValueError("DiLoCo: " + "; ".join(structure))  # the same on every rank: all saw the same facts
         self.outer_group = outer_group if outer_group is not None else _groups.derive_outer(inner_by_rank)
-        self._split = _host_split(inner, inner_by_rank, outer_by_rank) if split_within_host else None
+        self._split = _host_split(inner_by_rank, outer_by_rank) if split_within_host else None
         self._step = 0
         self._start_equal()
 
@@ -185,10 +185,7 @@ class DiLoCo:
     def state_dict(self) -> Dict:
         """Everything a resumed run needs to continue bit for bit: the model,
         the inner optimizer, each fragment's outer state and the exchanges in
-        flight (waited for here, and kept as their results). With exchanges
-        in flight and `split_within_host`, the wait ends in a collective over
-        the host's ranks: call it on every rank of the host, or at a step
-        with no exchange in flight."""
+        flight (waited for here, and kept as their results)."""
         if self._surviving is not None and self._surviving.in_flight:
             raise ValueError("DiLoCo.state_dict: with fault_tolerance, a sync is in flight until its merge step; "
                              "save at a step with none in flight (before a launch, or at or after its merge)")
@@ -227,16 +224,18 @@ class DiLoCo:
         self.bytes_sent = state["bytes_sent"]
 
 
-def _host_split(inner: dist.ProcessGroup, inner_by_rank, outer_by_rank) -> Optional[HostSplit]:
+def _host_split(inner_by_rank, outer_by_rank) -> Optional[HostSplit]:
     """This rank's share of its host's exchanges (None with one rank per
-    host: nothing to share), from every rank's groups."""
+    host: nothing to share), from every rank's groups. Makes a group per
+    inner group for the parts' gather: collective over the default group."""
     if len(inner_by_rank[dist.get_rank()]) == 1:
         return None
     if outer_by_rank is None:
         outer_by_rank = _groups.derived_outer_by_rank(inner_by_rank)
     parts = parts_by_rank(outer_by_rank)
-    inner_members = _groups.members(inner)
-    return HostSplit(parts[dist.get_rank()], len(inner_members), inner, [parts[m] for m in inner_members])
+    gathering = _groups.make_groups(sorted({tuple(group) for group in inner_by_rank}))
+    inner_members = _groups.members(gathering)
+    return HostSplit(parts[dist.get_rank()], len(inner_members), gathering, [parts[m] for m in inner_members])
 
 
 def _surviving_problems(fault_tolerance, inner, outer_group) -> List[str]:

@@ -14,6 +14,7 @@ the order to the backend, which may choose it per group (NCCL's rings follow
 the hardware); with two hosts the all-gather moves as many bytes.
 """
 
+import threading
 from typing import List, Optional
 
 import torch
@@ -27,9 +28,9 @@ class Exchange:
     """The mean of a flat float32 tensor over `group`'s ranks, in flight:
     float32 values (`codec` None) or 8- or 4-bit payloads, all-gathered,
     decoded and added in rank order (Note [DiLoCo groups agree bitwise]).
-    With `split`, this rank exchanges only its part of the tensor, and
-    `wait` all-gathers the parts' means inside the host (Note [DiLoCo
-    splits the exchange within a host])."""
+    With `split`, this rank exchanges only its part of the tensor, and a
+    thread of the exchange's own then all-gathers the parts' means inside
+    the host (Note [DiLoCo splits the exchange within a host])."""
 
     def __init__(self, values: torch.Tensor, group: dist.ProcessGroup, codec: Optional[ErrorFeedback],
                  split: Optional[HostSplit] = None):
@@ -55,15 +56,36 @@ class Exchange:
             self._gathered = [torch.empty_like(payload) for _ in range(dist.get_world_size(group))]
             self._work = dist.all_gather(self._gathered, payload, group=group, async_op=True)
         self._result: Optional[torch.Tensor] = None
+        self._error: Optional[BaseException] = None
+        self._thread: Optional[threading.Thread] = None
+        self._previous: Optional[threading.Thread] = None
+        if split is not None:  # the host's gather runs as soon as the part's mean is in
+            self._thread = threading.Thread(target=self._finish, name="ddp_ext-diloco-parts", daemon=True)
+            self._previous, split.last_thread = split.last_thread, self._thread
+            self._thread.start()
 
-    def wait(self) -> torch.Tensor:
-        if self._result is None:
+    def _finish(self) -> None:
+        if self._previous is not None:  # the host's gathers run in launch order on every rank
+            self._previous.join()
+            self._previous = None
+        try:
             mine = torch.zeros(0, device=self._device)
             if self._work is not None:
                 self._work.wait()
                 mine = mean_of(self._gathered, self._codec, self._sent_numel)
             self._result = mine if self._split is None else self._split.gather(mine, self._numel, self._bounds)
-            self._gathered = self._work = None
+        except BaseException as error:  # raised by wait, on the caller's thread
+            self._error = error
+        self._gathered = self._work = None
+
+    def wait(self) -> torch.Tensor:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        elif self._result is None and self._error is None:
+            self._finish()
+        if self._error is not None:
+            raise self._error
         return self._result
 
 

@@ -39,12 +39,12 @@ def host_groups() -> HostGroups:
                         "(ranks must be numbered host by host)")
     agree("ddp_ext.diloco.host_groups", problems, {"LOCAL_WORLD_SIZE": raw_local}, None)
     local = int(raw_local)
-    inner = _make_groups([list(range(h * local, (h + 1) * local)) for h in range(world // local)])
-    outer = _make_groups([list(range(i, world, local)) for i in range(local)])
+    inner = make_groups([list(range(h * local, (h + 1) * local)) for h in range(world // local)])
+    outer = make_groups([list(range(i, world, local)) for i in range(local)])
     return HostGroups(inner, outer)
 
 
-def _make_groups(memberships: Sequence[Sequence[int]]) -> dist.ProcessGroup:
+def make_groups(memberships: Sequence[Sequence[int]]) -> dist.ProcessGroup:
     """Makes every group of `memberships` (a partition of the world's ranks)
     and returns this rank's."""
     rank, mine = dist.get_rank(), None
@@ -127,4 +127,4 @@ def structure_problems(inner_by_rank: Sequence[Sequence[int]],
 
 def derive_outer(inner_by_rank: Sequence[Sequence[int]]) -> dist.ProcessGroup:
     """Makes the outer groups derived from the inner groups; this rank's."""
-    return _make_groups(outer_memberships(inner_by_rank))
+    return make_groups(outer_memberships(inner_by_rank))

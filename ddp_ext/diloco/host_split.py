@@ -9,7 +9,11 @@ ranks of a host cut it into L parts of whole scale chunks (the codec's
 `split_alignment`), and the rank of part i exchanges only part i, with the
 ranks of part i on the other hosts (its outer group). Then the host's
 ranks all-gather the parts' means over the inner group (inside the host:
-no slow link) and every rank holds the whole mean.
+no slow link) and every rank holds the whole mean. That gather runs on a thread of the
+exchange's own, over a group of the host's ranks made for it (not the DDP
+model's, whose collectives the training thread issues meanwhile), as soon
+as the part's mean is in: so one rank's `wait` (in `state_dict`, say, on a
+host's first rank only) never waits for another rank to call anything.
 
 Nothing else changes: every rank still encodes the whole fragment with the
 whole residual (the same on every rank of a host, so checkpoints and
@@ -30,14 +34,16 @@ import torch.distributed as dist
 
 class HostSplit:
     """This rank's share of a host's exchanges: part `part` of `count`, and
-    the inner group over which the parts' means are all-gathered, whose
-    rank j holds part `part_of_inner_rank[j]`."""
+    the group of the host's ranks over which the parts' means are
+    all-gathered (`inner`: not the DDP model's), whose rank j holds part
+    `part_of_inner_rank[j]`."""
 
     def __init__(self, part: int, count: int, inner: dist.ProcessGroup, part_of_inner_rank: Sequence[int]):
         self.part = part
         self.count = count
         self._inner = inner
         self._part_of_inner_rank = list(part_of_inner_rank)
+        self.last_thread = None  # the last exchange's gathering thread: the next one's waits for it
 
     def bounds(self, numel: int, alignment: int) -> List[Tuple[int, int]]:
         """The parts' element ranges [start, stop) of a fragment of `numel`

@@ -107,17 +107,20 @@ def train_split_and_whole(rank, world_size, steps, inner, diloco):
 
 
 def checkpoint_and_resume(rank, world_size, steps, at, inner, diloco):
-    """Trains `steps` steps uninterrupted, saving a checkpoint after step
-    `at`; then a fresh model (another seed), optimizer and DiLoCo load it and
-    train the rest. Both runs' live and global parameters."""
+    """Trains `steps` steps uninterrupted, its host's first rank saving a
+    checkpoint after step `at` (the others go on meanwhile); then a fresh
+    model (another seed), optimizer and DiLoCo on every rank of the host
+    load that one and train the rest. Both runs' live and global parameters."""
     run = Run(rank, inner, diloco)
     run.train(0, at)
     saved = io.BytesIO()
-    torch.save(run.outer.state_dict(), saved)
+    if rank % RANKS_PER_HOST == 0:
+        torch.save(run.outer.state_dict(), saved)
     run.train(at, steps)
+    shared = [saved.getvalue()]
+    dist.broadcast_object_list(shared, src=rank - rank % RANKS_PER_HOST, group=run.groups.inner)
     resumed = Run(rank, inner, diloco, seed=1)
-    saved.seek(0)
-    resumed.outer.load_state_dict(torch.load(saved))  # weights_only: plain data
+    resumed.outer.load_state_dict(torch.load(io.BytesIO(shared[0])))  # weights_only: plain data
     resumed.train(at, steps)
     return (run.parameters(), run.global_parameters()), (resumed.parameters(), resumed.global_parameters())
 
