@@ -1,10 +1,12 @@
 """DiLoCo's pure parts, in one process: the schedule, the fragments, the
-settings' checks and 8-bit error feedback."""
+settings' checks, 8- and 4-bit error feedback and cutting a payload
+among a host's ranks."""
 
 import pytest
 import torch
 
 from ddp_ext.diloco.fragments import split
+from ddp_ext.diloco.host_split import HostSplit, parts_by_rank
 from ddp_ext.diloco.int4 import Int4ErrorFeedback
 from ddp_ext.diloco.int8 import ErrorFeedback
 from ddp_ext.diloco.schedule import Schedule
@@ -158,3 +160,35 @@ def test_int4_stays_finite_when_a_chunk_gets_only_zeros_and_sums_in_payload_orde
     a = Int4ErrorFeedback(4, 4).encode(torch.tensor([7.0, -7.0, 0.0, 1.0]))
     b = Int4ErrorFeedback(4, 4).encode(torch.tensor([1.0, 1.0, 1.0, 1.0]))
     assert torch.equal(codec.__class__(4, 4).decode_mean([a, b]), torch.tensor([4.0, -3.0, 0.5, 1.0]))
+
+
+@pytest.mark.parametrize("codec_type, chunk", [(ErrorFeedback, 8), (ErrorFeedback, 5), (Int4ErrorFeedback, 8),
+                                               (Int4ErrorFeedback, 5)])
+def test_a_cut_payload_is_the_payload_of_its_chunks_and_decodes_to_the_same_bits(codec_type, chunk):
+    # A fragment of 101 elements (an odd, partial last chunk) cut into three
+    # shares at the codec's alignment: each share's bytes equal those of
+    # encoding its elements alone, and the mean of two hosts' shares decodes
+    # to the bits of the whole payloads' mean at those elements.
+    numel = 101
+    hosts = [torch.randn(numel, generator=torch.Generator().manual_seed(seed)) for seed in (1, 2)]
+    whole = [codec_type(numel, chunk) for _ in hosts]
+    payloads = [codec.encode(values) for codec, values in zip(whole, hosts)]
+    mean = whole[0].decode_mean(payloads)
+    bounds = HostSplit(0, 3, None, [0, 1, 2]).bounds(numel, whole[0].split_alignment)
+    assert bounds[0][0] == 0 and bounds[-1][1] == numel
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    assert all(start % whole[0].split_alignment == 0 for start, _ in bounds)
+    assert all(stop > start for start, stop in bounds)  # 101 elements give every share something here
+    for start, stop in bounds:
+        shares = [codec.cut(payload, start, stop) for codec, payload in zip(whole, payloads)]
+        alone = codec_type(stop - start, chunk).encode(hosts[0][start:stop])
+        assert torch.equal(shares[0], alone)
+        assert torch.equal(whole[0].decode_mean_of_part(shares, stop - start), mean[start:stop])
+    assert sum(codec_type(stop - start, chunk).payload_bytes for start, stop in bounds) == whole[0].payload_bytes
+
+
+def test_parts_by_rank_give_each_host_every_part_once():
+    # Two hosts {0, 1} and {2, 3}, outer groups {0, 2} and {1, 3}; and ones
+    # pairing 0 with 3 and 1 with 2: a host's ranks hold both parts either way.
+    assert parts_by_rank([[0, 2], [1, 3], [0, 2], [1, 3]]) == [0, 1, 0, 1]
+    assert parts_by_rank([[0, 3], [1, 2], [1, 2], [0, 3]]) == [0, 1, 1, 0]
