@@ -8,12 +8,13 @@ payload. Instead of each sending the whole fragment across hosts, the L
 ranks of a host cut it into L parts of whole scale chunks (the codec's
 `split_alignment`), and the rank of part i exchanges only part i, with the
 ranks of part i on the other hosts (its outer group). Then the host's
-ranks all-gather the parts' means over the inner group (inside the host:
-no slow link) and every rank holds the whole mean. That gather runs on a thread of the
-exchange's own, over a group of the host's ranks made for it (not the DDP
-model's, whose collectives the training thread issues meanwhile), as soon
-as the part's mean is in: so one rank's `wait` (in `state_dict`, say, on a
-host's first rank only) never waits for another rank to call anything.
+ranks all-gather the parts' means among themselves (inside the host: no
+slow link) and every rank holds the whole mean. That gather runs on a
+thread of the exchange's own, over a group of the host's ranks made for it
+(not the DDP model's, whose collectives the training thread issues
+meanwhile), as soon as the part's mean is in, one exchange after another
+in launch order: so one rank's `wait` (in `state_dict`, say, on a host's
+first rank only) never waits for another rank to call anything.
 
 Nothing else changes: every rank still encodes the whole fragment with the
 whole residual (the same on every rank of a host, so checkpoints and
