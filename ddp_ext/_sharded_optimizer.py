@@ -65,7 +65,8 @@ from ddp_ext._gradient_edits import GradientEdits
 from ddp_ext._optimizer_overlap import (_called_by_grad_scaler, _unhooked_step, _view, hooked_step_refusal,
                                         shown_names)
 from ddp_ext._shard_gradient import ShardGradient, drop_zeroed
-from ddp_ext._shard_plan import ShardPlan
+from ddp_ext._shard_plan import SCALAR_STATE, ShardPlan
+from ddp_ext._shard_recut import recut
 
 # torch 2.13 renamed all_gather_into_tensor (the old name warns).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -133,7 +134,7 @@ class ShardedOptimizer:
         optimizer.register_state_dict_post_hook(self._state_dict_post)
         optimizer.register_load_state_dict_post_hook(self._load_state_dict_post)
         optimizer._ddp_ext_overlapped = True
-        self.reshards = 0  # how often a new layout made the state be gathered and cut again
+        self.reshards = 0  # how often a new layout made the state be cut again
         # Note [Gathering behind the next forward] in ddp_ext/_gather_tail.py.
         self.gathering: Dict[int, Tuple[ShardPlan, torch.Tensor, object]] = {}  # by the tail's key
         self.gathers = 0  # all-gathers launched: each one's key
@@ -369,17 +370,29 @@ class ShardedOptimizer:
     # --- the state: sharded inside, unsharded outside ---------------------------
 
     def _reshard(self, layouts: List[Tuple]) -> None:
-        """After a rebuild the state's pieces belong to the old plans: the
-        state is gathered whole, to be cut again by the new ones (a
-        collective on every rank: every rank sees the same layouts)."""
-        current = frozenset(layouts)
-        if self.active is not None and current != self.active and self.state:
-            self.loaded.update(self._gathered())
-            self.state = defaultdict(dict)
-            self.reshards += 1
-        if self.active is None or current != self.active:
-            self.plans = {plan.layout: plan for plan in self.plans.values() if plan.layout in current}
-        self.active = current
+        """After a rebuild the state's pieces belong to the old plans: it is
+        moved to the new ones' (Note [Re-cutting the state] in
+        ddp_ext/_shard_recut.py). An old plan sharing no parameter with the
+        new ones keeps its state (its bucket was not reduced this time).
+        Every rank sees the same layouts, so every rank takes part."""
+        current = set(layouts)
+        if self.active is None:
+            self.plans = {layout: plan for layout, plan in self.plans.items() if layout in current}
+            self.active = frozenset(current)
+            return
+        fresh = current - self.active
+        if not fresh:
+            return
+        self.gather_buffers = {}  # sized for the old buckets: none is in use between steps
+        moved = {index for layout in fresh for index, _, _ in layout}
+        retired = {layout for layout in self.active if any(index in moved for index, _, _ in layout)}
+        order = lambda plan: min(index for index, _, _ in plan.layout)  # noqa: E731
+        whole = recut(self.state, sorted((self.plans[layout] for layout in retired), key=order),
+                      sorted((self.plans[layout] for layout in fresh), key=order), self.params, self.group)
+        self.loaded.update(whole)
+        self.reshards += 1
+        self.active = frozenset((self.active - retired) | current)
+        self.plans = {layout: plan for layout, plan in self.plans.items() if layout in self.active}
 
     def _cut_loaded(self, plan: ShardPlan) -> None:
         """Cuts the unsharded state of the plan's parameters into its pieces."""
@@ -453,14 +466,9 @@ class ShardedOptimizer:
                    if isinstance(v, torch.Tensor))
 
 
-# The scalar state of torch.optim's optimizers: told apart by name from a
-# 0-d parameter's elementwise state, which is 0-d too.
-_SCALAR_STATE = ("step", "mu_product", "eta", "mu")
-
-
 def _cut(key: str, value, p: torch.Tensor, start: int, stop: int):
     whole = isinstance(value, torch.Tensor) and value.numel() == p.numel()
-    if whole and (value.dim() > 0 or (p.dim() == 0 and key not in _SCALAR_STATE)):
+    if whole and (value.dim() > 0 or (p.dim() == 0 and key not in SCALAR_STATE)):
         return value.detach().reshape(-1)[start:stop].clone()
     return value.clone() if isinstance(value, torch.Tensor) else value
 
