@@ -139,6 +139,7 @@ class ShardedOptimizer:
         self.gathering: Dict[int, Tuple[ShardPlan, torch.Tensor, object]] = {}  # by the tail's key
         self.gathers = 0  # all-gathers launched: each one's key
         self.gather_buffers: Dict[Tuple, List[torch.Tensor]] = {}  # without the tail: two, reused
+        self.keep_buffers = True  # False: dropped at the next forward
         self.tail = GatherTail(self._write_gathered) if overlap_forward else None
         if self.tail is not None:
             optimizer.register_state_dict_pre_hook(lambda opt: self.finish_forward_tail())
@@ -153,6 +154,9 @@ class ShardedOptimizer:
 
     def forward_begins(self, module) -> None:
         drop_zeroed(self.params)  # Note [Gradients after a sharded backward]
+        if not self.keep_buffers:
+            self.gather_buffers = {}
+            self.keep_buffers = True
         if self.tail is not None:
             self.tail.forward_begins(module)
 
@@ -188,6 +192,7 @@ class ShardedOptimizer:
         if plan is None:
             plan = ShardPlan(layout, length, shard.dtype, shard.device, self.rank, self.world_size)
             self.plans[layout] = plan
+            self.gather_buffers = {}  # sized for the old buckets (none is in use in a backward)
         plan.grad = shard
         self.reduced[layout] = plan
         self.used.update(used)
@@ -226,9 +231,13 @@ class ShardedOptimizer:
         self.reduced = {}
         self.edits.forget()
         self.clipped = False
-        self._reshard([plan.layout for plan in plans])
+        settled = self._reshard([plan.layout for plan in plans])
         self._step(plans, places, used)
         self._all_gather(plans)
+        # Buckets laid out anew are often laid out again (the rebuild after the
+        # first iteration): their buffers go at the next forward, once Gloo's
+        # threads let go of the all-gathers.
+        self.keep_buffers = settled
         stepped = {id(self.params[piece_index]) for plan in plans for piece_index, _, _ in plan.layout}
         rest = {number: [p for p in group["params"] if id(p) not in stepped]
                 for number, group in enumerate(optimizer.param_groups)}
@@ -369,8 +378,9 @@ class ShardedOptimizer:
 
     # --- the state: sharded inside, unsharded outside ---------------------------
 
-    def _reshard(self, layouts: List[Tuple]) -> None:
-        """After a rebuild the state's pieces belong to the old plans: it is
+    def _reshard(self, layouts: List[Tuple]) -> bool:
+        """Whether the layouts are those the state is sharded by already.
+        After a rebuild the state's pieces belong to the old plans: it is
         moved to the new ones' (Note [Re-cutting the state] in
         ddp_ext/_shard_recut.py). An old plan sharing no parameter with the
         new ones keeps its state (its bucket was not reduced this time).
@@ -379,11 +389,10 @@ class ShardedOptimizer:
         if self.active is None:
             self.plans = {layout: plan for layout, plan in self.plans.items() if layout in current}
             self.active = frozenset(current)
-            return
+            return False
         fresh = current - self.active
         if not fresh:
-            return
-        self.gather_buffers = {}  # sized for the old buckets: none is in use between steps
+            return True
         moved = {index for layout in fresh for index, _, _ in layout}
         retired = {layout for layout in self.active if any(index in moved for index, _, _ in layout)}
         order = lambda plan: min(index for index, _, _ in plan.layout)  # noqa: E731
@@ -393,6 +402,7 @@ class ShardedOptimizer:
         self.reshards += 1
         self.active = frozenset((self.active - retired) | current)
         self.plans = {layout: plan for layout, plan in self.plans.items() if layout in self.active}
+        return False
 
     def _cut_loaded(self, plan: ShardPlan) -> None:
         """Cuts the unsharded state of the plan's parameters into its pieces."""
