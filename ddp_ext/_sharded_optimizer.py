@@ -54,6 +54,7 @@ before the step] in ddp_ext/_optimizer_overlap.py).
 """
 
 import math
+import time
 from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
 
@@ -135,6 +136,7 @@ class ShardedOptimizer:
         optimizer.register_load_state_dict_post_hook(self._load_state_dict_post)
         optimizer._ddp_ext_overlapped = True
         self.reshards = 0  # how often a new layout made the state be cut again
+        self.reshard_seconds = 0.0  # the time those took
         # Note [Gathering behind the next forward] in ddp_ext/_gather_tail.py.
         self.gathering: Dict[int, Tuple[ShardPlan, torch.Tensor, object]] = {}  # by the tail's key
         self.gathers = 0  # all-gathers launched: each one's key
@@ -396,10 +398,12 @@ class ShardedOptimizer:
         moved = {index for layout in fresh for index, _, _ in layout}
         retired = {layout for layout in self.active if any(index in moved for index, _, _ in layout)}
         order = lambda plan: min(index for index, _, _ in plan.layout)  # noqa: E731
+        began = time.perf_counter()
         whole = recut(self.state, sorted((self.plans[layout] for layout in retired), key=order),
                       sorted((self.plans[layout] for layout in fresh), key=order), self.params, self.group)
         self.loaded.update(whole)
         self.reshards += 1
+        self.reshard_seconds += time.perf_counter() - began
         self.active = frozenset((self.active - retired) | current)
         self.plans = {layout: plan for layout, plan in self.plans.items() if layout in self.active}
         return False
