@@ -25,6 +25,17 @@ import torch
 # offset in the bucket's buffer and its number of elements.
 Placed = Tuple[int, int, int]
 
+# The scalar state of torch.optim's optimizers: told apart by name from a
+# 0-d parameter's elementwise state, which is 0-d too.
+SCALAR_STATE = ("step", "mu_product", "eta", "mu")
+
+
+def elementwise_state(key: str, value, length: int) -> bool:
+    """Whether a piece's state `key` holds one value per element of a piece
+    of `length` elements (else it is a scalar shared by the parameter)."""
+    return (isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == length
+            and key not in SCALAR_STATE)
+
 
 class Piece:
     """The rank's elements [start, stop) of one parameter, at `at` in the
@@ -68,4 +79,10 @@ class ShardPlan:
     @property
     def padded(self) -> int:
         return self.shard * self.world_size
+
+    def span(self, offset: int, numel: int, rank: int) -> Tuple[int, int]:
+        """The elements [start, stop) of the parameter at `offset` (of `numel`
+        elements) that rank `rank` owns; start >= stop when it owns none."""
+        lo, hi = min(rank * self.shard, self.length), min((rank + 1) * self.shard, self.length)
+        return max(lo, offset) - offset, min(hi, offset + numel) - offset
 

@@ -38,16 +38,9 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from ddp_ext._shard_plan import ShardPlan
-from ddp_ext._sharded_optimizer import _SCALAR_STATE
+from ddp_ext._shard_plan import ShardPlan, elementwise_state
 
 Layout = Tuple[Tuple[str, int, int], ...]  # (parameter name, offset, numel) of each parameter of a bucket
-
-
-def _elementwise(key: str, value, length: int) -> bool:
-    """Whether a piece's state `key` is one value per element (else a scalar shared by the parameter)."""
-    return (isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == length
-            and key not in _SCALAR_STATE)
 
 
 def _chunk(length: int, rank: int, world_size: int) -> Tuple[int, int]:
@@ -88,7 +81,7 @@ def state_dict(sharded) -> Dict[str, object]:
             if state:
                 out[f"keys.{name}"] = tuple(sorted(state))  # which state it has: zeros are not "none"
             for key, value in state.items():
-                if _elementwise(key, value, piece.stop - piece.start):
+                if elementwise_state(key, value, piece.stop - piece.start):
                     flat = flats.setdefault(key, torch.zeros(plan.hi - plan.lo, dtype=value.dtype,
                                                              device=value.device))
                     flat[piece.at:piece.at + piece.stop - piece.start].copy_(value)

@@ -54,6 +54,7 @@ before the step] in ddp_ext/_optimizer_overlap.py).
 """
 
 import math
+import time
 from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
 
@@ -65,7 +66,8 @@ from ddp_ext._gradient_edits import GradientEdits
 from ddp_ext._optimizer_overlap import (_called_by_grad_scaler, _unhooked_step, _view, hooked_step_refusal,
                                         shown_names)
 from ddp_ext._shard_gradient import ShardGradient, drop_zeroed
-from ddp_ext._shard_plan import ShardPlan
+from ddp_ext._shard_plan import SCALAR_STATE, ShardPlan
+from ddp_ext._shard_recut import recut
 
 # torch 2.13 renamed all_gather_into_tensor (the old name warns).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -133,11 +135,13 @@ class ShardedOptimizer:
         optimizer.register_state_dict_post_hook(self._state_dict_post)
         optimizer.register_load_state_dict_post_hook(self._load_state_dict_post)
         optimizer._ddp_ext_overlapped = True
-        self.reshards = 0  # how often a new layout made the state be gathered and cut again
+        self.reshards = 0  # how often a new layout made the state be cut again
+        self.reshard_seconds = 0.0  # the time those took
         # Note [Gathering behind the next forward] in ddp_ext/_gather_tail.py.
         self.gathering: Dict[int, Tuple[ShardPlan, torch.Tensor, object]] = {}  # by the tail's key
         self.gathers = 0  # all-gathers launched: each one's key
         self.gather_buffers: Dict[Tuple, List[torch.Tensor]] = {}  # without the tail: two, reused
+        self.keep_buffers = True  # False: dropped at the next forward
         self.tail = GatherTail(self._write_gathered) if overlap_forward else None
         if self.tail is not None:
             optimizer.register_state_dict_pre_hook(lambda opt: self.finish_forward_tail())
@@ -152,6 +156,9 @@ class ShardedOptimizer:
 
     def forward_begins(self, module) -> None:
         drop_zeroed(self.params)  # Note [Gradients after a sharded backward]
+        if not self.keep_buffers:
+            self.gather_buffers = {}
+            self.keep_buffers = True
         if self.tail is not None:
             self.tail.forward_begins(module)
 
@@ -187,6 +194,7 @@ class ShardedOptimizer:
         if plan is None:
             plan = ShardPlan(layout, length, shard.dtype, shard.device, self.rank, self.world_size)
             self.plans[layout] = plan
+            self.gather_buffers = {}  # sized for the old buckets (none is in use in a backward)
         plan.grad = shard
         self.reduced[layout] = plan
         self.used.update(used)
@@ -225,9 +233,13 @@ class ShardedOptimizer:
         self.reduced = {}
         self.edits.forget()
         self.clipped = False
-        self._reshard([plan.layout for plan in plans])
+        settled = self._reshard([plan.layout for plan in plans])
         self._step(plans, places, used)
         self._all_gather(plans)
+        # Buckets laid out anew are often laid out again (the rebuild after the
+        # first iteration): their buffers go at the next forward, once Gloo's
+        # threads let go of the all-gathers.
+        self.keep_buffers = settled
         stepped = {id(self.params[piece_index]) for plan in plans for piece_index, _, _ in plan.layout}
         rest = {number: [p for p in group["params"] if id(p) not in stepped]
                 for number, group in enumerate(optimizer.param_groups)}
@@ -368,18 +380,33 @@ class ShardedOptimizer:
 
     # --- the state: sharded inside, unsharded outside ---------------------------
 
-    def _reshard(self, layouts: List[Tuple]) -> None:
-        """After a rebuild the state's pieces belong to the old plans: the
-        state is gathered whole, to be cut again by the new ones (a
-        collective on every rank: every rank sees the same layouts)."""
-        current = frozenset(layouts)
-        if self.active is not None and current != self.active and self.state:
-            self.loaded.update(self._gathered())
-            self.state = defaultdict(dict)
-            self.reshards += 1
-        if self.active is None or current != self.active:
-            self.plans = {plan.layout: plan for plan in self.plans.values() if plan.layout in current}
-        self.active = current
+    def _reshard(self, layouts: List[Tuple]) -> bool:
+        """Whether the layouts are those the state is sharded by already.
+        After a rebuild the state's pieces belong to the old plans: it is
+        moved to the new ones' (Note [Re-cutting the state] in
+        ddp_ext/_shard_recut.py). An old plan sharing no parameter with the
+        new ones keeps its state (its bucket was not reduced this time).
+        Every rank sees the same layouts, so every rank takes part."""
+        current = set(layouts)
+        if self.active is None:
+            self.plans = {layout: plan for layout, plan in self.plans.items() if layout in current}
+            self.active = frozenset(current)
+            return False
+        fresh = current - self.active
+        if not fresh:
+            return True
+        moved = {index for layout in fresh for index, _, _ in layout}
+        retired = {layout for layout in self.active if any(index in moved for index, _, _ in layout)}
+        order = lambda plan: min(index for index, _, _ in plan.layout)  # noqa: E731
+        began = time.perf_counter()
+        whole = recut(self.state, sorted((self.plans[layout] for layout in retired), key=order),
+                      sorted((self.plans[layout] for layout in fresh), key=order), self.params, self.group)
+        self.loaded.update(whole)
+        self.reshards += 1
+        self.reshard_seconds += time.perf_counter() - began
+        self.active = frozenset((self.active - retired) | current)
+        self.plans = {layout: plan for layout, plan in self.plans.items() if layout in self.active}
+        return False
 
     def _cut_loaded(self, plan: ShardPlan) -> None:
         """Cuts the unsharded state of the plan's parameters into its pieces."""
@@ -453,14 +480,9 @@ class ShardedOptimizer:
                    if isinstance(v, torch.Tensor))
 
 
-# The scalar state of torch.optim's optimizers: told apart by name from a
-# 0-d parameter's elementwise state, which is 0-d too.
-_SCALAR_STATE = ("step", "mu_product", "eta", "mu")
-
-
 def _cut(key: str, value, p: torch.Tensor, start: int, stop: int):
     whole = isinstance(value, torch.Tensor) and value.numel() == p.numel()
-    if whole and (value.dim() > 0 or (p.dim() == 0 and key not in _SCALAR_STATE)):
+    if whole and (value.dim() > 0 or (p.dim() == 0 and key not in SCALAR_STATE)):
         return value.detach().reshape(-1)[start:stop].clone()
     return value.clone() if isinstance(value, torch.Tensor) else value
 

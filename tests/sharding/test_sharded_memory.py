@@ -2,20 +2,28 @@
  - after a synchronising backward, the gradient bytes (every bucket's memory
    and shard, as the reducer reports them, plus every .grad's real storage)
    are at most the model's bytes / world_size plus one bucket;
- - the peak of all torch tensor bytes a rank holds during an iteration
-   (parameters, gradients, buckets, optimizer state, activations), with Adam
-   at 4 ranks, is at most 0.55 of torch's DDP's with a plain optimizer, both
-   measured the same way: torch.profiler's memory events (profile_memory=True)
-   from before the model is built, whose running "Total Allocated" counts
-   every CPU tensor allocation and free since then; the peak is its maximum
-   over the iterations after the first WARM_UP (torch's Adam allocates its
-   state at the first step; the first iteration learns the bucket order and
-   the second re-cuts the sharded state for the rebuilt buckets, once).
-   The whole run's peak, those included, is printed too.
+ - the peak of all torch tensor bytes a rank holds (parameters, gradients,
+   buckets, optimizer state, activations), with Adam at 4 ranks, against
+   torch's DDP's with a plain optimizer, both measured the same way:
+   torch.profiler's memory events (profile_memory=True) from before the
+   model is built, whose running "Total Allocated" counts every CPU tensor
+   allocation and free since then. Per phase: the first iteration (one
+   bucket for the whole model, to learn the gradient order, as torch's DDP
+   lays it out), the second (the buckets rebuilt: the sharded state is
+   re-cut for them, Note [Re-cutting the state] in ddp_ext/_shard_recut.py)
+   and the iterations after (steady). Asserted: the steady peak at most 0.55
+   of torch's DDP's; the rebuild's below the first iteration's (the re-cut
+   holds no whole state: it is not the run's peak); the whole run's peak,
+   the first two iterations included, at most torch's DDP's whole run's.
+   Measured: steady 2.39 x the model against 5.13 (0.47), the rebuild 2.3
+   to 2.7 x depending on the rank, the first iteration 4.00 x (0.78 of
+   torch's DDP's run): the parameters, one bucket of the whole model's
+   all-gather buffer and Gloo's copy of it, and the shards.
 """
 
 import gc
 import json
+import math
 import os
 import tempfile
 
@@ -46,13 +54,17 @@ def _batch(step: int, rank: int):
 
 
 def _wrapped(kind: str):
+    # init_sync=False: every rank builds the same weights (one seed), and the
+    # broadcast's temporary may be freed on a Gloo thread, which the
+    # profiler's CPU count never subtracts (one model's bytes on a random
+    # rank for the rest of the run).
     module = _model()
     if kind == "torch":
-        ddp = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=BUCKET_MB)
+        ddp = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=BUCKET_MB, init_sync=False)
     else:
         import ddp_ext
 
-        ddp = ddp_ext.DistributedDataParallel(module, bucket_cap_mb=BUCKET_MB)
+        ddp = ddp_ext.DistributedDataParallel(module, bucket_cap_mb=BUCKET_MB, init_sync=False)
     optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
     if kind == "sharded":
         ddp.overlap_optimizer(optimizer, shard=True)
@@ -94,7 +106,15 @@ def test_gradient_bytes_after_backward(world_size):
         assert max(figures) <= bound, (rank, figures, bound)
 
 
-def _peak(kind: str, rank: int) -> int:
+PHASES = ("first", "rebuild", "steady")
+
+
+def _phase(step: int) -> str:
+    return PHASES[min(step, 2)]
+
+
+def _peaks(kind: str, rank: int) -> dict:
+    """The peak tensor bytes of each phase, and of the whole run ("run")."""
     from torch.profiler import ProfilerActivity, profile
 
     gc.collect()  # what an earlier run left must not be freed inside this one
@@ -102,11 +122,13 @@ def _peak(kind: str, rank: int) -> int:
         module, ddp, optimizer = _wrapped(kind)
         for step in range(WARM_UP + STEPS):
             x, y = _batch(step, rank)
-            with torch.profiler.record_function("steady" if step >= WARM_UP else "warm-up"):
+            with torch.profiler.record_function(_phase(step)):
                 (ddp(x) - y).square().mean().backward()
                 optimizer.step()
                 optimizer.zero_grad()
+        moved = getattr(getattr(ddp, "_optimizer_overlap", None), "reshard_seconds", None)
         del module, ddp, optimizer
+        gc.collect()  # what the run held, reference cycles included, is freed here, on this thread
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
@@ -115,28 +137,74 @@ def _peak(kind: str, rank: int) -> int:
             events = json.load(f)["traceEvents"]
     finally:
         os.unlink(path)
-    memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
-    # The profiler's running total carries over what an earlier session left
-    # allocated: count from the total before this session's first allocation.
-    start = memory[0]["args"]["Total Allocated"] - memory[0]["args"]["Bytes"]
-    steady = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "steady" and e.get("ph") == "X"]
-    inside = [e for e in memory if any(lo <= e["ts"] <= hi for lo, hi in steady)]
-    assert len(steady) == STEPS and inside
-    return (max(e["args"]["Total Allocated"] for e in inside) - start,
-            max(e["args"]["Total Allocated"] for e in memory) - start)
+    spans = {phase: sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == phase and e.get("ph") == "X")
+             for phase in PHASES}
+    assert [len(spans[phase]) for phase in PHASES] == [1, 1, STEPS], spans
+    peaks = _peaks_of(sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"]), spans)
+    peaks["reshard_seconds"] = moved
+    return peaks
+
+
+def _peaks_of(memory, spans) -> dict:
+    """The running total of the bytes allocated in the session, its peak in
+    each phase and in the whole run. The profiler counts a free only on a
+    thread it profiles: a tensor a Gloo thread frees last (one a collective's
+    work held: the broadcast at construction, an all-gather's) would stay
+    counted for the rest of the run. Everything the run holds is freed at its
+    end (the `del`), on this thread; so a tensor never seen freed (or whose
+    address is allocated again before it is seen freed) was freed
+    by a Gloo thread, once its collective was waited for: within the
+    iteration that allocated it (every collective is waited for in its
+    iteration here). It is counted until that iteration's end (or the first
+    iteration's start, if allocated while the wrapper was built)."""
+    ends = sorted(hi for phase in PHASES for _, hi in spans[phase])
+    first = spans["first"][0][0]
+    live = {}  # address: the change that allocated it
+    changes = []  # (time, bytes)
+    unseen = []  # (the change that allocated it, the latest it was freed by)
+    for e in memory:
+        nbytes, address = e["args"]["Bytes"], e["args"]["Addr"]
+        if nbytes > 0:
+            if address in live:  # its address is used again: it was freed unseen
+                unseen.append((live[address], e["ts"]))
+            live[address] = len(changes)
+            changes.append((e["ts"], nbytes))
+        elif address in live:  # (a free of what an earlier session allocated is not this run's)
+            del live[address]
+            changes.append((e["ts"], nbytes))
+    unseen += [(at, math.inf) for at in live.values()]
+    unmatched = 0
+    for at, latest in unseen:
+        ts, nbytes = changes[at]
+        end = next((hi for hi in ends if hi >= ts), ts)
+        changes.append((first if ts < first else min(end, latest), -nbytes))
+        unmatched += nbytes
+    changes.sort(key=lambda change: change[0])
+    peaks = {phase: 0 for phase in PHASES + ("run",)}
+    total = 0
+    for ts, nbytes in changes:
+        total += nbytes
+        peaks["run"] = max(peaks["run"], total)
+        for phase in PHASES:
+            if any(lo <= ts <= hi for lo, hi in spans[phase]):
+                peaks[phase] = max(peaks[phase], total)
+    peaks["unmatched"] = unmatched
+    return peaks
 
 
 def _peak_job(rank, world_size):
-    return {kind: _peak(kind, rank) for kind in ("torch", "sharded")}
+    return {kind: _peaks(kind, rank) for kind in ("torch", "sharded")}
 
 
 def test_peak_at_4_ranks_with_adam():
     model_bytes = sum(p.numel() * p.element_size() for p in _model().parameters())
     for rank, peaks in enumerate(shared_world(4).run(_peak_job)):
-        (torch_peak, torch_run), (sharded_peak, sharded_run) = peaks["torch"], peaks["sharded"]
-        ratio = sharded_peak / torch_peak
-        print(f"rank {rank}: peak tensor bytes per iteration: torch's DDP {torch_peak} "
-              f"({torch_peak / model_bytes:.2f} x model), sharded {sharded_peak} ({sharded_peak / model_bytes:.2f} x "
-              f"model), ratio {ratio:.3f}; whole run with the warm-up: torch's DDP {torch_run / model_bytes:.2f} x, "
-              f"sharded {sharded_run / model_bytes:.2f} x model")
-        assert ratio <= 0.55, (rank, peaks)
+        torch_ddp, sharded = peaks["torch"], peaks["sharded"]
+        shown = "; ".join(f"{phase} {torch_ddp[phase] / model_bytes:.2f} and {sharded[phase] / model_bytes:.2f} "
+                          f"(ratio {sharded[phase] / torch_ddp[phase]:.3f})" for phase in PHASES + ("run",))
+        print(f"rank {rank}: peak tensor bytes, torch's DDP and sharded, x the model ({model_bytes} bytes): {shown} "
+              f"(freed by Gloo threads: {torch_ddp['unmatched']} and {sharded['unmatched']} bytes); moving the state "
+              f"to the rebuilt buckets took {sharded['reshard_seconds'] * 1000:.0f} ms")
+        assert sharded["steady"] <= 0.55 * torch_ddp["steady"], (rank, peaks)
+        assert sharded["rebuild"] < sharded["first"], (rank, peaks)  # the re-cut is not the run's peak
+        assert sharded["run"] <= torch_ddp["run"], (rank, peaks)

@@ -1,7 +1,7 @@
 """The sharded optimizer's state: optimizer.state_dict() gives the unsharded
 state (gathered), which loads into torch's DDP with a plain optimizer and
 continues bitwise as an unbroken run does; and the reverse. A bucket rebuild
-gathers the state and cuts it again. Each rank holds about 1/world_size of
+moves the state to the new buckets' pieces. Each rank holds about 1/world_size of
 the unsharded state. clip_grad_norm_ clips by the whole gradient's norm."""
 
 import io
@@ -90,7 +90,7 @@ def test_state_dict_is_unsharded_and_a_rebuild_reshards():
         assert sorted(r["keys"]) == list(range(n_params)), f"rank {rank}: {sorted(r['keys'])}"
         assert all(keys == ["exp_avg", "exp_avg_sq", "step"] for keys in r["keys"].values()), r["keys"]
         assert r["held_by_optimizer"] == 0, "the user's optimizer holds no state of the sharded parameters"
-        # The first iteration's bucket layout is rebuilt after it: the state was gathered and cut again.
+        # The first iteration's bucket layout is rebuilt after it: the state was moved to the new pieces.
         assert r["reshards"] == 1, r["reshards"]
         assert_states_bitwise(r["tensors"], results[0]["tensors"], f"rank {rank} vs rank 0")
 
