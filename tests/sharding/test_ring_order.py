@@ -12,7 +12,7 @@ torch's at these sizes (checked too), so the test sees the order."""
 import pytest
 import torch
 
-from tests.support.worlds import shared_world
+from tests.support.spawn import run_ranks
 
 LENGTHS = [1, 2, 4, 7, 1000, 2762, 4099, (1 << 16) + 3, 3 * (1 << 20) + 5]
 BIG_BUCKET_MB = 64
@@ -33,7 +33,7 @@ def _gradient(rank, length, dtype):
     return (torch.randn(length, generator=g) * torch.exp(3 * torch.randn(length, generator=g))).to(dtype)
 
 
-def _job(rank, world_size, length, dtype):
+def _one(rank, world_size, length, dtype):
     import torch.distributed as dist
 
     import ddp_ext
@@ -59,6 +59,10 @@ def _job(rank, world_size, length, dtype):
     return {"params": module.weight.detach().clone(), "torch": averaged, "rank_order": in_rank_order}
 
 
+def _job(rank, world_size, dtype):
+    return [_one(rank, world_size, length, dtype) for length in LENGTHS]
+
+
 def _bits(t):
     return t.view({torch.float32: torch.int32, torch.float64: torch.int64}[t.dtype])
 
@@ -67,9 +71,10 @@ def _bits(t):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_the_shards_sum_is_torch_ddps_allreduce_bit_for_bit(world_size, dtype):
     order_visible = False
-    for length in LENGTHS:
-        results = shared_world(world_size).run(_job, length, dtype)
-        for rank, result in enumerate(results):
+    # Fresh ranks: the large buckets here must not linger in the shared worlds' ranks.
+    by_rank = run_ranks(_job, world_size, dtype)
+    for number, length in enumerate(LENGTHS):
+        for rank, result in enumerate(r[number] for r in by_rank):
             expected = torch.zeros_like(result["torch"]).add_(result["torch"], alpha=-1.0)  # as SGD steps
             same = torch.equal(_bits(result["params"]), _bits(expected))
             assert same, (
