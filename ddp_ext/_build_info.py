@@ -67,6 +67,7 @@ SOURCES = [
     "reducer/transport/carrier_with_step_check.cpp",
     "reducer/transport/hook_transport.cpp",
     "reducer/transport/reduce_scatter.cpp",
+    "reducer/transport/ring_order_sum.cpp",
     "reducer/transport/step_check_policy.cpp",
 ]
 

@@ -10,6 +10,7 @@
 
 #include "reducer/layout/bucket_memory.h"
 #include "reducer/transport/allreduce.h"
+#include "reducer/transport/ring_order_sum.h"
 
 namespace ddp_ext::reducer {
 
@@ -38,9 +39,14 @@ void ReduceScatter::complete(InFlight& entry, const TransportContext& context) {
     bucket.work.reset();
     if (entry.in_place) {
       copy_range(bucket, context.group.getRank());
+    } else if (entry.received.defined()) {
+      ring_order_sum(
+          entry.received, bucket.flat.numel(), context.group.getRank(), context.group.getSize(),
+          bucket.shard);
     }
   }
   entry.sent = at::Tensor();
+  entry.received = at::Tensor();
   release_bucket_memory(bucket);
 }
 
@@ -76,10 +82,24 @@ void ReduceScatter::launch(
     param.mutable_grad().reset();
   }
   if (context.group.getBackend(bucket.flat.device().type())->getBackendName() == "gloo") {
-    std::vector<at::Tensor> tensors{bucket.flat};
-    bucket.work = context.group.allreduce(tensors);
+    if (ranks == 1) {
+      std::vector<at::Tensor> tensors{bucket.flat};
+      bucket.work = context.group.allreduce(tensors);
+      record(index, bucket, bucket.flat, context, range);
+      in_flight_.push_back(InFlight{index, &bucket, at::Tensor(), at::Tensor(), /*in_place=*/true});
+      return;
+    }
+    // Range j to rank j, unpadded; the ring-ordered sum runs at the end.
+    std::vector<int64_t> sent_splits(ranks);
+    for (int64_t j = 0; j < ranks; ++j) {
+      sent_splits[j] = std::clamp<int64_t>(length - j * shard, 0, shard);
+    }
+    const int64_t mine = sent_splits[context.group.getRank()];
+    std::vector<int64_t> received_splits(ranks, mine);
+    at::Tensor received = at::empty({ranks * mine}, bucket.flat.options());
+    bucket.work = context.group.all_to_all_single(received, bucket.flat, received_splits, sent_splits);
     record(index, bucket, bucket.flat, context, range);
-    in_flight_.push_back(InFlight{index, &bucket, at::Tensor(), /*in_place=*/true});
+    in_flight_.push_back(InFlight{index, &bucket, at::Tensor(), std::move(received)});
     return;
   }
   at::Tensor sent = bucket.flat;
@@ -91,7 +111,8 @@ void ReduceScatter::launch(
   }
   bucket.work = context.group._reduce_scatter_base(bucket.shard, sent);
   record(index, bucket, sent, context, range);
-  in_flight_.push_back(InFlight{index, &bucket, shard * ranks != length ? sent : at::Tensor()});
+  in_flight_.push_back(
+      InFlight{index, &bucket, shard * ranks != length ? sent : at::Tensor(), at::Tensor()});
 }
 
 void ReduceScatter::finish(size_t index, Bucket& bucket, const TransportContext& context) {
@@ -103,7 +124,7 @@ void ReduceScatter::finish(size_t index, Bucket& bucket, const TransportContext&
       return;
     }
   }
-  InFlight alone{index, &bucket, at::Tensor()};
+  InFlight alone{index, &bucket, at::Tensor(), at::Tensor()};
   complete(alone, context);
 }
 

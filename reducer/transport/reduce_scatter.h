@@ -19,11 +19,16 @@ namespace ddp_ext::reducer {
 // rank receives the sum of its range of the bucket, Bucket::shard (the
 // ranges of Note [Shard plan] in ddp_ext/_shard_plan.py: S = ceil(L / N)
 // elements each, the bucket padded with zeros to N * S when L is not a
-// multiple of N). Over Gloo, whose reduce-scatter is an allreduce of a
-// copy of the bucket followed by a copy of the rank's range, the bucket is
-// allreduced in place and the range copied out when it finishes: the same
-// sums and bytes without the copy (and the shard then holds exactly what
-// the default allreduce leaves in that range, at any world size).
+// multiple of N). Over Gloo, whose own reduce-scatter is an allreduce of a
+// copy of the bucket followed by a copy of the rank's range (allreduce
+// bytes), the bucket goes out as an all-to-all of its ranges, unpadded,
+// into a buffer of the N copies of this rank's range, which are summed into
+// the shard when it finishes in the order Gloo's ring allreduce would have
+// summed them (Note [Ring-ordered sum] in reducer/transport/ring_order_sum.h):
+// reduce-scatter bytes, and the shard holds exactly what the default
+// allreduce leaves in that range, at any world size. That buffer is one
+// more bucket-sized tensor per bucket in flight, released with the bucket.
+// Alone (one rank) the bucket is allreduced in place and its range copied.
 // Elsewhere (NCCL) the group's own reduce-scatter runs. What the gradients
 // take on a rank is then:
 //  - each bucket's memory only while it is filled and on the wire: the
@@ -72,7 +77,8 @@ class ReduceScatter : public BucketTransport {
     size_t index;
     Bucket* bucket; // valid within the backward that launched it
     at::Tensor sent; // the padded copy, when the bucket needed one
-    bool in_place = false; // allreduced in place: the range is copied out at the end
+    at::Tensor received; // Gloo: the N copies of this rank's range, summed at the end
+    bool in_place = false; // allreduced in place (alone): the range is copied out at the end
   };
   // Waits for `entry`'s reduce-scatter and releases its bucket's memory.
   static void complete(InFlight& entry, const TransportContext& context);

@@ -30,6 +30,7 @@ SOURCES_UNDER_TEST = [
     "reducer/layout/gradient_order.cpp",
     "reducer/agreement/ring_chunks.cpp",
     "reducer/agreement/step_slots.cpp",
+    "reducer/transport/ring_order_sum.cpp",
 ]
 
 GTEST_HEADER = "/usr/include/gtest/gtest.h"

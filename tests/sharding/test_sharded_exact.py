@@ -2,9 +2,10 @@
 plain optimizer.step() does: in real multi-process runs over Gloo, from the
 same seeds and data, parameters and the unsharded optimizer state
 (optimizer.state_dict(), gathered) are bitwise torch's at 2 ranks, and at 3
-and 4 ranks too: over Gloo each bucket is allreduced in place as torch's
-DDP allreduces it (the same bucket layout, the same sums) and the rank's
-range copied out (Note [Sharded buckets] in reducer/transport/reduce_scatter.h).
+and 4 ranks too: over Gloo each bucket's ranges go out as an all-to-all and
+each rank sums its range's copies in the order Gloo's ring allreduce sums
+them in torch's DDP (the same bucket layout, the same sums: Note [Ring-ordered
+sum] in reducer/transport/ring_order_sum.h; tests/sharding/test_ring_order.py).
 """
 
 import pytest
