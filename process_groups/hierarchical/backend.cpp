@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "process_groups/hierarchical/future_work.h"
+#include "process_groups/single_tensor_collectives.h"
 
 namespace ddp_ext::hierarchical {
 namespace {
@@ -109,7 +110,8 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::allreduce(
   auto gathers = gathers_;
 
   auto gather = [steps, groups]() {
-    auto third = groups.intra_gather->_allgather_base(steps->padded, steps->segment);
+    auto third = process_groups::all_gather_single(
+        *groups.intra_gather, steps->padded, steps->segment, c10d::AllgatherOptions());
     after(third, steps, [steps]() {
       if (!steps->padded.is_same(steps->tensor) &&
           steps->padded.data_ptr() != steps->tensor.data_ptr()) {

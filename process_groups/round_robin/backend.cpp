@@ -4,7 +4,7 @@
 
 #include <utility>
 
-#include "process_groups/round_robin/single_tensor_collectives.h"
+#include "process_groups/single_tensor_collectives.h"
 
 namespace ddp_ext::process_groups {
 

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "process_groups/single_tensor_collectives.h"
 #include "reducer/layout/bucket_memory.h"
 #include "reducer/transport/allreduce.h"
 #include "reducer/transport/ring_order_sum.h"
@@ -97,7 +98,8 @@ void ReduceScatter::launch(
     const int64_t mine = sent_splits[context.group.getRank()];
     std::vector<int64_t> received_splits(ranks, mine);
     at::Tensor received = at::empty({ranks * mine}, bucket.flat.options());
-    bucket.work = context.group.all_to_all_single(received, bucket.flat, received_splits, sent_splits);
+    bucket.work = process_groups::all_to_all_single(
+        context.group, received, bucket.flat, received_splits, sent_splits, c10d::AllToAllOptions());
     record(index, bucket, bucket.flat, context, range);
     in_flight_.push_back(InFlight{index, &bucket, at::Tensor(), std::move(received)});
     return;
@@ -109,7 +111,8 @@ void ReduceScatter::launch(
     sent.narrow(0, 0, length).copy_(bucket.flat);
     sent.narrow(0, length, shard * ranks - length).zero_();
   }
-  bucket.work = context.group._reduce_scatter_base(bucket.shard, sent);
+  bucket.work = process_groups::reduce_scatter_single(
+      context.group, bucket.shard, sent, c10d::ReduceScatterOptions());
   record(index, bucket, sent, context, range);
   in_flight_.push_back(
       InFlight{index, &bucket, shard * ranks != length ? sent : at::Tensor(), at::Tensor()});
