@@ -30,8 +30,11 @@ BUILDS=(2.13.0:all 2.11.0:parity 2.10.0:parity)
 # The carrier's test: at 3 ranks and more, the step check rides on bucket 0
 # in a layout that depends on how this torch's Gloo cuts a buffer into ring
 # segments (Note [Gloo's ring chunks]); each version checks it keeps the sums.
+# Likewise the sharded reduce-scatter sums in Gloo's ring order (Note
+# [Ring-ordered sum]), checked bitwise against torch's DDP at 3 to 5 ranks.
 PARITY_TESTS=(tests/wrapper/test_parity_local.py tests/wrapper/test_parity_torch_ddp.py tests/wrapper/test_contract_parity.py
-              "tests/reducer/test_step_check_on_bucket0.py::test_the_carrier_keeps_the_order_of_the_sums")
+              "tests/reducer/test_step_check_on_bucket0.py::test_the_carrier_keeps_the_order_of_the_sums"
+              tests/sharding/test_ring_order.py)
 
 # Runs a command, printing what it does and how long it took.
 step() {
