@@ -60,9 +60,10 @@ class DiLoCo:
             part of each fragment across hosts, and the group's ranks then
             all-gather the parts' means among themselves: the same result,
             with as many times fewer bytes across hosts as the group has
-            ranks (Note [DiLoCo splits the exchange within a host]). False:
-            every rank exchanges the whole fragment. Not used with
-            fault_tolerance, where every rank sends its whole fragment.
+            ranks (Note [DiLoCo splits the exchange within a host]; with
+            fault_tolerance, Note [DiLoCo shares a host's exchange under
+            fault tolerance]). False: every rank exchanges the whole
+            fragment.
         fault_tolerance: a `ddp_ext.diloco.FaultTolerance`: each host is a job
             of its own (its default group is the inner group), the hosts meet
             through a fault-tolerance coordinator, and a host that dies is
@@ -103,7 +104,7 @@ class DiLoCo:
         if fault_tolerance is not None:
             self.outer_group = None
             self._surviving = SurvivingSync(self._fragments, self._schedule, self.settings.mix, self.settings.delay,
-                                            fault_tolerance)
+                                            fault_tolerance, split_within_host)
             self._surviving_merge_step = 0
             self._step = self._schedule.launch_step(self._surviving.sync(-1))
             return
@@ -177,10 +178,9 @@ class DiLoCo:
         come; a rank healed to the others' sync takes their step count."""
         if not self._surviving.in_flight or self._step < self._surviving_merge_step:
             return
-        sent = self._surviving.bytes_sent
         number = self._surviving.finish()
         self._step = self._schedule.launch_step(number) + self.settings.delay
-        self.bytes_sent += self._surviving.bytes_sent - sent
+        self.bytes_sent = self._surviving.bytes_sent  # every attempt's, the sync's own thread counting
 
     def state_dict(self) -> Dict:
         """Everything a resumed run needs to continue bit for bit: the model,

@@ -47,11 +47,7 @@ class HostSplit:
         self.last_thread = None  # the last exchange's gathering thread: the next one's waits for it
 
     def bounds(self, numel: int, alignment: int) -> List[Tuple[int, int]]:
-        """The parts' element ranges [start, stop) of a fragment of `numel`
-        elements, cut at multiples of `alignment`, as equal as that allows."""
-        units = -(-numel // alignment)
-        per = -(-units // self.count) * alignment
-        return [(min(i * per, numel), min((i + 1) * per, numel)) for i in range(self.count)]
+        return part_bounds(numel, alignment, self.count)
 
     def gather(self, mine: torch.Tensor, numel: int, bounds: List[Tuple[int, int]]) -> torch.Tensor:
         """The whole fragment's mean from every part's (this rank's: `mine`),
@@ -66,6 +62,15 @@ class HostSplit:
             start, stop = bounds[part]
             whole[start:stop] = values[:stop - start]
         return whole
+
+
+def part_bounds(numel: int, alignment: int, count: int) -> List[Tuple[int, int]]:
+    """The element ranges [start, stop) of `count` parts of a fragment of
+    `numel` elements, cut at multiples of `alignment`, as equal as that
+    allows (the last ones empty when there are fewer units than parts)."""
+    units = -(-numel // alignment)
+    per = -(-units // count) * alignment
+    return [(min(i * per, numel), min((i + 1) * per, numel)) for i in range(count)]
 
 
 def parts_by_rank(outer_by_rank: Sequence[Sequence[int]]) -> List[int]:

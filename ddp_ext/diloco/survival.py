@@ -11,10 +11,11 @@ sync (of one fragment: the n-th sync, counting every fragment's, is the
 schedule's n-th launch) is one `Replica.run_step` over a module holding
 every fragment's last synced parameters (`_Synced`), with the fragments'
 outer optimizers as the replica's optimizer (`_OuterSteps`). In the step
-each rank sends its fragment's pseudo-gradient (in 32, 8 or 4 bits) to
-every member of the sync's quorum (an all-gather over the quorum's group),
-and every rank adds the members' values in the quorum's order, so all get
-the same bits; the outer optimizer steps, and the live parameters are
+the members' pseudo-gradients (in 32, 8 or 4 bits) travel over the quorum's
+group, each host's ranks sending a share of their host's each (Note [DiLoCo
+shares a host's exchange under fault tolerance]), and every rank adds the
+members' values in the quorum's order, so all get the same bits; the
+outer optimizer steps, and the live parameters are
 merged, only once every member finished the exchange (Note [Committing a
 step] in ddp_ext/fault_tolerance/commit.py). So:
   - a host that died between syncs is missing from the next sync's quorum:
@@ -36,9 +37,10 @@ Error-feedback residuals are each rank's own: a dead host's die with it
 (what they held is lost, as its training since its last sync is), the
 survivors keep theirs, and a rank that was healed (a joiner, or one the
 others went on without) zeroes its own.
-Members that contribute nothing (joiners) are not counted in the mean: they
-send zeros, the number of contributors is all-reduced in the same step, and
-the sum is divided by it. The first sync, at construction, has no
+Members that contribute nothing (joiners) are not counted in the mean:
+every member says first whether it trained (an all-gather in the same
+step), zeros stand for those that did not, and the sum is divided by the
+number that did. The first sync, at construction, has no
 contributor and steps nothing: it forms the first quorum, which starts every
 host from the first member's parameters.
 With a delay (tau > 0) the sync runs on a thread of its own (the Replica's
@@ -61,8 +63,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp_ext.diloco.exchange import mean_of
 from ddp_ext.diloco.outer_state import FragmentState
+from ddp_ext.diloco.quorum_exchange import Contribution, gather_contributions, host_shares, shared_mean, whole_mean
 from ddp_ext.diloco.schedule import Schedule
 
 
@@ -140,13 +142,14 @@ class SurvivingSync:
     later: it runs on a thread of its own meanwhile)."""
 
     def __init__(self, fragments: List[FragmentState], schedule: Schedule, mix: float, delay: int,
-                 settings: FaultTolerance):
+                 settings: FaultTolerance, split_within_host: bool = True):
         from ddp_ext.fault_tolerance import Replica  # its threads and sockets only when asked for
 
         self._fragments = fragments
         self._schedule = schedule
         self._mix = mix
         self._delay = delay
+        self._split = bool(split_within_host)
         self._steps = _OuterSteps(fragments)
         self._synced = _Synced([p for fragment in fragments for p in fragment.synced])
         self.replica = Replica(self._synced, self._steps, coordinator=settings.coordinator,
@@ -219,19 +222,18 @@ class SurvivingSync:
         return result.membership.step
 
     def _exchange(self, membership) -> None:
-        """One attempt: every member's payload all-gathered over the
-        quorum's group, the mean over those that trained left for the
-        commit (Note [DiLoCo survives a host])."""
+        """One attempt: every member's payload over the quorum's group, the
+        mean over those that trained left for the commit (Note [DiLoCo
+        survives a host])."""
         self._steps.due = None
         group = self.replica.ddp.process_group  # not in torch.distributed's map of groups: used directly
-        contributes = self._contributes and membership.step == self._expected
-        count = torch.tensor([1.0 if contributes else 0.0])
-        group.allreduce([count]).wait()
-        if count.item() == 0:
+        mine = Contribution(self._contributes and membership.step == self._expected, self._split)
+        contributions = gather_contributions(group, mine, membership.world_size)
+        if not any(c.trained for c in contributions):
             return  # nobody trained yet: the first quorum; nothing to step
         index = self._schedule.fragment_of(membership.step)
         fragment = self._fragments[index]
-        if contributes:
+        if mine.trained:
             if self._residual_before is not None:  # an attempt after an aborted one encodes from the same residual
                 fragment.codec.load_state_dict(self._residual_before)
             values = self._pseudo_gradient
@@ -239,10 +241,15 @@ class SurvivingSync:
         else:
             payload = torch.zeros(fragment.numel if fragment.codec is None else fragment.codec.payload_bytes,
                                   dtype=torch.float32 if fragment.codec is None else torch.uint8)
-        gathered = [torch.empty_like(payload) for _ in range(membership.world_size)]
-        group.allgather([gathered], [payload]).wait()
-        mean = mean_of(gathered, fragment.codec)
-        if count.item() != membership.world_size:
-            mean.mul_(membership.world_size / count.item())
-        self.bytes_sent += payload.numel() * payload.element_size()
+        mean, sent = self._mean(group, membership, contributions, payload, fragment)
+        self.bytes_sent += sent
         self._steps.due = (index, mean)
+
+    def _mean(self, group, membership, contributions, payload, fragment) -> Tuple[torch.Tensor, int]:
+        """The quorum's mean of the payloads, each host's share only where
+        that holds (Note [DiLoCo shares a host's exchange under fault
+        tolerance]); and the bytes this member sent."""
+        shares = host_shares(membership.members, contributions)
+        if shares is None:
+            return whole_mean(group, contributions, payload, fragment.codec)
+        return shared_mean(group, membership.rank, contributions, payload, fragment.codec, fragment.numel, shares)

@@ -19,7 +19,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import ddp_ext  # noqa: E402
-from ddp_ext.diloco import FaultTolerance  # noqa: E402
+from ddp_ext.diloco import FaultTolerance, quorum_exchange  # noqa: E402
 from tests.diloco import workers  # noqa: E402
 
 
@@ -40,6 +40,9 @@ def main(argv=None) -> int:
     parser.add_argument("--bits", type=int, default=32)
     parser.add_argument("--mix", type=float, default=None)
     parser.add_argument("--delay", type=int, default=0)
+    parser.add_argument("--split", default="on", choices=["on", "off", "check"],
+                        help="split_within_host; check: also run the whole exchange and record whether it agrees")
+    parser.add_argument("--int8-chunk", type=int, default=1024)
     parser.add_argument("--state-dict-at", default="", help="STEP,...: after these steps, try outer.state_dict()")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -58,6 +61,7 @@ def main(argv=None) -> int:
     record(kind="started")
     outer = ddp_ext.DiLoCo(ddp, optimizer, sync_every=args.sync_every, outer_optimizer=outer_optimizer,
                            fragments=args.fragments, bits=args.bits, mix=args.mix, delay=args.delay,
+                           int8_chunk=args.int8_chunk, split_within_host=args.split != "off",
                            fault_tolerance=FaultTolerance(args.coordinator, args.host, heartbeat_timeout=2.0))
     record(kind="joined", step=outer.step_count, members=list(outer._surviving.last_members))
     if args.die_in_sync:
@@ -70,6 +74,18 @@ def main(argv=None) -> int:
             return exchange(membership)
 
         outer._surviving._exchange = dying
+    if args.split == "check":
+        mean = outer._surviving._mean
+
+        def checked(group, membership, contributions, payload, fragment):
+            whole, _ = quorum_exchange.whole_mean(group, contributions, payload, fragment.codec)
+            result = mean(group, membership, contributions, payload, fragment)
+            record(kind="exchange", sync=membership.step, members=list(membership.members),
+                   split=quorum_exchange.host_shares(membership.members, contributions) is not None,
+                   equal=torch.equal(whole, result[0]))
+            return result
+
+        outer._surviving._mean = checked
     while outer.step_count < args.steps:
         step = outer.step_count
         if args.gate and step == int(args.gate.split(":")[0]):
@@ -95,7 +111,7 @@ def main(argv=None) -> int:
         time.sleep(args.sleep)
     torch.save({"live": [p.detach().clone() for p in ddp.module.parameters()],
                 "global": [p.clone() for p in outer.global_parameters()]}, args.out + ".pt")
-    record(kind="done", step=outer.step_count)
+    record(kind="done", step=outer.step_count, bytes_sent=outer.bytes_sent)
     outer._surviving.replica.close()
     dist.destroy_process_group()
     return 0

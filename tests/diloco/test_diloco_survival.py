@@ -221,3 +221,42 @@ def test_fragments_in_few_bits_a_host_killed_in_a_sync_is_dropped_and_a_replacem
         assert all(torch.equal(a, b) for a, b in zip(finals[x]["live"], finals[y]["live"], strict=True))
     losses = [rec["loss"] for rec in _steps(r, "a0")]
     assert sum(losses[-4:]) < 0.7 * sum(losses[:4])
+
+
+@pytest.mark.parametrize("bits", [32, 8])
+def test_a_hosts_ranks_share_its_exchange_with_the_bits_of_the_whole_and_half_the_bytes(run, bits):
+    # Each host's two ranks send half of each fragment across hosts (the
+    # default). At every sync each rank also runs the whole exchange (every
+    # member all-gathering its whole payload) and records whether the two
+    # means are bitwise equal; a second run, every rank sending its whole
+    # fragment, counts the bytes. Chunks of 16 elements, so the 8-bit
+    # fragments are cut too.
+    steps, sync_every = 12, 4
+    settings = {"fragments": 2, "bits": bits, "int8_chunk": 16}
+    shared, whole = run(min_replicas=4), run(min_replicas=4)
+    for r, prefix, split in ((shared, "", "check"), (whole, "w", "off")):
+        _start_host(r, "a", 0, prefix + "a", steps, sync_every, split=split, **settings)
+        _start_host(r, "b", 1, prefix + "b", steps, sync_every, split=split, **settings)
+    keys = ["a0", "a1", "b0", "b1"]
+    assert shared.wait(keys, timeout=300) == {k: 0 for k in keys}, shared.logs()
+    assert whole.wait(["w" + k for k in keys], timeout=300) == {"w" + k: 0 for k in keys}, whole.logs()
+
+    for key in keys:
+        exchanges = [rec for rec in shared.records(key) if rec["kind"] == "exchange"]
+        assert len(exchanges) == steps // 2 and all(len(rec["members"]) == 4 for rec in exchanges)
+        assert all(rec["split"] and rec["equal"] for rec in exchanges), exchanges
+    sent = {key: [rec for rec in shared.records(key) if rec["kind"] == "done"][0]["bytes_sent"] for key in keys}
+    sent_whole = {key: [rec for rec in whole.records("w" + key) if rec["kind"] == "done"][0]["bytes_sent"]
+                  for key in keys}
+    assert len(set(sent_whole.values())) == 1 and sent_whole["a0"] > 0
+    for host in ("a", "b"):  # a host's two ranks send one whole payload between them
+        assert sent[host + "0"] + sent[host + "1"] == sent_whole["a0"]
+        assert all(0.4 * sent_whole["a0"] < sent[host + rank] < 0.6 * sent_whole["a0"] for rank in "01")
+
+    finals = {key: _final(shared, key) for key in keys}
+    for key in keys:  # the last step is a sync: everyone holds the same parameters
+        assert all(torch.equal(a, b) for a, b in zip(finals[key]["global"], finals["a0"]["global"], strict=True))
+    # Both runs started from the same model only if the same host said hello first.
+    if shared.epochs()[0][0][0] == whole.epochs()[0][0][0]:
+        for a, b in zip(finals["a0"]["global"], _final(whole, "wa0")["global"], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)  # the members' order may differ: rounding
