@@ -19,7 +19,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import ddp_ext  # noqa: E402
-from ddp_ext.diloco import FaultTolerance, quorum_exchange  # noqa: E402
+from ddp_ext.diloco import FaultTolerance, quorum_exchange, survival  # noqa: E402
 from tests.diloco import workers  # noqa: E402
 
 
@@ -36,6 +36,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds per inner step")
     parser.add_argument("--gate", default="", help="STEP:FILE: before step STEP, wait until FILE exists")
     parser.add_argument("--die-in-sync", type=int, default=0, help="N: SIGKILL this rank as sync N starts its exchange")
+    parser.add_argument("--die-after-parts", type=int, default=0,
+                        help="N: SIGKILL this rank in sync N once its part went across hosts")
     parser.add_argument("--fragments", type=int, default=1)
     parser.add_argument("--bits", type=int, default=32)
     parser.add_argument("--mix", type=float, default=None)
@@ -59,6 +61,18 @@ def main(argv=None) -> int:
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     outer_optimizer = workers.plain_outer_sgd if args.outer == "plain" else None
     record(kind="started")
+    if args.split == "check":  # before construction: a joiner's first sync runs in the constructor
+        split_mean = survival.SurvivingSync._mean
+
+        def checked(self, group, membership, contributions, payload, fragment):
+            whole, _ = quorum_exchange.whole_mean(group, contributions, payload, fragment.codec)
+            result = split_mean(self, group, membership, contributions, payload, fragment)
+            record(kind="exchange", sync=membership.step, members=list(membership.members),
+                   split=quorum_exchange.host_shares(membership.members, contributions) is not None,
+                   equal=torch.equal(whole, result[0]))
+            return result
+
+        survival.SurvivingSync._mean = checked
     outer = ddp_ext.DiLoCo(ddp, optimizer, sync_every=args.sync_every, outer_optimizer=outer_optimizer,
                            fragments=args.fragments, bits=args.bits, mix=args.mix, delay=args.delay,
                            int8_chunk=args.int8_chunk, split_within_host=args.split != "off",
@@ -74,18 +88,22 @@ def main(argv=None) -> int:
             return exchange(membership)
 
         outer._surviving._exchange = dying
-    if args.split == "check":
-        mean = outer._surviving._mean
+    if args.die_after_parts:
+        living_mean, all_to_all = outer._surviving._mean, quorum_exchange._all_to_all
 
-        def checked(group, membership, contributions, payload, fragment):
-            whole, _ = quorum_exchange.whole_mean(group, contributions, payload, fragment.codec)
-            result = mean(group, membership, contributions, payload, fragment)
-            record(kind="exchange", sync=membership.step, members=list(membership.members),
-                   split=quorum_exchange.host_shares(membership.members, contributions) is not None,
-                   equal=torch.equal(whole, result[0]))
-            return result
+        def across_then_die(*call):
+            try:
+                return all_to_all(*call)  # the host's mate may be dead already: die all the same
+            finally:
+                record(kind="fault", step=outer.step_count)
+                os.kill(os.getpid(), signal.SIGKILL)
 
-        outer._surviving._mean = checked
+        def dying_mean(group, membership, *rest):
+            if membership.step == args.die_after_parts:
+                quorum_exchange._all_to_all = across_then_die
+            return living_mean(group, membership, *rest)
+
+        outer._surviving._mean = dying_mean
     while outer.step_count < args.steps:
         step = outer.step_count
         if args.gate and step == int(args.gate.split(":")[0]):

@@ -179,16 +179,24 @@ def test_without_failure_fragments_in_8_bits_train_as_diloco_in_one_job(run, del
         assert sorted(syncs) == list(range(2, 13, 2)) and all(len(rec["members"]) == 4 for rec in syncs.values())
 
 
-@pytest.mark.parametrize("bits, delay", [(8, 0), (4, 0), (8, 1)])
-def test_fragments_in_few_bits_a_host_killed_in_a_sync_is_dropped_and_a_replacement_heals(run, bits, delay):
+@pytest.mark.parametrize("bits, delay, dies", [(8, 0, "die_in_sync"), (4, 0, "die_in_sync"), (8, 1, "die_in_sync"),
+                                               (8, 0, "die_after_parts")])
+def test_fragments_in_few_bits_a_host_killed_in_a_sync_is_dropped_and_a_replacement_heals(run, bits, delay, dies):
     # F = 2, H = 4: syncs launched at steps 2, 4, 6, ..., the n-th of fragment
     # (n - 1) mod 2, merged `delay` steps later (the exchange in flight meanwhile).
+    # Host b dies as the sync starts its exchange, or (die_after_parts) once
+    # its ranks sent their parts across hosts: host a then holds b's parts,
+    # but every member takes part in the exchange inside the hosts, so a's
+    # fails, and the sync is aborted. There every rank also runs the whole
+    # exchange at each sync, to compare.
     steps, sync_every, dies_in = 24 + delay, 4, 5  # the sync launched at step 10, fragment 0's
-    settings = {"fragments": 2, "bits": bits, "delay": delay}
+    settings = {"fragments": 2, "bits": bits, "delay": delay, "int8_chunk": 16}
+    if dies == "die_after_parts":
+        settings["split"] = "check"
     r = run(min_replicas=4)
     gate = r.tmp / "gate"  # host a waits there until the replacement is let in
     _start_host(r, "a", 0, "a", steps, sync_every, gate=f"16:{gate}", **settings)
-    _start_host(r, "b", 1, "b", steps, sync_every, die_in_sync=dies_in, **settings)
+    _start_host(r, "b", 1, "b", steps, sync_every, **{dies: dies_in}, **settings)
     r.wait_for(lambda: any(sorted(rec["members"]) == ["a/0", "a/1"] for rec in _steps(r, "a0") if rec["members"]), 120,
                "host a to sync without host b")
     _start_host(r, "b", 1, "c", steps, sync_every, **settings)
@@ -221,6 +229,13 @@ def test_fragments_in_few_bits_a_host_killed_in_a_sync_is_dropped_and_a_replacem
         assert all(torch.equal(a, b) for a, b in zip(finals[x]["live"], finals[y]["live"], strict=True))
     losses = [rec["loss"] for rec in _steps(r, "a0")]
     assert sum(losses[-4:]) < 0.7 * sum(losses[:4])
+    if dies == "die_after_parts":
+        for key in ("a0", "a1", "c0", "c1"):  # the split's mean had the whole's bits at every attempt
+            exchanges = [rec for rec in r.records(key) if rec["kind"] == "exchange"]
+            assert exchanges and all(rec["split"] and rec["equal"] for rec in exchanges), exchanges
+        # the attempt with host b in it raised on host a: only the survivors' rerun finished
+        tried = [rec for rec in r.records("a0") if rec["kind"] == "exchange" and rec["sync"] == dies_in]
+        assert [len(rec["members"]) for rec in tried] == [2]
 
 
 @pytest.mark.parametrize("bits", [32, 8])
