@@ -61,6 +61,10 @@ def main(argv=None) -> int:
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     outer_optimizer = workers.plain_outer_sgd if args.outer == "plain" else None
     record(kind="started")
+    # A checked run also runs the whole exchange at each sync: more work per
+    # sync, so a longer heartbeat timeout keeps a loaded machine from dropping
+    # live replicas (a killed host is seen at once: its peers' collectives fail).
+    heartbeat_timeout = 5.0 if args.split == "check" else 2.0
     if args.split == "check":  # before construction: a joiner's first sync runs in the constructor
         split_mean = survival.SurvivingSync._mean
 
@@ -76,7 +80,7 @@ def main(argv=None) -> int:
     outer = ddp_ext.DiLoCo(ddp, optimizer, sync_every=args.sync_every, outer_optimizer=outer_optimizer,
                            fragments=args.fragments, bits=args.bits, mix=args.mix, delay=args.delay,
                            int8_chunk=args.int8_chunk, split_within_host=args.split != "off",
-                           fault_tolerance=FaultTolerance(args.coordinator, args.host, heartbeat_timeout=2.0))
+                           fault_tolerance=FaultTolerance(args.coordinator, args.host, heartbeat_timeout=heartbeat_timeout))
     record(kind="joined", step=outer.step_count, members=list(outer._surviving.last_members))
     if args.die_in_sync:
         exchange = outer._surviving._exchange
