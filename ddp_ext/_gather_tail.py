@@ -15,6 +15,10 @@ Every all-gather is launched inside the step, where every rank is, not at
 the read that needs it: a read on one rank only (rank 0 saving a
 checkpoint) would launch an all-gather that the other ranks launch at
 another point, after a collective of their own (a barrier): a deadlock.
+A step whose buckets were laid out anew (the first, and the one after
+each rebuild) waits for all its all-gathers: its buffers are sized for
+buckets that may go (the first iteration's one bucket is the whole
+model), and holding them would carry them into the next iteration.
 A bucket's parameters are "pending" until
 its all-gather is waited for and its parameters are written, all of them at
 once, so no code sees a bucket half-written. Whatever reads a pending

@@ -241,7 +241,7 @@ class ShardedOptimizer:
         self.clipped = False
         settled = self._reshard([plan.layout for plan in plans])
         self._step(plans, places, used)
-        self._all_gather(plans)
+        self._all_gather(plans, settled)
         # Buckets laid out anew are often laid out again (the rebuild after the
         # first iteration): their buffers go at the next forward, once Gloo's
         # threads let go of the all-gathers.
@@ -289,12 +289,13 @@ class ShardedOptimizer:
                 piece.flat.grad = None
             plan.grad = None  # the reducer's shard: refilled at the next synchronising backward
 
-    def _all_gather(self, plans: List[ShardPlan]) -> None:
+    def _all_gather(self, plans: List[ShardPlan], settled: bool) -> None:
         """Launches the buckets' all-gathers, first layers' first, through
         GATHER_BUFFERS reused buffers: launching one first writes the one
-        launched GATHER_BUFFERS before it. Without the tail it then waits for
-        the rest; with it, returns with the last ones on the wire (Note
-        [Gathering behind the next forward] in ddp_ext/_gather_tail.py)."""
+        launched GATHER_BUFFERS before it. Then waits for the rest, or, with
+        the tail and buckets `settled` (laid out as at the last step),
+        returns with them on the wire (Note [Gathering behind the next
+        forward] in ddp_ext/_gather_tail.py)."""
         ordered = sorted(plans, key=lambda plan: min(index for index, _, _ in plan.layout))
         largest = max((p.padded for p in ordered), default=0)
         launched: List[int] = []  # keys not yet written, oldest first
@@ -307,7 +308,7 @@ class ShardedOptimizer:
             self.gathers += 1
             self.gathering[key] = (plan, full, work)
             launched.append(key)
-        if self.tail is None:
+        if self.tail is None or not settled:
             for key in launched:
                 self._write_gathered(key)
             return

@@ -52,8 +52,11 @@ def _pending_job(rank, world_size):
     sharded = ddp._optimizer_overlap
     tail = sharded.tail
     facts = {}
-    # Two steps: the first iteration's buckets are rebuilt after it (one bucket there).
+    # The first iteration's one bucket is rebuilt after it: its step and the
+    # next (on new buckets) wait for their all-gathers; the third leaves some pending.
     train_steps(r, "overlapped", ddp, optimizer, None, rank, world_size, range(2))
+    facts["pending_after_new_buckets"] = len(tail.buckets)
+    train_steps(r, "overlapped", ddp, optimizer, None, rank, world_size, range(2, 3))
     # train_steps ended with step() and zero_grad(): zero_grad waited for nothing.
     facts["buckets_after_step"] = len(tail.buckets)
     facts["buckets_stepped"] = len(sharded.active)
@@ -82,6 +85,7 @@ def _pending_job(rank, world_size):
 
 def test_gathers_pending_after_step_and_consumed_by_the_forward():
     for rank, facts in enumerate(shared_world(2).run(_pending_job)):
+        assert facts["pending_after_new_buckets"] == 0, (rank, facts)
         assert facts["buckets_stepped"] > GATHER_BUFFERS, (rank, facts)  # some are written in the step
         assert facts["buckets_after_step"] == GATHER_BUFFERS, (rank, facts)
         assert facts["mode_after_step"], (rank, facts)
@@ -103,7 +107,7 @@ def _reads_job(rank, world_size, read):
     seen = {}
     for kind in ("sharded", "overlapped"):
         module, ddp, optimizer, _ = wrapped(r, kind)
-        train_steps(r, kind, ddp, optimizer, None, rank, world_size, range(2))
+        train_steps(r, kind, ddp, optimizer, None, rank, world_size, range(3))  # the third on settled buckets
         if kind == "overlapped":
             assert ddp._optimizer_overlap.tail.pending, "the step left no all-gather pending"
         tail = ddp._optimizer_overlap.tail
