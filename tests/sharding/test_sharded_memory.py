@@ -4,7 +4,9 @@
    are at most the model's bytes / world_size plus one bucket;
  - the peak of all torch tensor bytes a rank holds (parameters, gradients,
    buckets, optimizer state, activations), with Adam at 4 ranks, against
-   torch's DDP's with a plain optimizer, both measured the same way:
+   torch's DDP's with a plain optimizer, both measured the same way, with
+   overlap_forward=False and True (the all-gathers behind the next forward,
+   through the same two buffers):
    torch.profiler's memory events (profile_memory=True) from before the
    model is built, whose running "Total Allocated" counts every CPU tensor
    allocation and free since then. Per phase: the first iteration (one
@@ -15,10 +17,11 @@
    of torch's DDP's; the rebuild's below the first iteration's (the re-cut
    holds no whole state: it is not the run's peak); the whole run's peak,
    the first two iterations included, at most torch's DDP's whole run's.
-   Measured: steady 2.39 x the model against 5.13 (0.47), the rebuild 2.3
-   to 2.7 x depending on the rank, the first iteration 4.00 x (0.78 of
-   torch's DDP's run): the parameters, one bucket of the whole model's
-   all-gather buffer and Gloo's copy of it, and the shards.
+   Measured: steady 2.52 x the model against 5.13 (0.49; 2.52 to 2.58 with
+   overlap_forward=True, where one temporary per bucket gave 3.19), the
+   rebuild 2.4 to 2.7 x depending on the rank, the first iteration 4.00 x
+   (0.78 of torch's DDP's run): the parameters, one bucket of the whole
+   model's all-gather buffer and Gloo's copy of it, and the shards.
 """
 
 import gc
