@@ -6,9 +6,23 @@ Note [Gathering behind the next forward]
 optimizer.step() steps the rank's shard of each bucket, launches the
 buckets' all-gathers, first layers' first (by the lowest reducer index of
 their parameters, which every rank agrees on, so every rank launches them
-in the same order), and returns. A bucket's parameters are "pending" until
-its all-gather is waited for and its parameters are written, all of them at
-once, so no code sees a bucket half-written. Whatever reads a pending
+in the same order), and returns with the last of them on the wire. They
+take turns in GATHER_BUFFERS (two, ddp_ext/_sharded_optimizer.py) reused
+buffers: launching one first waits for the one launched two before it and
+writes its parameters, so a rank holds two buckets' buffers, not the model
+once more, and the buckets left pending are the last layers', which the
+next forward reads last.
+Every all-gather is launched inside the step, where every rank is, not at
+the read that needs it: a read on one rank only (rank 0 saving a
+checkpoint) would launch an all-gather that the other ranks launch at
+another point, after a collective of their own (a barrier): a deadlock.
+A step whose buckets were laid out anew (the first, and the one after
+each rebuild) waits for all its all-gathers: its buffers are sized for
+buckets that may go (the first iteration's one bucket is the whole
+model), and holding them would carry them into the next iteration.
+A bucket's parameters are "pending" until its all-gather is waited for and
+its parameters are written, all of them at once, so no code sees a bucket
+half-written. Whatever reads a pending
 parameter first waits for its bucket, by the torch function mode of Note
 [Stepping in the next forward] in ddp_ext/_forward_tail.py, on the stack of
 the thread that stepped only while a bucket is pending (Note [The mode only
@@ -34,7 +48,8 @@ because what the mode cannot see would read the values before the step:
 another thread that did not go through the wrapper's forward, and C++ code
 reading the parameters directly; and because every torch call between the
 step and the next forward pays a Python dispatch while the mode is on the
-stack. Without it, optimizer.step() waits for every all-gather.
+stack. Without it, optimizer.step() waits for every all-gather, through
+the same two buffers.
 """
 
 import weakref

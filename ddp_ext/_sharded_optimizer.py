@@ -41,8 +41,10 @@ synchronising backward reduced: copies the rank's elements of the
 parameters into the bucket's flat shard (in case they were changed since:
 a loaded checkpoint), points each piece's .grad at its range of the
 reducer's shard of the bucket (the averaged gradient), steps the pieces,
-and all-gathers the flat shards into the parameters (with overlap_forward, returns with the all-gathers on the wire:
-Note [Gathering behind the next forward] in ddp_ext/_gather_tail.py). The pre-hook then hands torch.optim's step wrapper a view of
+and all-gathers the flat shards into the parameters, at most two buckets'
+at a time (with overlap_forward, returns with the last two on the wire:
+Note [Gathering behind the next forward] in ddp_ext/_gather_tail.py). The
+pre-hook then hands torch.optim's step wrapper a view of
 the optimizer with the parameters no bucket reduced (frozen ones, say), so
 hooks and an LR scheduler's count run as usual.
 
@@ -71,6 +73,10 @@ from ddp_ext._shard_recut import recut
 
 # torch 2.13 renamed all_gather_into_tensor (the old name warns).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# The all-gathers' buffers, reused from step to step: at most this many
+# buckets' all-gathers are on the wire, or held behind the next forward, at once.
+GATHER_BUFFERS = 2
 
 # Note [Elementwise optimizers]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -140,7 +146,7 @@ class ShardedOptimizer:
         # Note [Gathering behind the next forward] in ddp_ext/_gather_tail.py.
         self.gathering: Dict[int, Tuple[ShardPlan, torch.Tensor, object]] = {}  # by the tail's key
         self.gathers = 0  # all-gathers launched: each one's key
-        self.gather_buffers: Dict[Tuple, List[torch.Tensor]] = {}  # without the tail: two, reused
+        self.gather_buffers: Dict[Tuple, List[torch.Tensor]] = {}  # GATHER_BUFFERS per dtype and device, reused
         self.keep_buffers = True  # False: dropped at the next forward
         self.tail = GatherTail(self._write_gathered) if overlap_forward else None
         if self.tail is not None:
@@ -235,7 +241,7 @@ class ShardedOptimizer:
         self.clipped = False
         settled = self._reshard([plan.layout for plan in plans])
         self._step(plans, places, used)
-        self._all_gather(plans)
+        self._all_gather(plans, settled)
         # Buckets laid out anew are often laid out again (the rebuild after the
         # first iteration): their buffers go at the next forward, once Gloo's
         # threads let go of the all-gathers.
@@ -283,36 +289,40 @@ class ShardedOptimizer:
                 piece.flat.grad = None
             plan.grad = None  # the reducer's shard: refilled at the next synchronising backward
 
-    def _all_gather(self, plans: List[ShardPlan]) -> None:
-        """Launches the buckets' all-gathers, first layers' first (Note
-        [Gathering behind the next forward] in ddp_ext/_gather_tail.py); waits
-        for them and writes the parameters, unless the tail does it later."""
+    def _all_gather(self, plans: List[ShardPlan], settled: bool) -> None:
+        """Launches the buckets' all-gathers, first layers' first, through
+        GATHER_BUFFERS reused buffers: launching one first writes the one
+        launched GATHER_BUFFERS before it. Then waits for the rest, or, with
+        the tail and buckets `settled` (laid out as at the last step),
+        returns with them on the wire (Note [Gathering behind the next
+        forward] in ddp_ext/_gather_tail.py)."""
         ordered = sorted(plans, key=lambda plan: min(index for index, _, _ in plan.layout))
-        previous = None
+        largest = max((p.padded for p in ordered), default=0)
+        launched: List[int] = []  # keys not yet written, oldest first
         for number, plan in enumerate(ordered):
-            if self.tail is None:  # buffer number % 2 was written at the last launch
-                full = self._gather_buffer(plan, number % 2, max(p.padded for p in ordered))
-            else:
-                full = torch.empty(plan.padded, dtype=plan.params.dtype, device=plan.params.device)
+            if len(launched) == GATHER_BUFFERS:  # its buffer is the oldest's: write that one first
+                self._write_gathered(launched.pop(0))
+            full = self._gather_buffer(plan, number % GATHER_BUFFERS, largest)
             work = _all_gather(full, plan.params, group=self.group, async_op=True)
             key = self.gathers
             self.gathers += 1
             self.gathering[key] = (plan, full, work)
-            if self.tail is not None:
-                self.tail.hold(key, [self.params[index] for index, _, _ in plan.layout])
-            elif previous is not None:
-                self._write_gathered(previous)  # at most two buckets' gathers held at once
-            previous = key
-        if self.tail is not None:
-            self.tail.begin()
-        elif previous is not None:
-            self._write_gathered(previous)
+            launched.append(key)
+        if self.tail is None or not settled:
+            for key in launched:
+                self._write_gathered(key)
+            return
+        for key in launched:
+            plan = self.gathering[key][0]
+            self.tail.hold(key, [self.params[index] for index, _, _ in plan.layout])
+        self.tail.begin()
 
     def _gather_buffer(self, plan: ShardPlan, which: int, largest: int) -> torch.Tensor:
-        """One of the two buffers the all-gathers take turns in, of the largest
-        bucket's size (allocated again when the buckets change)."""
+        """One of the GATHER_BUFFERS buffers the all-gathers take turns in, of
+        the largest bucket's size (allocated again when the buckets change)."""
         kind = (plan.params.dtype, plan.params.device)
-        buffers = self.gather_buffers.setdefault(kind, [torch.empty(0, dtype=kind[0], device=kind[1])] * 2)
+        buffers = self.gather_buffers.setdefault(
+            kind, [torch.empty(0, dtype=kind[0], device=kind[1])] * GATHER_BUFFERS)
         if buffers[which].numel() != largest:
             buffers[which] = torch.empty(largest, dtype=kind[0], device=kind[1])
         return buffers[which][:plan.padded]

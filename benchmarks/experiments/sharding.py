@@ -28,7 +28,8 @@ Per variant and configuration:
   iteration, persistent state included (parameters, gradients, optimizer
   state, buckets, the batch): each variant built again under torch's
   profiler, two iterations, then the measured one
-  (peak_memory.held_peak_bytes), the largest rank's;
+  (peak_memory.held_peak_bytes: a tensor freed unseen, on a Gloo thread,
+  counted until its address is allocated again), the largest rank's;
 - bound_ms = max(forward + backward + optimizer / N, link): the bare
   model's (`local`, interleaved with the others in the same ranks) forward
   and backward, its Adam step divided among the N ranks, and a ring
@@ -258,7 +259,8 @@ def _notes(options: BenchOptions) -> List[str]:
              "byte Gloo hands its sockets), over 4 untimed iterations after the timed blocks, the largest rank's.",
              "peak MiB: the most bytes of torch CPU tensors a rank held during an iteration, persistent state "
              "included (parameters, gradients, optimizer state, buckets, batch): each variant built again under "
-             "torch's profiler, the third iteration measured, the largest rank's; not Gloo's own buffers.",
+             "torch's profiler, the third iteration measured, the largest rank's; not Gloo's own buffers; a "
+             "tensor freed on a Gloo thread (unseen by the profiler) counted until its address is reused.",
              "equality: ddp_ext with overlap_forward against ddp_ext without (bitwise, or the run fails); ddp_ext "
              "sharded and torch's ZeroRedundancyOptimizer against torch's DDP (bitwise, or the largest "
              "difference; at 2 ranks the sharded run fails unless bitwise)."]

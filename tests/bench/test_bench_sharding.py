@@ -92,3 +92,28 @@ def test_bound_divides_the_optimizer_among_the_ranks():
                "gradient_bytes": 12_500_000}
     assert sharding.bound_ms(summary, 4, None) == pytest.approx(40.0)  # 10 + 20 + 40 / 4
     assert sharding.bound_ms(summary, 4, 1.0) == pytest.approx(150.0)  # 1.5 x 12.5 MB at 1 Gbit/s
+
+
+def test_held_peak_counts_what_the_step_holds_and_an_unseen_free_at_its_address_reuse():
+    from benchmarks.harness import peak_memory
+
+    mib = 2**20
+
+    def build():
+        kept = torch.ones(mib // 4)  # 1 MiB held by the step
+
+        def step():
+            temporary = torch.ones(mib // 2)  # 2 MiB within each iteration
+            return float(kept[0] + temporary[0])
+
+        return step
+
+    assert 3 * mib <= peak_memory.held_peak_bytes(build) < 4 * mib
+    # 100 bytes at address 1 freed unseen (by another thread): counted until
+    # its address is allocated again at t=3.
+    memory = [{"ts": t, "args": {"Bytes": n, "Addr": a}} for t, n, a in
+              [(0, 100, 1), (1, 50, 2), (2, -50, 2), (3, 100, 1), (4, -100, 1)]]
+    changes = peak_memory._with_unseen_frees(memory)
+    assert peak_memory.running_peak(changes) == 150
+    assert sum(n for _, n in changes) == 0
+    assert peak_memory._held_peak(changes, 2.5, 3.5) == 100

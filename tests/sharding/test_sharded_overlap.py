@@ -4,9 +4,10 @@ waits for its bucket (Note [Gathering behind the next forward] in
 ddp_ext/_gather_tail.py). In real runs over Gloo at 2 ranks: bitwise the
 waiting variant and torch's DDP with a plain optimizer.step(), with the
 usual reads between steps (EMA, deepcopy, torch.save, an evaluation
-forward) and no_sync; the all-gathers are really left pending by the step,
-in the first layers' order, and nothing is pending, the mode off the stack,
-after the forward that consumed them."""
+forward) and no_sync; the all-gathers are launched in the first layers'
+order through two reused buffers, the last two really left pending by the
+step, and nothing is pending, the mode off the stack, after the forward
+that consumed them."""
 
 import copy
 import gc
@@ -15,6 +16,7 @@ import io
 import pytest
 import torch
 
+from ddp_ext._sharded_optimizer import GATHER_BUFFERS
 from tests.sharding.shard_support import run, train_steps, trained, wrapped
 from tests.support import models
 from tests.support.harness import assert_states_bitwise
@@ -50,13 +52,20 @@ def _pending_job(rank, world_size):
     sharded = ddp._optimizer_overlap
     tail = sharded.tail
     facts = {}
-    # Two steps: the first iteration's buckets are rebuilt after it (one bucket there).
+    # The first iteration's one bucket is rebuilt after it: its step and the
+    # next (on new buckets) wait for their all-gathers; the third leaves some pending.
     train_steps(r, "overlapped", ddp, optimizer, None, rank, world_size, range(2))
+    facts["pending_after_new_buckets"] = len(tail.buckets)
+    train_steps(r, "overlapped", ddp, optimizer, None, rank, world_size, range(2, 3))
     # train_steps ended with step() and zero_grad(): zero_grad waited for nothing.
     facts["buckets_after_step"] = len(tail.buckets)
+    facts["buckets_stepped"] = len(sharded.active)
     facts["mode_after_step"] = tail._mode_on_stack()
-    first_key = min(tail.buckets)
-    facts["first_launched_holds_first_layer"] = any(p is sharded.params[0] for p in tail.buckets[first_key])
+    # The last launched are left pending; the first layers' were launched first, and written in the step.
+    facts["pending_are_the_last_launched"] = sorted(tail.buckets) == list(
+        range(sharded.gathers - len(tail.buckets), sharded.gathers))
+    facts["first_layer_written"] = all(p is not sharded.params[0] for ps in tail.buckets.values() for p in ps)
+    facts["gather_buffers"] = {kind: len(buffers) for kind, buffers in sharded.gather_buffers.items()}
     args, target = models.rank_batch(r.model, 2, 0, rank, world_size, per_rank=4)
     loss = models.MODELS[r.model].loss(ddp(*args), target)
     facts["read_by_forward"] = tail.finished_on_read
@@ -76,13 +85,17 @@ def _pending_job(rank, world_size):
 
 def test_gathers_pending_after_step_and_consumed_by_the_forward():
     for rank, facts in enumerate(shared_world(2).run(_pending_job)):
-        assert facts["buckets_after_step"] > 1, (rank, facts)
+        assert facts["pending_after_new_buckets"] == 0, (rank, facts)
+        assert facts["buckets_stepped"] > GATHER_BUFFERS, (rank, facts)  # some are written in the step
+        assert facts["buckets_after_step"] == GATHER_BUFFERS, (rank, facts)
         assert facts["mode_after_step"], (rank, facts)
-        assert facts["first_launched_holds_first_layer"], (rank, facts)
+        assert facts["pending_are_the_last_launched"], (rank, facts)
+        assert facts["first_layer_written"], (rank, facts)
+        assert list(facts["gather_buffers"].values()) == [GATHER_BUFFERS], (rank, facts)
         assert facts["read_by_forward"] >= 1, (rank, facts)
         assert facts["pending_after_forward"] == 0, (rank, facts)
         assert not facts["mode_after_forward"], (rank, facts)
-        assert facts["buckets_after_second_step"] > 1, (rank, facts)
+        assert facts["buckets_after_second_step"] == GATHER_BUFFERS, (rank, facts)
         assert facts["pending_after_state_dict"] == 0, (rank, facts)
         assert not facts["mode_after_finish"], (rank, facts)
 
@@ -94,7 +107,7 @@ def _reads_job(rank, world_size, read):
     seen = {}
     for kind in ("sharded", "overlapped"):
         module, ddp, optimizer, _ = wrapped(r, kind)
-        train_steps(r, kind, ddp, optimizer, None, rank, world_size, range(2))
+        train_steps(r, kind, ddp, optimizer, None, rank, world_size, range(3))  # the third on settled buckets
         if kind == "overlapped":
             assert ddp._optimizer_overlap.tail.pending, "the step left no all-gather pending"
         tail = ddp._optimizer_overlap.tail
