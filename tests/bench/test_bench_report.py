@@ -20,8 +20,9 @@ TEXT = os.path.join(ROOT, report.TEXT_DIR)
 DOC = os.path.join(ROOT, report.DOC_PATH)
 PAGES_DIR = os.path.join(os.path.dirname(DOC), document.PAGES_FOLDER)
 # Summaries and figures only: raw samples are not published. About 70 kB for
-# each of the 19 experiments and the instructions' runs at 4 and 8 ranks.
-MAX_PUBLISHED_BYTES = 1_370_000
+# each of the 19 experiments and the instructions' runs at 4 and 8 ranks,
+# and the sharding experiment's repeats (about 130 kB, stored compact).
+MAX_PUBLISHED_BYTES = 1_420_000
 # About 350 lines: the summary, the speed targets and a short section per
 # experiment; the records of the runs belong on the pages.
 MAX_DOC_LINES = 360
