@@ -83,14 +83,7 @@ def held_peak_bytes(build: Callable[[], Callable[[], object]], before: int = 2) 
             step()
         with record_function(MEASURED):
             step()
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    finally:
-        os.unlink(path)
+    events = trace_events(prof)
     marks = [e for e in events if e.get("name") == MEASURED and e.get("ph") == "X"]
     if len(marks) != 1:
         raise RuntimeError(f"held_peak_bytes: {len(marks)} events named {MEASURED!r}, not one")
@@ -98,6 +91,19 @@ def held_peak_bytes(build: Callable[[], Callable[[], object]], before: int = 2) 
     memory = sorted((e for e in events if e.get("name") == MEMORY_EVENT_NAME
                      and e["args"].get("Device Type") in CPU_DEVICE_CODES), key=lambda e: e["ts"])
     return _held_peak(_with_unseen_frees(memory), begin, end)
+
+
+def trace_events(prof) -> list:
+    """A finished profile's events as its chrome trace lists them (memory
+    events with their addresses), through a temporary file."""
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return json.load(f)["traceEvents"]
+    finally:
+        os.unlink(path)
 
 
 def _with_unseen_frees(memory) -> list:

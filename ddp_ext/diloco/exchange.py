@@ -20,7 +20,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from ddp_ext.diloco.host_split import HostSplit
+from ddp_ext.diloco.host_split import HostSplit, cut_payload
 from ddp_ext.diloco.int8 import ErrorFeedback
 
 
@@ -44,10 +44,7 @@ class Exchange:
         if split is not None:
             self._bounds = split.bounds(self._numel, 1 if codec is None else codec.split_alignment)
             start, stop = self._bounds[split.part]
-            if codec is None or start == stop:
-                payload = payload[start:stop] if codec is None else payload[:0]
-            else:
-                payload = codec.cut(payload, start, stop)
+            payload = cut_payload(payload, codec, start, stop)
             self._sent_numel = stop - start
         self.bytes_sent = payload.numel() * payload.element_size()
         self._gathered: Optional[List[torch.Tensor]] = None

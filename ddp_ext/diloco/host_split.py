@@ -73,6 +73,14 @@ def part_bounds(numel: int, alignment: int, count: int) -> List[Tuple[int, int]]
     return [(min(i * per, numel), min((i + 1) * per, numel)) for i in range(count)]
 
 
+def cut_payload(payload: torch.Tensor, codec, start: int, stop: int) -> torch.Tensor:
+    """The payload of elements [start, stop) of a fragment: float32 values
+    (`codec` None) sliced, or the codec's whole chunks of them."""
+    if codec is None:
+        return payload[start:stop]
+    return payload[:0] if start == stop else codec.cut(payload, start, stop)
+
+
 def parts_by_rank(outer_by_rank: Sequence[Sequence[int]]) -> List[int]:
     """Each rank's part: the index of its outer group among all outer groups
     (each rank's members, by rank), ordered by their members. Every outer

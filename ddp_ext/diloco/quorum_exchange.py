@@ -35,7 +35,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from ddp_ext.diloco.exchange import mean_of
-from ddp_ext.diloco.host_split import part_bounds
+from ddp_ext.diloco.host_split import cut_payload, part_bounds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +105,7 @@ def shared_mean(group, rank: int, contributions: Sequence[Contribution], payload
     bounds = part_bounds(numel, 1 if codec is None else codec.split_alignment, shares.parts)
     my_host, my_part = shares.host[rank], shares.part[rank]
     start, stop = bounds[my_part]
-    piece = _cut(payload, codec, start, stop)
+    piece = cut_payload(payload, codec, start, stop)
     # Across hosts: part j to and from the members of part j on the other hosts.
     peers = [i for i in range(size) if shares.part[i] == my_part and shares.host[i] != my_host]
     sends = [piece.numel() if i in peers and contributions[rank].trained else 0 for i in range(size)]
@@ -138,12 +138,6 @@ def _all_to_all(group, mine: torch.Tensor, sends: List[int], receives: List[int]
     out = torch.empty(sum(receives), dtype=mine.dtype, device=mine.device)
     group.alltoall_base(out, mine.repeat(sum(1 for s in sends if s)), receives, sends).wait()
     return list(out.split(receives))
-
-
-def _cut(payload: torch.Tensor, codec, start: int, stop: int) -> torch.Tensor:
-    if codec is None:
-        return payload[start:stop].contiguous()
-    return payload[:0] if start == stop else codec.cut(payload, start, stop)
 
 
 def _over_trained(mean: torch.Tensor, contributions: Sequence[Contribution]) -> torch.Tensor:

@@ -95,20 +95,16 @@ def test_bound_divides_the_optimizer_among_the_ranks():
 
 
 def test_held_peak_counts_what_the_step_holds_and_an_unseen_free_at_its_address_reuse():
-    from benchmarks.harness import peak_memory
-
-    mib = 2**20
-
     def build():
-        kept = torch.ones(mib // 4)  # 1 MiB held by the step
+        kept = torch.ones(MIB // 4)  # 1 MiB held by the step
 
         def step():
-            temporary = torch.ones(mib // 2)  # 2 MiB within each iteration
+            temporary = torch.ones(MIB // 2)  # 2 MiB within each iteration
             return float(kept[0] + temporary[0])
 
         return step
 
-    assert 3 * mib <= peak_memory.held_peak_bytes(build) < 4 * mib
+    assert 3 * MIB <= peak_memory.held_peak_bytes(build) < 4 * MIB
     # 100 bytes at address 1 freed unseen (by another thread): counted until
     # its address is allocated again at t=3.
     memory = [{"ts": t, "args": {"Bytes": n, "Addr": a}} for t, n, a in

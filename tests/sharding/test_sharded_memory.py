@@ -25,15 +25,13 @@
 """
 
 import gc
-import json
 import math
-import os
-import tempfile
 
 import pytest
 import torch
 from torch import nn
 
+from benchmarks.harness import peak_memory
 from ddp_ext._shard_gradient import ShardGradient
 from tests.support.worlds import shared_world
 
@@ -135,14 +133,7 @@ def _peaks(kind: str, rank: int) -> dict:
             ddp.finish_forward_tail()  # the last step's all-gathers, left behind a forward that never comes
         del module, ddp, optimizer
         gc.collect()  # what the run held, reference cycles included, is freed here, on this thread
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    finally:
-        os.unlink(path)
+    events = peak_memory.trace_events(prof)
     spans = {phase: sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == phase and e.get("ph") == "X")
              for phase in PHASES}
     assert [len(spans[phase]) for phase in PHASES] == [1, 1, STEPS], spans
