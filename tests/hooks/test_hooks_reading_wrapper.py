@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.support.spawn import run_ranks
+from tests.support.spawn import run_ranks_for_each
 
 STEPS = 4
 TIMEOUT_S = 120.0  # a hook or callback that blocks on the reducer's lock hangs: fail instead
@@ -182,8 +182,8 @@ def _check_reads(record, readers, where):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_a_hook_and_its_callback_read_every_property_and_train_as_torch(world_size):
-    ours = run_ranks(_train, world_size, "ddp_ext", timeout=TIMEOUT_S)
-    theirs = run_ranks(_train, world_size, "torch", timeout=TIMEOUT_S)
+    # Both on the same ranks, one after the other.
+    ours, theirs = run_ranks_for_each(_train, world_size, ("ddp_ext", "torch"), timeout=2 * TIMEOUT_S)
     for rank in range(world_size):
         mine, reference = ours[rank], theirs[rank]
         assert mine["buckets"] > 1, "the test needs several buckets"

@@ -22,10 +22,11 @@ from torch.distributed.algorithms.ddp_comm_hooks import ddp_zero_hook
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from tests.support.spawn import run_ranks
+from tests.support.spawn import run_ranks_for_each
 
 STEPS = 6  # the first two update nothing: ZeRO learns DDP's buckets from them
 TIMEOUT_S = 120.0  # a hook that blocks on the reducer hangs: fail instead
+IMPLS = ("ddp_ext", "torch")  # each job runs both, one after the other, on the same ranks
 GLOO_REFUSAL = "Gloo backend using Overlapping DDP with ZeRO may meet hangs"
 MAKERS = {
     "step": ddp_zero_hook.hook_with_zero_step,
@@ -96,8 +97,8 @@ def _refusals(rank, world_size, impl):
 
 
 def test_on_gloo_both_hooks_refuse_with_torchs_message_as_under_torch():
-    for impl in ("ddp_ext", "torch"):
-        for refused in run_ranks(_refusals, 2, impl, timeout=TIMEOUT_S):
+    for impl, by_rank in zip(IMPLS, run_ranks_for_each(_refusals, 2, IMPLS, timeout=2 * TIMEOUT_S)):
+        for refused in by_rank:
             assert refused == {variant: GLOO_REFUSAL for variant in MAKERS}, (impl, refused)
 
 
@@ -107,8 +108,7 @@ def test_on_gloo_both_hooks_refuse_with_torchs_message_as_under_torch():
 # steps for both.
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_hook_with_zero_step_trains_as_under_torch(optimizer):
-    ours = run_ranks(_train, 2, "ddp_ext", "step", optimizer, timeout=TIMEOUT_S)
-    theirs = run_ranks(_train, 2, "torch", "step", optimizer, timeout=TIMEOUT_S)
+    ours, theirs = run_ranks_for_each(_train, 2, IMPLS, "step", optimizer, timeout=2 * TIMEOUT_S)
     for rank, (mine, reference) in enumerate(zip(ours, theirs)):
         assert reference["rebuilt_after_forward"] == [False] + [True] * (STEPS - 1), reference
         assert mine["rebuilt_after_forward"] == reference["rebuilt_after_forward"], (rank, mine, reference)

@@ -14,7 +14,7 @@ import queue
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Sequence
 
 DEFAULT_TIMEOUT_S = 180.0
 
@@ -116,3 +116,19 @@ def run_ranks(
             return collect(results, procs, timeout)
         finally:
             stop(procs)
+
+
+def _each(rank, world_size, fn, firsts, args):
+    return [fn(rank, world_size, first, *args) for first in firsts]
+
+
+def run_ranks_for_each(
+    fn: Callable[..., Any], world_size: int, firsts: Sequence[Any], *args: Any, timeout: float = DEFAULT_TIMEOUT_S
+) -> List[List[Any]]:
+    """Runs fn(rank, world_size, first, *args) for each of `firsts`, one after
+    the other on the same fresh ranks (one start instead of one each, e.g.
+    for ddp_ext and then torch's DDP): for each of `firsts`, the return
+    values by rank. Each call must set up its own seeds and groups: it
+    follows the one before it in the same processes."""
+    by_rank = run_ranks(_each, world_size, fn, list(firsts), args, timeout=timeout)
+    return [[values[i] for values in by_rank] for i in range(len(firsts))]

@@ -20,7 +20,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import ddp_ext
-from tests.support.spawn import run_ranks
+from tests.support.spawn import run_ranks_for_each
 
 OursDDP = ddp_ext.DistributedDataParallel
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,8 +111,7 @@ def _check_calls(calls, which):
 
 @pytest.mark.parametrize("gradient_as_bucket_view", [False, True])
 def test_python_process_group_trains_as_torch_ddp(gradient_as_bucket_view):
-    ours = run_ranks(_train_over_python_group, 2, "ddp_ext", gradient_as_bucket_view)
-    theirs = run_ranks(_train_over_python_group, 2, "torch", gradient_as_bucket_view)
+    ours, theirs = run_ranks_for_each(_train_over_python_group, 2, ("ddp_ext", "torch"), gradient_as_bucket_view)
     for rank, ((params, calls), (expected, torch_calls)) in enumerate(zip(ours, theirs)):
         _check_calls(torch_calls, "torch")
         _check_calls(calls, "ddp_ext")
@@ -163,8 +162,7 @@ def _backward_outside(rank, world_size, which):
 
 
 def test_backward_outside_the_wrapper_stays_local_as_with_torch():
-    ours = run_ranks(_backward_outside, 2, "ddp_ext")
-    theirs = run_ranks(_backward_outside, 2, "torch")
+    ours, theirs = run_ranks_for_each(_backward_outside, 2, ("ddp_ext", "torch"))
     for rank in range(2):
         for what, a, b in zip(("averaged", "second backward", "outside", "again"), ours[rank], theirs[rank]):
             torch.testing.assert_close(a, b, msg=lambda m: f"rank {rank}, {what}: {m}")
@@ -230,8 +228,7 @@ def _sparse_with_hook(rank, world_size, which, hook):
 
 @pytest.mark.parametrize("hook", ["allreduce_then_divide", "unchanged", "default_hooks.allreduce_hook"])
 def test_sparse_gradients_through_a_hook_match_torch(hook):
-    ours = run_ranks(_sparse_with_hook, 2, "ddp_ext", hook)
-    theirs = run_ranks(_sparse_with_hook, 2, "torch", hook)
+    ours, theirs = run_ranks_for_each(_sparse_with_hook, 2, ("ddp_ext", "torch"), hook)
     for rank in range(2):
         grads, params, seen = ours[rank]
         torch_grads, torch_params, torch_seen = theirs[rank]
@@ -332,8 +329,7 @@ def _iterations(rank, world_size, which):
 
 
 def test_iteration_and_runtime_figures_follow_torchs_sampling_rule():
-    ours = run_ranks(_iterations, 2, "ddp_ext")
-    theirs = run_ranks(_iterations, 2, "torch")
+    ours, theirs = run_ranks_for_each(_iterations, 2, ("ddp_ext", "torch"))
     for rank in range(2):
         assert [it for it, _ in ours[rank]] == [it for it, _ in theirs[rank]], (rank, ours[rank], theirs[rank])
         for step, ((_, ours_set), (_, theirs_set)) in enumerate(zip(ours[rank], theirs[rank])):
