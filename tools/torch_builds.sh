@@ -24,7 +24,7 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 DIR="${TORCH_BUILDS_DIR:-${TMPDIR:-/tmp}/ddp_ext_torch_builds}"
 PYTHON="${PYTHON:-python}"
 
-# 2.13.0: the newest release, whole suite (about 8 min of tests).
+# 2.13.0: the newest release, whole suite.
 # 2.11.0: the version on the GPU machine we test on.
 # 2.10.0: the oldest release pyproject.toml accepts (`torch>=2.10`); 2.8 does not build.
 BUILDS=(2.13.0:all 2.11.0:parity 2.10.0:parity)
