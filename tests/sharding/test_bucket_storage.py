@@ -9,7 +9,9 @@ would break something, the bucket copies instead, with the same result: a
 view of a parameter held from before (it keeps seeing the parameter's
 values), parameters sharing one tensor's memory (they keep sharing it), a
 parameter given new .data after it was re-pointed; and a rebuild after the
-re-pointing re-points the new buckets."""
+re-pointing re-points the new buckets. A module compiled (torch.compile)
+before its parameters were re-pointed is re-pointed too, with the same
+result as torch's DDP over the same compiled module."""
 
 import pytest
 import torch
@@ -98,6 +100,12 @@ class SharedBase(nn.Module):
 
 
 def _edge_job(rank, world_size, case):
+    # Dynamo's DDPOptimizer splits graphs by torch's DDP's buckets; off for this job only.
+    with torch._dynamo.config.patch(optimize_ddp=False):
+        return _edge_run(rank, case)
+
+
+def _edge_run(rank, case):
     import ddp_ext
 
     out = {}
@@ -108,10 +116,13 @@ def _edge_job(rank, world_size, case):
             torch.manual_seed(3)
             module = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
         held = module[0].weight.detach() if case == "held" else None  # a view kept from before wrapping
+        inner = module
+        if case == "compiled":  # compiled before the parameters are re-pointed, run after
+            inner = torch.compile(module)
         if kind == "torch":
-            ddp = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=0.0002)
+            ddp = torch.nn.parallel.DistributedDataParallel(inner, bucket_cap_mb=0.0002)
         else:
-            ddp = ddp_ext.DistributedDataParallel(module, bucket_cap_mb=0.0002)
+            ddp = ddp_ext.DistributedDataParallel(inner, bucket_cap_mb=0.0002)
         optimizer = torch.optim.Adam(module.parameters(), lr=0.01)
         if kind == "ddp_ext":
             # Two views of one tensor share its version counter: a bucket written
@@ -145,7 +156,7 @@ def _edge_job(rank, world_size, case):
     return out
 
 
-@pytest.mark.parametrize("case", ["held", "shared", "new_data", "rebuild"])
+@pytest.mark.parametrize("case", ["held", "shared", "new_data", "rebuild", "compiled"])
 def test_buckets_that_cannot_be_repointed_copy_and_stay_exact(case):
     for rank, out in enumerate(shared_world(2).run(_edge_job, case)):
         for kind in ("params", "optimizer"):
@@ -159,7 +170,7 @@ def test_buckets_that_cannot_be_repointed_copy_and_stay_exact(case):
             assert not all(before), (rank, before)
             assert any("shares its memory" in why for why in out["copying"]), out
             assert out["still_shared"], f"rank {rank}: a and b no longer share their memory"
-        if case == "new_data":
+        if case in ("new_data", "compiled"):
             assert all(before) and all(after), (rank, before, after)  # re-pointed again, with the new values
         if case == "rebuild":
             assert out["reshards"] == 2, (rank, out["reshards"])
