@@ -52,6 +52,10 @@ given new .data, by `p.data = ...` or a move, sends its bucket back to
 copying, with the values it now has). A rebuild gives new plans: their
 parameters still view the old plans' storages, which only the parameters
 hold, so they are re-pointed again once the new layout is settled.
+The step and the all-gather write the parameters through views of the
+storage, not through the parameters, so their version counters would not
+move: each is bumped as its bucket's all-gather is launched, and a graph
+that saved one still fails its check in backward, as after a plain step.
 What cannot be seen stays as with the copying path: another thread or C++
 code reading a parameter while its all-gather is on the wire.
 """

@@ -364,6 +364,8 @@ class ShardedOptimizer:
         behind the next forward] in ddp_ext/_gather_tail.py)."""
         ordered = sorted(plans, key=lambda plan: min(index for index, _, _ in plan.layout))
         largest = max((p.padded for p in ordered if p.storage is None), default=0)
+        if not largest:
+            self.gather_buffers = {}  # every bucket in place: none is needed (none is in use between steps)
         launched: List[int] = []  # keys not yet written, oldest first
         buffered: List[int] = []  # those through a buffer
         copied = 0
