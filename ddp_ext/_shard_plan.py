@@ -40,8 +40,9 @@ memory, which would keep the old values. So a bucket stays in the
 copying path of the gather buffers when one of its parameters:
  - has its memory held by anything but the parameters (a view the user or
    a module keeps, a parameter made as a view of another tensor that is
-   still alive, an autograd graph kept with retain_graph): its storage is
-   used by more tensors than the parameters and this plan's own views;
+   still alive, a graph kept with retain_graph that saved a view of it):
+   its storage is used by more tensors than the parameters and this
+   plan's own views;
  - shares its memory with another parameter in a storage ddp_ext did not
    make (views of each other): they would stop sharing it;
  - is not a dense strided tensor of the bucket's dtype and device (a

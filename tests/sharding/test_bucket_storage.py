@@ -8,7 +8,8 @@ optimizer.step() and the copying path's (in_place off). Where re-pointing
 would break something, the bucket copies instead, with the same result: a
 view of a parameter held from before (it keeps seeing the parameter's
 values), parameters sharing one tensor's memory (they keep sharing it), a
-parameter given new .data after it was re-pointed; and a rebuild after the
+parameter given new .data after it was re-pointed; a weight tied between
+two layers is re-pointed once, for both; and a rebuild after the
 re-pointing re-points the new buckets. A module compiled (torch.compile)
 before its parameters were re-pointed is re-pointed too, with the same
 result as torch's DDP over the same compiled module."""
@@ -112,6 +113,11 @@ def _edge_run(rank, case):
     for kind in ("ddp_ext", "torch"):
         if case == "shared":
             module = SharedBase()
+        elif case == "tied":  # one Parameter in two layers: re-pointed once, both layers see it
+            torch.manual_seed(3)
+            module = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16),
+                                   nn.Tanh(), nn.Linear(16, 4))
+            module[4].weight = module[2].weight
         else:
             torch.manual_seed(3)
             module = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
@@ -152,11 +158,14 @@ def _edge_run(rank, case):
                 out["still_shared"] = module.a.untyped_storage().data_ptr() == module.b.untyped_storage().data_ptr()
             if case == "rebuild":
                 out["reshards"] = sharded.reshards
+            if case == "tied":
+                out["still_tied"] = module[4].weight is module[2].weight and torch.equal(
+                    module[4].weight.detach(), module[2].weight.detach())
         out[kind] = _result(module, optimizer)
     return out
 
 
-@pytest.mark.parametrize("case", ["held", "shared", "new_data", "rebuild", "compiled"])
+@pytest.mark.parametrize("case", ["held", "shared", "new_data", "rebuild", "compiled", "tied"])
 def test_buckets_that_cannot_be_repointed_copy_and_stay_exact(case):
     for rank, out in enumerate(shared_world(2).run(_edge_job, case)):
         for kind in ("params", "optimizer"):
@@ -170,8 +179,10 @@ def test_buckets_that_cannot_be_repointed_copy_and_stay_exact(case):
             assert not all(before), (rank, before)
             assert any("shares its memory" in why for why in out["copying"]), out
             assert out["still_shared"], f"rank {rank}: a and b no longer share their memory"
-        if case in ("new_data", "compiled"):
-            assert all(before) and all(after), (rank, before, after)  # re-pointed again, with the new values
+        if case in ("new_data", "compiled", "tied"):
+            assert all(before) and all(after), (rank, before, after)
+        if case == "tied":
+            assert out["still_tied"], f"rank {rank}: the tied layers no longer share their weight"  # re-pointed again, with the new values
         if case == "rebuild":
             assert out["reshards"] == 2, (rank, out["reshards"])
             assert all(before) and all(after) and len(after) != len(before), (rank, before, after)
