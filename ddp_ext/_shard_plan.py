@@ -75,9 +75,13 @@ SCALAR_STATE = ("step", "mu_product", "eta", "mu")
 
 
 def holders(t: torch.Tensor) -> int:
-    """How many tensors use t's storage (t included)."""
+    """How many tensors use t's storage (t included); -1 where torch cannot
+    tell (then no bucket is re-pointed)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return -1
     storage = t.untyped_storage()
-    return torch._C._storage_Use_Count(storage._cdata) - 1  # less `storage`, which holds it too
+    return use_count(storage._cdata) - 1  # less `storage`, which holds it too
 
 
 def storage_key(t: torch.Tensor) -> int:
