@@ -17,8 +17,8 @@
    of torch's DDP's; the rebuild's below the first iteration's (the re-cut
    holds no whole state: it is not the run's peak); the whole run's peak,
    the first two iterations included, at most torch's DDP's whole run's.
-   Measured: steady 2.39 x the model against 5.13 (0.466, with and without
-   overlap_forward=True: the parameters in their buckets' storage, Note
+   Measured: steady 2.39 x the model against 5.13 (0.466; 2.39 to 2.45,
+   0.466 to 0.478, with overlap_forward=True: the parameters in their buckets' storage, Note
    [Parameters in the bucket's storage] in ddp_ext/_shard_plan.py, no
    gather buffer and no copy of the rank's elements; 2.52 to 2.58 through
    two gather buffers, 3.19 with one temporary per bucket), the rebuild
