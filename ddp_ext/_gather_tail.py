@@ -6,12 +6,16 @@ Note [Gathering behind the next forward]
 optimizer.step() steps the rank's shard of each bucket, launches the
 buckets' all-gathers, first layers' first (by the lowest reducer index of
 their parameters, which every rank agrees on, so every rank launches them
-in the same order), and returns with the last of them on the wire. They
-take turns in GATHER_BUFFERS (two, ddp_ext/_sharded_optimizer.py) reused
-buffers: launching one first waits for the one launched two before it and
-writes its parameters, so a rank holds two buckets' buffers, not the model
-once more, and the buckets left pending are the last layers', which the
-next forward reads last.
+in the same order), and returns with them on the wire. A bucket whose
+parameters live in its storage (Note [Parameters in the bucket's storage]
+in ddp_ext/_shard_plan.py: every bucket once the layout is settled, where
+re-pointing is sound) is all-gathered in place: it needs no buffer, and
+every such bucket stays pending, the whole model's all-gathers behind the
+next forward at no memory cost. The others take turns in GATHER_BUFFERS
+(two, ddp_ext/_sharded_optimizer.py) reused buffers: launching one first
+waits for the one launched two before it and writes its parameters, so a
+rank holds two buckets' buffers, not the model once more, and those left
+pending are the last layers', which the next forward reads last.
 Every all-gather is launched inside the step, where every rank is, not at
 the read that needs it: a read on one rank only (rank 0 saving a
 checkpoint) would launch an all-gather that the other ranks launch at
@@ -20,9 +24,11 @@ A step whose buckets were laid out anew (the first, and the one after
 each rebuild) waits for all its all-gathers: its buffers are sized for
 buckets that may go (the first iteration's one bucket is the whole
 model), and holding them would carry them into the next iteration.
-A bucket's parameters are "pending" until its all-gather is waited for and
-its parameters are written, all of them at once, so no code sees a bucket
-half-written. Whatever reads a pending
+A bucket's parameters are "pending" until its all-gather is waited for
+(and, through a buffer, its parameters are written, all of them at once),
+so no code that waits sees a bucket half-written: an in-place bucket's
+parameters hold the rank's stepped range and others' old values while its
+all-gather runs. Whatever reads a pending
 parameter first waits for its bucket, by the torch function mode of Note
 [Stepping in the next forward] in ddp_ext/_forward_tail.py, on the stack of
 the thread that stepped only while a bucket is pending (Note [The mode only
@@ -42,8 +48,8 @@ the tail keeps itself (and so the sharded optimizer) alive: a wrapper
 dropped then still lets a read write its parameters.
 
 Exactness: the all-gather copies the same bits whether it is waited for at
-the step or at the read, and nothing reads the parameters in between
-without waiting. It is opt-in (overlap_forward=True) rather than always on
+the step or at the read, in place or through a buffer, and nothing reads
+the parameters in between without waiting. It is opt-in (overlap_forward=True) rather than always on
 because what the mode cannot see would read the values before the step:
 another thread that did not go through the wrapper's forward, and C++ code
 reading the parameters directly; and because every torch call between the

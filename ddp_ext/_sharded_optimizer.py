@@ -37,13 +37,18 @@ stepped, as a plain step skips it.
 Note [Stepping the shard]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 At optimizer.step() the step pre-hook, for each bucket the last
-synchronising backward reduced: copies the rank's elements of the
-parameters into the bucket's flat shard (in case they were changed since:
-a loaded checkpoint), points each piece's .grad at its range of the
-reducer's shard of the bucket (the averaged gradient), steps the pieces,
-and all-gathers the flat shards into the parameters, at most two buckets'
-at a time (with overlap_forward, returns with the last two on the wire:
-Note [Gathering behind the next forward] in ddp_ext/_gather_tail.py). The
+synchronising backward reduced: where the parameters live in the bucket's
+storage (Note [Parameters in the bucket's storage] in
+ddp_ext/_shard_plan.py; a settled layout), the flat shard is the rank's
+range of it; elsewhere it copies the rank's elements of the parameters
+into the bucket's flat shard (in case they were changed since: a loaded
+checkpoint). It points each piece's .grad at its range of the reducer's
+shard of the bucket (the averaged gradient), steps the pieces, and
+all-gathers the flat shards: in place into the bucket's storage, or
+through the gather buffers, at most two buckets' at a time, copied into
+the parameters (with overlap_forward, returns with every in-place one and
+the last two others on the wire: Note [Gathering behind the next forward]
+in ddp_ext/_gather_tail.py). The
 pre-hook then hands torch.optim's step wrapper a view of
 the optimizer with the parameters no bucket reduced (frozen ones, say), so
 hooks and an LR scheduler's count run as usual.
@@ -68,13 +73,15 @@ from ddp_ext._gradient_edits import GradientEdits
 from ddp_ext._optimizer_overlap import (_called_by_grad_scaler, _unhooked_step, _view, hooked_step_refusal,
                                         shown_names)
 from ddp_ext._shard_gradient import ShardGradient, drop_zeroed
-from ddp_ext._shard_plan import SCALAR_STATE, ShardPlan
+from ddp_ext._shard_plan import SCALAR_STATE, ShardPlan, holders, storage_key
 from ddp_ext._shard_recut import recut
 
 # torch 2.13 renamed all_gather_into_tensor (the old name warns).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-# The all-gathers' buffers, reused from step to step: at most this many
+# The all-gathers' buffers, reused from step to step, for the buckets whose
+# parameters are not in the bucket's storage (Note [Parameters in the
+# bucket's storage] in ddp_ext/_shard_plan.py): at most this many of those
 # buckets' all-gathers are on the wire, or held behind the next forward, at once.
 GATHER_BUFFERS = 2
 
@@ -148,6 +155,9 @@ class ShardedOptimizer:
         self.gathers = 0  # all-gathers launched: each one's key
         self.gather_buffers: Dict[Tuple, List[torch.Tensor]] = {}  # GATHER_BUFFERS per dtype and device, reused
         self.keep_buffers = True  # False: dropped at the next forward
+        self.made: set = set()  # the storages made for buckets (Note [Parameters in the bucket's storage])
+        self.in_place = True  # False: every bucket copies (a test's switch)
+        self.copying: Dict[Tuple, str] = {}  # by layout: why its parameters were not re-pointed, last step
         self.tail = GatherTail(self._write_gathered) if overlap_forward else None
         if self.tail is not None:
             optimizer.register_state_dict_pre_hook(lambda opt: self.finish_forward_tail())
@@ -240,6 +250,7 @@ class ShardedOptimizer:
         self.edits.forget()
         self.clipped = False
         settled = self._reshard([plan.layout for plan in plans])
+        self._place(plans, settled)
         self._step(plans, places, used)
         self._all_gather(plans, settled)
         # Buckets laid out anew are often laid out again (the rebuild after the
@@ -271,7 +282,8 @@ class ShardedOptimizer:
             for piece in plan.pieces:
                 p = self.params[piece.index]
                 number = places.get(id(p))
-                piece.flat.copy_(p.detach().reshape(-1)[piece.start:piece.stop])
+                if plan.storage is None:
+                    piece.flat.copy_(p.detach().reshape(-1)[piece.start:piece.stop])
                 if number is None or piece.index not in used:
                     piece.flat.grad = None
                     continue
@@ -289,25 +301,92 @@ class ShardedOptimizer:
                 piece.flat.grad = None
             plan.grad = None  # the reducer's shard: refilled at the next synchronising backward
 
+    def _place(self, plans: List[ShardPlan], settled: bool) -> None:
+        """Keeps or makes each bucket's parameters views of its storage, where
+        it can (Note [Parameters in the bucket's storage] in
+        ddp_ext/_shard_plan.py); the state follows the pieces' new views."""
+        members = {plan.layout: [self.params[index] for index, _, _ in plan.layout] for plan in plans}
+        for plan in plans:
+            if plan.storage is not None and not plan.bound(members[plan.layout]):
+                self._move_state(plan.unbind())
+        unbound = [plan for plan in plans if plan.storage is None]
+        if not (settled and self.in_place and unbound):
+            return
+        users: Dict[int, int] = defaultdict(int)  # storage -> the tensors of ours that use it
+        for p in self.params:
+            if p.numel():
+                users[storage_key(p)] += 1
+        for other in self.plans.values():
+            if other.storage is not None:
+                users[storage_key(other.storage)] += other.own_views
+        self.made &= set(users)
+        for plan in unbound:
+            why = self._bind_refusal(plan, members[plan.layout], users)
+            if why:
+                self.copying[plan.layout] = why
+                continue
+            self.copying.pop(plan.layout, None)
+            for p in members[plan.layout]:
+                if p.numel():
+                    users[storage_key(p)] -= 1
+            self._move_state(plan.bind(members[plan.layout]))
+            key = storage_key(plan.storage)
+            self.made.add(key)
+            users[key] += len(members[plan.layout]) + plan.own_views
+
+    def _bind_refusal(self, plan: ShardPlan, members: List[torch.Tensor], users: Dict[int, int]) -> str:
+        """Why the bucket's parameters cannot be re-pointed now, or ''."""
+        for p in members:
+            name = self.names.get(id(p), f"a parameter of shape {tuple(p.shape)}")
+            if not plan.fits(p):
+                return f"{name} is not a dense contiguous tensor of the bucket's dtype and device"
+            if not p.numel():
+                continue
+            key = storage_key(p)
+            if users[key] > 1 and key not in self.made:
+                return f"{name} shares its memory with another parameter"
+            if holders(p) != users[key]:
+                return f"something else holds a view of {name}'s memory"
+        return ""
+
+    def _move_state(self, moved: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for old, new in moved:
+            if old in self.state:
+                self.state[new] = self.state.pop(old)
+
     def _all_gather(self, plans: List[ShardPlan], settled: bool) -> None:
-        """Launches the buckets' all-gathers, first layers' first, through
-        GATHER_BUFFERS reused buffers: launching one first writes the one
-        launched GATHER_BUFFERS before it. Then waits for the rest, or, with
-        the tail and buckets `settled` (laid out as at the last step),
-        returns with them on the wire (Note [Gathering behind the next
-        forward] in ddp_ext/_gather_tail.py)."""
+        """Launches the buckets' all-gathers, first layers' first: in place
+        into the storage of a bucket whose parameters live in it, else
+        through GATHER_BUFFERS reused buffers (launching one of those first
+        writes the one launched GATHER_BUFFERS before it). Then waits for
+        the rest, or, with the tail and buckets `settled` (laid out as at
+        the last step), returns with them on the wire (Note [Gathering
+        behind the next forward] in ddp_ext/_gather_tail.py)."""
         ordered = sorted(plans, key=lambda plan: min(index for index, _, _ in plan.layout))
-        largest = max((p.padded for p in ordered), default=0)
+        largest = max((p.padded for p in ordered if p.storage is None), default=0)
+        if not largest:
+            self.gather_buffers = {}  # every bucket in place: none is needed (none is in use between steps)
         launched: List[int] = []  # keys not yet written, oldest first
-        for number, plan in enumerate(ordered):
-            if len(launched) == GATHER_BUFFERS:  # its buffer is the oldest's: write that one first
-                self._write_gathered(launched.pop(0))
-            full = self._gather_buffer(plan, number % GATHER_BUFFERS, largest)
-            work = _all_gather(full, plan.params, group=self.group, async_op=True)
+        buffered: List[int] = []  # those through a buffer
+        copied = 0
+        for plan in ordered:
+            if plan.storage is not None:
+                # Written without an in-place op of theirs: a graph that saved one still sees it changed.
+                torch.autograd.graph.increment_version([self.params[index] for index, _, _ in plan.layout])
+                full, work = None, _all_gather(plan.storage, plan.params, group=self.group, async_op=True)
+            else:
+                if len(buffered) == GATHER_BUFFERS:  # its buffer is the oldest's: write that one first
+                    self._write_gathered(buffered.pop(0))
+                full = self._gather_buffer(plan, copied % GATHER_BUFFERS, largest)
+                copied += 1
+                work = _all_gather(full, plan.params, group=self.group, async_op=True)
             key = self.gathers
             self.gathers += 1
             self.gathering[key] = (plan, full, work)
             launched.append(key)
+            if full is not None:
+                buffered.append(key)
+        launched = [key for key in launched if key in self.gathering]
         if self.tail is None or not settled:
             for key in launched:
                 self._write_gathered(key)
@@ -328,9 +407,11 @@ class ShardedOptimizer:
         return buffers[which][:plan.padded]
 
     def _write_gathered(self, key: int) -> None:
-        """Waits for one bucket's all-gather and writes all its parameters."""
+        """Waits for one bucket's all-gather; through a buffer, writes all its parameters."""
         plan, full, work = self.gathering.pop(key)
         work.wait()
+        if full is None:
+            return  # in place: the parameters are written
         with torch.no_grad():
             for index, offset, numel in plan.layout:
                 self.params[index].view(-1).copy_(full[offset:offset + numel])

@@ -17,11 +17,14 @@
    of torch's DDP's; the rebuild's below the first iteration's (the re-cut
    holds no whole state: it is not the run's peak); the whole run's peak,
    the first two iterations included, at most torch's DDP's whole run's.
-   Measured: steady 2.52 x the model against 5.13 (0.49; 2.52 to 2.58 with
-   overlap_forward=True, where one temporary per bucket gave 3.19), the
-   rebuild 2.4 to 2.7 x depending on the rank, the first iteration 4.00 x
-   (0.78 of torch's DDP's run): the parameters, one bucket of the whole
-   model's all-gather buffer and Gloo's copy of it, and the shards.
+   Measured: steady 2.39 x the model against 5.13 (0.466; 2.39 to 2.45,
+   0.466 to 0.478, with overlap_forward=True: the parameters in their buckets' storage, Note
+   [Parameters in the bucket's storage] in ddp_ext/_shard_plan.py, no
+   gather buffer and no copy of the rank's elements; 2.52 to 2.58 through
+   two gather buffers, 3.19 with one temporary per bucket), the rebuild
+   2.4 to 2.7 x depending on the rank, the first iteration 4.00 x (0.78 of
+   torch's DDP's run): the parameters, one bucket of the whole model's
+   all-gather buffer and Gloo's copy of it, and the shards.
 """
 
 import gc

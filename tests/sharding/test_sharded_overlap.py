@@ -4,9 +4,9 @@ waits for its bucket (Note [Gathering behind the next forward] in
 ddp_ext/_gather_tail.py). In real runs over Gloo at 2 ranks: bitwise the
 waiting variant and torch's DDP with a plain optimizer.step(), with the
 usual reads between steps (EMA, deepcopy, torch.save, an evaluation
-forward) and no_sync; the all-gathers are launched in the first layers'
-order through two reused buffers, the last two really left pending by the
-step, and nothing is pending, the mode off the stack, after the forward
+forward) and no_sync; where the parameters are not in their bucket's
+storage, the all-gathers are launched in the first layers' order through
+two reused buffers, the last two really left pending by the step, and nothing is pending, the mode off the stack, after the forward
 that consumed them."""
 
 import copy
@@ -50,6 +50,7 @@ def _pending_job(rank, world_size):
     r = run(optimizer="adam", scheduler=False)
     module, ddp, optimizer, _ = wrapped(r, "overlapped")
     sharded = ddp._optimizer_overlap
+    sharded.in_place = False  # the copying path's buffers (in place: tests/sharding/test_bucket_storage.py)
     tail = sharded.tail
     facts = {}
     # The first iteration's one bucket is rebuilt after it: its step and the
