@@ -4,9 +4,14 @@ variant for `--steps` steps, timed with `time.perf_counter` around the
 forward, the backward (with DDP's allreduce, which it waits for), the inner
 optimizer's step and `DiLoCo.step` (apart on the steps that launch or merge a
 sync and on the others), and inside the sync around each of DiLoCo's parts:
-the pseudo-gradient, the encoding, the wait for the exchange, the outer step
-and the mix. Then the same steps again with the backward under `no_sync()`
-(no allreduce: the computation alone), which gives the allreduce's share.
+the pseudo-gradient, the encoding, the wait for the exchange (and, on its
+thread, the decoding and the gather inside the host), the outer step and the
+mix. Before each launch it adds a barrier over the outer group, timed: the
+other hosts' lag, apart from the exchange. Then the same steps again with the
+forward and backward under `no_sync()` (no allreduce: the computation alone),
+which gives the allreduce's share. `--inner torch` builds torch's DDP inside
+each host instead of ddp_ext's; `--inner-kwargs` passes ddp_ext's keyword
+arguments (JSON).
 
     python -m benchmarks.diloco_profile [--link-gbit 0.1] [--variants torch,diloco_int8] [--steps 100]
 
@@ -40,7 +45,8 @@ _SYNC_PARTS = (
     ("ddp_ext.diloco.int8", "ErrorFeedback", "encode", "sync: encode"),
     ("ddp_ext.diloco.int4", "Int4ErrorFeedback", "encode", "sync: encode"),
     ("ddp_ext.diloco.exchange", "Exchange", "wait", "sync: wait for the exchange"),
-    ("ddp_ext.diloco.exchange", "Exchange", "_finish", "sync: exchange's thread (all_gather wait, decode, host gather)"),
+    ("ddp_ext.diloco.exchange", "Exchange", "_finish",
+     "sync: exchange's thread (all_gather wait, decode, host gather)"),
     ("ddp_ext.diloco.exchange", None, "mean_of", "sync: decode"),
     ("ddp_ext.diloco.host_split", "HostSplit", "gather", "sync: gather the host's parts"),
     ("ddp_ext.diloco.outer_state", "FragmentState", "outer_step", "sync: outer step"),

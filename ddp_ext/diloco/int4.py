@@ -20,9 +20,9 @@ own (the residual padded to whole chunks, 4 bytes an element; one code a
 byte) and works in them in place. The arithmetic is the plain formula's,
 operation for operation (divide, round, clamp, zero where the scale is zero,
 multiply back, subtract), so the payload and the residual keep their bits;
-the one change, the largest magnitude taken as the larger of the largest
-value and minus the smallest, is exact. The unit tests compare both with the
-plain formula's.
+its two changes are exact: the largest magnitude is the larger of the
+largest value and minus the smallest, and each code becomes a byte before
+8 is added. The unit tests compare both with the plain formula's.
 """
 
 from typing import List
