@@ -3,7 +3,7 @@ the experiment does (torch's DDP always runs: the others are read against
 it). A shorter way to rerun the rows one change touches; the experiment
 itself (`python -m benchmarks diloco`) runs every variant on both links.
 
-    python -m benchmarks.diloco_link [--link-gbit 0.1] [--variants diloco_int8,diloco_int4]
+    python -m benchmarks.diloco_link [--link-gbit 0.1] [--variants diloco_int8,streaming_int4]
 
 Prints one JSON line per variant: the experiment's summary row. Needs root
 (network namespaces) for a link; without, the loopback, no bytes counted.

@@ -7,7 +7,7 @@ one line per setting: its held-out loss at the last step, over torch's.
     python -m benchmarks.diloco_sweep [--steps 500] [--configs 50:0.7:0.5:32,...]
 
 A setting is H:outer_lr:outer_momentum:bits, or H:outer_lr:outer_momentum:bits:F:tau:mix
-for streaming DiLoCo (bits 32 or 8).
+for streaming DiLoCo (bits 32, 8 or 4).
 """
 
 import argparse
@@ -45,10 +45,10 @@ def main(argv=None) -> None:
         settings = dataclasses.replace(base.settings, sync_every=int(sync_every), outer_lr=float(outer_lr),
                                        outer_momentum=float(momentum))
         variant = {"32": dv.DILOCO, "8": dv.DILOCO_INT8, "4": dv.DILOCO_INT4}[bits]
-        if streaming:  # fragments, delay, mix: streaming DiLoCo, in 32 or 8 bits
+        if streaming:  # fragments, delay, mix: streaming DiLoCo, in 32, 8 or 4 bits
             fragments, delay, mix = streaming
             settings = dataclasses.replace(settings, fragments=int(fragments), delay=int(delay), mix=float(mix))
-            variant = {"32": dv.STREAMING, "8": dv.STREAMING_INT8}[bits]
+            variant = {"32": dv.STREAMING, "8": dv.STREAMING_INT8, "4": dv.STREAMING_INT4}[bits]
         plan = dataclasses.replace(base, settings=settings)
         started = time.perf_counter()
         record = experiment.run_link(plan, None, corpus, progress, 7200.0, variants=(variant,))[variant]

@@ -8,7 +8,8 @@
   (tau = 1, Streaming DiLoCo), merged with mix 0.6;
 - `diloco_int8`, `streaming_int8`: those two with the exchange in 8 bits
   (with error feedback);
-- `diloco_int4`: `diloco` with the exchange in 4 bits (with error feedback).
+- `diloco_int4`, `streaming_int4`: `diloco` and `streaming` with the
+  exchange in 4 bits (with error feedback).
 
 Every variant starts from the same parameters (seeded), steps the same inner
 optimizer (AdamW) on the same batches per rank, and gives the parameters
@@ -29,10 +30,11 @@ from benchmarks.workloads.char_transformer import CharModelShape, CharTransforme
 
 TORCH, ADAPTIVE = "torch", "ours_adaptive"
 DILOCO, STREAMING, DILOCO_INT8, STREAMING_INT8 = "diloco", "streaming", "diloco_int8", "streaming_int8"
-DILOCO_INT4 = "diloco_int4"
-VARIANTS = (TORCH, ADAPTIVE, DILOCO, STREAMING, DILOCO_INT8, STREAMING_INT8, DILOCO_INT4)
-OUTER_VARIANTS = (DILOCO, STREAMING, DILOCO_INT8, STREAMING_INT8, DILOCO_INT4)
-BITS = {DILOCO_INT8: 8, STREAMING_INT8: 8, DILOCO_INT4: 4}
+DILOCO_INT4, STREAMING_INT4 = "diloco_int4", "streaming_int4"
+VARIANTS = (TORCH, ADAPTIVE, DILOCO, STREAMING, DILOCO_INT8, STREAMING_INT8, DILOCO_INT4, STREAMING_INT4)
+OUTER_VARIANTS = (DILOCO, STREAMING, DILOCO_INT8, STREAMING_INT8, DILOCO_INT4, STREAMING_INT4)
+STREAMING_VARIANTS = (STREAMING, STREAMING_INT8, STREAMING_INT4)
+BITS = {DILOCO_INT8: 8, STREAMING_INT8: 8, DILOCO_INT4: 4, STREAMING_INT4: 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +54,7 @@ class TrainSettings:
 
     def diloco_arguments(self, variant: str) -> dict:
         """DiLoCo's keyword arguments for `variant` (one of OUTER_VARIANTS)."""
-        streaming = variant in (STREAMING, STREAMING_INT8)
+        streaming = variant in STREAMING_VARIANTS
         return {"sync_every": self.sync_every, "fragments": self.fragments if streaming else 1,
                 "delay": self.delay if streaming else 0, "bits": BITS.get(variant, 32),
                 "outer_optimizer": self.outer_optimizer, "mix": self.mix if streaming else None}

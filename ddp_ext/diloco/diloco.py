@@ -116,6 +116,7 @@ class DiLoCo:
         self.outer_group = outer_group if outer_group is not None else _groups.derive_outer(inner_by_rank)
         self._split = _host_split(inner_by_rank, outer_by_rank) if split_within_host else None
         self._step = 0
+        self._next_event = self._schedule.next_event(0, [])
         self._start_equal()
 
     def _make_fragments(self, factory: OuterOptimizerFactory) -> List[str]:
@@ -151,18 +152,28 @@ class DiLoCo:
         on every rank (the live ones differ between groups between syncs)."""
         return [p.detach() for fragment in self._fragments for p in fragment.synced]
 
-    @torch.no_grad()
     def step(self) -> None:
         """Call after each `inner_optimizer.step()`: launches the fragments
         whose step this is and merges the exchanges due."""
         self._step += 1
         if self._surviving is not None:
-            self._finish_surviving_sync()
-            if self._schedule.launches_at(self._step):
-                self._surviving.launch(self._schedule.launches_up_to(self._step))
-                self._surviving_merge_step = self._schedule.merge_step(self._step)
-                self._finish_surviving_sync()
+            with torch.no_grad():
+                self._surviving_step()
             return
+        if self._step < self._next_event:  # most steps: nothing to launch or merge
+            return
+        with torch.no_grad():
+            self._launch_and_merge()
+        self._next_event = self._schedule.next_event(self._step, [f.merge_step for f in self._in_flight])
+
+    def _surviving_step(self) -> None:
+        self._finish_surviving_sync()
+        if self._schedule.launches_at(self._step):
+            self._surviving.launch(self._schedule.launches_up_to(self._step))
+            self._surviving_merge_step = self._schedule.merge_step(self._step)
+            self._finish_surviving_sync()
+
+    def _launch_and_merge(self) -> None:
         for p in self._schedule.launches_at(self._step):
             fragment = self._fragments[p]
             exchange = Exchange(fragment.pseudo_gradient(), self.outer_group, fragment.codec, self._split)
@@ -222,6 +233,7 @@ class DiLoCo:
                            for f in state["in_flight"]]
         self._step = state["step"]
         self.bytes_sent = state["bytes_sent"]
+        self._next_event = self._schedule.next_event(self._step, [f.merge_step for f in self._in_flight])
 
 
 def _host_split(inner_by_rank, outer_by_rank) -> Optional[HostSplit]:

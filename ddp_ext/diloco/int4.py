@@ -8,6 +8,21 @@ fragment's next pseudo-gradient, so the sum sent tracks the sum of the true
 pseudo-gradients to within one sync's rounding (half a scale step per
 element). Plain torch operations: the same bits on every rank for the same
 payloads in the same order.
+
+# Note [DiLoCo's 4-bit encoder works in place]
+
+Encoding takes a dozen passes over the fragment. Done with a fresh tensor
+each (a fragment's worth, allocated from the system and faulted in page by
+page at every sync), it took 2 to 16 ms for half a million elements on a
+loaded core, where the 8-bit codec's native encoder takes 0.3: time a sync
+with no delay blocks training for. So the encoder keeps two buffers of its
+own (the residual padded to whole chunks, 4 bytes an element; one code a
+byte) and works in them in place. The arithmetic is the plain formula's,
+operation for operation (divide, round, clamp, zero where the scale is zero,
+multiply back, subtract), so the payload and the residual keep their bits;
+its two changes are exact: the largest magnitude is the larger of the
+largest value and minus the smallest, and each code becomes a byte before
+8 is added. The unit tests compare both with the plain formula's.
 """
 
 from typing import List
@@ -29,28 +44,35 @@ class Int4ErrorFeedback:
         self.chunks = -(-numel // chunk)
         self.residual = torch.zeros(numel, dtype=torch.float32, device=device)
         self.payload_bytes = 4 * self.chunks + (numel + 1) // 2
-
-    def _padded(self, values: torch.Tensor) -> torch.Tensor:
-        padded = torch.zeros(self.chunks * self.chunk, dtype=torch.float32, device=values.device)
-        padded[:self.numel] = values
-        return padded.view(self.chunks, self.chunk)
+        # Scratch (Note [DiLoCo's 4-bit encoder works in place]): the residual
+        # in whole chunks, and one code a byte, an odd count's last padded with 8.
+        self._work = torch.zeros(self.chunks, chunk, dtype=torch.float32, device=device)
+        self._nibbles = torch.full((2 * ((numel + 1) // 2),), 8, dtype=torch.uint8, device=device)
 
     def encode(self, values: torch.Tensor) -> torch.Tensor:
         """The payload of `values` (1-D float32) plus what earlier payloads
-        missed; the residual then holds what this one misses."""
+        missed; the residual then holds what this one misses. Works in
+        buffers of its own (Note [DiLoCo's 4-bit encoder works in place])."""
         self.residual.add_(values)
-        chunks = self._padded(self.residual)
-        largest = chunks.abs().amax(dim=1)
+        work, n = self._work, self.numel
+        flat = work.view(-1)
+        flat[:n].copy_(self.residual)
+        flat[n:].zero_()
+        # The largest magnitude, exactly: the larger of the largest value and minus the smallest.
+        largest = torch.maximum(work.amax(dim=1), work.amin(dim=1).neg_())
         scales = torch.where(largest > SMALLEST, largest / LEVELS, torch.zeros_like(largest))
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        codes = torch.round(chunks / safe[:, None]).clamp_(-LEVELS, LEVELS)
-        codes = torch.where(scales[:, None] > 0, codes, torch.zeros_like(codes))
-        self.residual.sub_((codes * scales[:, None]).reshape(-1)[:self.numel])
-        nibbles = (codes.reshape(-1)[:self.numel] + 8).to(torch.uint8)
-        if nibbles.numel() % 2:
-            nibbles = torch.cat([nibbles, nibbles.new_full((1,), 8)])
-        packed = nibbles[0::2] | (nibbles[1::2] << 4)
-        return torch.cat([scales.view(torch.uint8), packed])
+        codes = work.div_(safe[:, None]).round_().clamp_(-LEVELS, LEVELS)
+        codes.masked_fill_(scales[:, None] <= 0, 0.0)
+        nibbles = self._nibbles.view(torch.int8)[:n]
+        nibbles.copy_(flat[:n])  # whole numbers in -7 .. 7: exact
+        nibbles.add_(8)
+        self.residual.sub_(codes.mul_(scales[:, None]).view(-1)[:n])
+        payload = torch.empty(self.payload_bytes, dtype=torch.uint8, device=self.residual.device)
+        payload[:4 * self.chunks].copy_(scales.view(torch.uint8))
+        pairs = self._nibbles.view(-1, 2)
+        torch.bitwise_or(pairs[:, 0], pairs[:, 1] << 4, out=payload[4 * self.chunks:])
+        return payload
 
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
         """The values one payload stands for (1-D float32, `numel` long)."""

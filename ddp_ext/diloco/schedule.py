@@ -29,6 +29,16 @@ class Schedule:
         phase = step % self.sync_every
         return [p for p, offset in enumerate(self.offsets) if offset % self.sync_every == phase and step >= offset]
 
+    def next_launch(self, step: int) -> int:
+        """The first step after `step` that launches a fragment."""
+        return min(offset if step < offset else offset + self.sync_every * ((step - offset) // self.sync_every + 1)
+                   for offset in self.offsets)
+
+    def next_event(self, step: int, merge_steps: List[int]) -> int:
+        """The first step after `step` that launches a fragment or merges one
+        (`merge_steps`: those of the exchanges in flight, all after `step`)."""
+        return min([self.next_launch(step), *merge_steps])
+
     def merge_step(self, launch_step: int) -> int:
         return launch_step + self.delay
 

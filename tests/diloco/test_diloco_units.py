@@ -7,7 +7,7 @@ import torch
 
 from ddp_ext.diloco.fragments import split
 from ddp_ext.diloco.host_split import HostSplit, parts_by_rank
-from ddp_ext.diloco.int4 import Int4ErrorFeedback
+from ddp_ext.diloco.int4 import LEVELS, SMALLEST, Int4ErrorFeedback
 from ddp_ext.diloco.int8 import ErrorFeedback
 from ddp_ext.diloco.schedule import Schedule
 from ddp_ext.diloco.settings import Settings, default_mix
@@ -28,6 +28,17 @@ def test_schedule_spreads_fragments_over_each_window():
     assert _launches(Schedule(_settings(5, 2)), 10) == {2: [0], 5: [1], 7: [0], 10: [1]}
     assert _launches(Schedule(_settings(3, 3)), 6) == {1: [0], 2: [1], 3: [2], 4: [0], 5: [1], 6: [2]}
     assert Schedule(_settings(4, 2, 1)).merge_step(6) == 7
+
+
+@pytest.mark.parametrize("sync_every, fragments", [(1, 1), (4, 1), (4, 2), (5, 2), (3, 3), (25, 2), (7, 4)])
+def test_next_event_is_the_first_later_launch_or_merge(sync_every, fragments):
+    schedule = Schedule(_settings(sync_every, fragments))
+    launches = _launches(schedule, 5 * sync_every)
+    for step in range(0, 3 * sync_every):
+        first_launch = min(t for t in launches if t > step)
+        assert schedule.next_launch(step) == first_launch
+        assert schedule.next_event(step, []) == first_launch
+        assert schedule.next_event(step, [step + 1]) == step + 1
 
 
 @pytest.mark.parametrize("args, problem", [
@@ -126,6 +137,45 @@ def test_int4_round_trip_is_within_half_a_step_and_packs_two_a_byte():
     torch.testing.assert_close(codec.residual, values - decoded, rtol=0, atol=0)  # what it missed is kept
     # largest magnitudes are sent exactly as +-7 steps
     assert (decoded - values).abs()[values.abs() == values.abs().max()].max() < 1e-6
+
+
+def _plain_int4_encode(residual, values, chunk):
+    """The 4-bit payload by the plain formula, each step a fresh tensor:
+    what the in-place encoder must match bit for bit (residual updated)."""
+    numel = residual.numel()
+    count = -(-numel // chunk)
+    residual.add_(values)
+    padded = torch.zeros(count * chunk)
+    padded[:numel] = residual
+    chunks = padded.view(count, chunk)
+    largest = chunks.abs().amax(dim=1)
+    scales = torch.where(largest > SMALLEST, largest / LEVELS, torch.zeros_like(largest))
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(chunks / safe[:, None]).clamp_(-LEVELS, LEVELS)
+    codes = torch.where(scales[:, None] > 0, codes, torch.zeros_like(codes))
+    residual.sub_((codes * scales[:, None]).reshape(-1)[:numel])
+    nibbles = (codes.reshape(-1)[:numel] + 8).to(torch.uint8)
+    if numel % 2:
+        nibbles = torch.cat([nibbles, nibbles.new_full((1,), 8)])
+    return torch.cat([scales.view(torch.uint8), nibbles[0::2] | (nibbles[1::2] << 4)])
+
+
+@pytest.mark.parametrize("numel, chunk", [(1, 1), (7, 4), (64, 32), (1000, 64), (4097, 1024), (33, 5)])
+def test_int4_in_place_encoder_gives_the_plain_formulas_bits(numel, chunk):
+    """Note [DiLoCo's 4-bit encoder works in place]: the same payloads and
+    residuals, signed zeros, tiny and zero chunks included, sync after sync."""
+    generator = torch.Generator().manual_seed(numel)
+    codec, residual = Int4ErrorFeedback(numel, chunk), torch.zeros(numel)
+    for sync in range(6):
+        values = torch.randn(numel, generator=generator) * 10.0 ** (-3 * sync)
+        if sync == 2:
+            values[::3], values[1::3] = 0.0, -0.0
+        if sync == 3:
+            values.zero_()
+        if sync == 4:
+            values[:chunk] = 1e-31
+        assert torch.equal(codec.encode(values), _plain_int4_encode(residual, values, chunk))
+        assert torch.equal(codec.residual.view(torch.int32), residual.view(torch.int32))
 
 
 def test_int4_error_feedback_makes_the_sum_sent_track_the_true_sum():
