@@ -22,7 +22,7 @@ PAGES_DIR = os.path.join(os.path.dirname(DOC), document.PAGES_FOLDER)
 # Summaries and figures only: raw samples are not published. About 70 kB for
 # each of the 19 experiments and the instructions' runs at 4 and 8 ranks,
 # and the sharding experiment's repeats (about 130 kB, stored compact).
-MAX_PUBLISHED_BYTES = 1_420_000
+MAX_PUBLISHED_BYTES = 1_440_000
 # About 350 lines: the summary, the speed targets and a short section per
 # experiment; the records of the runs belong on the pages.
 MAX_DOC_LINES = 360
