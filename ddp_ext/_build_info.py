@@ -68,6 +68,7 @@ SOURCES = [
     "reducer/transport/hook_transport.cpp",
     "reducer/transport/reduce_scatter.cpp",
     "reducer/transport/ring_order_sum.cpp",
+    "reducer/transport/ring_reduce_scatter.cpp",
     "reducer/transport/step_check_policy.cpp",
 ]
 

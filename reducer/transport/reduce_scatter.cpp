@@ -52,10 +52,10 @@ void ReduceScatter::complete(InFlight& entry, const TransportContext& context) {
 }
 
 void ReduceScatter::record(
-    size_t index, const Bucket& bucket, const at::Tensor& sent, const TransportContext& context,
+    size_t index, const Bucket& bucket, int64_t bytes, const TransportContext& context,
     TimelineRange& range) {
   if (context.timeline.on()) {
-    range.set_value(sent.nbytes());
+    range.set_value(bytes);
     context.timeline.on_completion(*bucket.work, index);
   }
 }
@@ -82,11 +82,21 @@ void ReduceScatter::launch(
   for (const at::Tensor& param : bucket.params) {
     param.mutable_grad().reset();
   }
-  if (context.group.getBackend(bucket.flat.device().type())->getBackendName() == "gloo") {
+  const auto backend = context.group.getBackend(bucket.flat.device().type());
+  if (backend->getBackendName() == "gloo") {
+    if (ranks >= 3) {
+      bucket.work = ring_.launch(backend, bucket.flat, bucket.shard, index);
+      const RingPlan plan = RingPlan::of(length, bucket.flat.element_size(), ranks);
+      record(
+          index, bucket, plan.sent_elements(context.group.getRank()) * bucket.flat.element_size(),
+          context, range);
+      in_flight_.push_back(InFlight{index, &bucket, at::Tensor(), at::Tensor()});
+      return;
+    }
     if (ranks == 1) {
       std::vector<at::Tensor> tensors{bucket.flat};
       bucket.work = context.group.allreduce(tensors);
-      record(index, bucket, bucket.flat, context, range);
+      record(index, bucket, bucket.flat.nbytes(), context, range);
       in_flight_.push_back(InFlight{index, &bucket, at::Tensor(), at::Tensor(), /*in_place=*/true});
       return;
     }
@@ -100,7 +110,7 @@ void ReduceScatter::launch(
     at::Tensor received = at::empty({ranks * mine}, bucket.flat.options());
     bucket.work = process_groups::all_to_all_single(
         context.group, received, bucket.flat, received_splits, sent_splits, c10d::AllToAllOptions());
-    record(index, bucket, bucket.flat, context, range);
+    record(index, bucket, bucket.flat.nbytes(), context, range);
     in_flight_.push_back(InFlight{index, &bucket, at::Tensor(), std::move(received)});
     return;
   }
@@ -113,7 +123,7 @@ void ReduceScatter::launch(
   }
   bucket.work = process_groups::reduce_scatter_single(
       context.group, bucket.shard, sent, c10d::ReduceScatterOptions());
-  record(index, bucket, sent, context, range);
+  record(index, bucket, sent.nbytes(), context, range);
   in_flight_.push_back(
       InFlight{index, &bucket, shard * ranks != length ? sent : at::Tensor(), at::Tensor()});
 }

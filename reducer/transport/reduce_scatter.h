@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "reducer/transport/bucket_transport.h"
+#include "reducer/transport/ring_reduce_scatter.h"
 
 namespace ddp_ext::reducer {
 
@@ -21,13 +22,20 @@ namespace ddp_ext::reducer {
 // elements each, the bucket padded with zeros to N * S when L is not a
 // multiple of N). Over Gloo, whose own reduce-scatter is an allreduce of a
 // copy of the bucket followed by a copy of the rank's range (allreduce
-// bytes), the bucket goes out as an all-to-all of its ranges, unpadded,
-// into a buffer of the N copies of this rank's range, which are summed into
-// the shard when it finishes in the order Gloo's ring allreduce would have
-// summed them (Note [Ring-ordered sum] in reducer/transport/ring_order_sum.h):
-// reduce-scatter bytes, and the shard holds exactly what the default
-// allreduce leaves in that range, at any world size. That buffer is one
-// more bucket-sized tensor per bucket in flight, released with the bucket.
+// bytes), the shard is summed in the order Gloo's ring allreduce would have
+// summed it (Note [Ring-ordered sum] in reducer/transport/ring_order_sum.h),
+// with reduce-scatter bytes, so it holds exactly what the default allreduce
+// leaves in that range, at any world size:
+//  - at three ranks or more, by a ring of point-to-point sends that
+//    accumulates in the bucket (Note [A ring of sends for the
+//    reduce-scatter] in reducer/transport/ring_reduce_scatter.h): each rank
+//    sends only to its neighbour, and the ring in flight takes one chunk
+//    (1/N of the bucket) more;
+//  - at two ranks, where the ring and an all-to-all send the same bytes,
+//    by an all-to-all of the ranges, unpadded, into a buffer of the 2
+//    copies of this rank's range, summed into the shard when it finishes:
+//    one more bucket-sized tensor per bucket in flight, released with the
+//    bucket.
 // Alone (one rank) the bucket is allreduced in place and its range copied.
 // Elsewhere (NCCL) the group's own reduce-scatter runs. What the gradients
 // take on a rank is then:
@@ -82,12 +90,13 @@ class ReduceScatter : public BucketTransport {
   };
   // Waits for `entry`'s reduce-scatter and releases its bucket's memory.
   static void complete(InFlight& entry, const TransportContext& context);
-  // Tells the timeline what bucket `index` sent: `sent`'s bytes.
+  // Tells the timeline what bucket `index` sent: `bytes`.
   static void record(
-      size_t index, const Bucket& bucket, const at::Tensor& sent, const TransportContext& context,
+      size_t index, const Bucket& bucket, int64_t bytes, const TransportContext& context,
       TimelineRange& range);
 
   std::vector<InFlight> in_flight_; // in launch order
+  RingReduceScatter ring_; // Gloo at three ranks or more; destroyed first
 };
 
 } // namespace ddp_ext::reducer

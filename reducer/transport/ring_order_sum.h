@@ -9,9 +9,12 @@ namespace ddp_ext::reducer {
 // Note [Ring-ordered sum]
 // ~~~~~~~~~~~~~~~~~~~~~~~
 // Over Gloo a sharded bucket (Note [Sharded buckets]) is reduce-scattered
-// as an all-to-all followed by a local sum: every rank sends range j of
-// its bucket to rank j ((N - 1) / N of the bucket, a reduce-scatter's
-// bytes), and each rank sums the N copies of its own range it received.
+// with a reduce-scatter's bytes ((N - 1) / N of the bucket). At two ranks
+// that is an all-to-all followed by a local sum: every rank sends range j
+// of its bucket to rank j, and each rank sums the copies of its own range
+// it received (ring_order_sum below). At three ranks or more a ring of
+// sends adds as it goes (Note [A ring of sends for the reduce-scatter] in
+// reducer/transport/ring_reduce_scatter.h), in the same order.
 // Float addition is commutative but not associative, so the result depends
 // on the order of the N - 1 additions of each element only. That sum takes
 // the order Gloo's ring allreduce of the whole bucket would have taken at
