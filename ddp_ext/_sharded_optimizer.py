@@ -68,12 +68,13 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ddp_ext._bucket_storage import BucketStorage
 from ddp_ext._gather_tail import GatherTail
 from ddp_ext._gradient_edits import GradientEdits
 from ddp_ext._optimizer_overlap import (_called_by_grad_scaler, _unhooked_step, _view, hooked_step_refusal,
                                         shown_names)
 from ddp_ext._shard_gradient import ShardGradient, drop_zeroed
-from ddp_ext._shard_plan import SCALAR_STATE, ShardPlan, holders, storage_key
+from ddp_ext._shard_plan import SCALAR_STATE, ShardPlan
 from ddp_ext._shard_recut import recut
 
 # torch 2.13 renamed all_gather_into_tensor (the old name warns).
@@ -155,9 +156,8 @@ class ShardedOptimizer:
         self.gathers = 0  # all-gathers launched: each one's key
         self.gather_buffers: Dict[Tuple, List[torch.Tensor]] = {}  # GATHER_BUFFERS per dtype and device, reused
         self.keep_buffers = True  # False: dropped at the next forward
-        self.made: set = set()  # the storages made for buckets (Note [Parameters in the bucket's storage])
-        self.in_place = True  # False: every bucket copies (a test's switch)
-        self.copying: Dict[Tuple, str] = {}  # by layout: why its parameters were not re-pointed, last step
+        # Note [Parameters in the bucket's storage] in ddp_ext/_shard_plan.py.
+        self.storage = BucketStorage(self.params, self.names, self.rank)
         self.tail = GatherTail(self._write_gathered) if overlap_forward else None
         if self.tail is not None:
             optimizer.register_state_dict_pre_hook(lambda opt: self.finish_forward_tail())
@@ -250,7 +250,7 @@ class ShardedOptimizer:
         self.edits.forget()
         self.clipped = False
         settled = self._reshard([plan.layout for plan in plans])
-        self._place(plans, settled)
+        self._move_state(self.storage.place(plans, self.plans.values(), settled))
         self._step(plans, places, used)
         self._all_gather(plans, settled)
         # Buckets laid out anew are often laid out again (the rebuild after the
@@ -301,55 +301,8 @@ class ShardedOptimizer:
                 piece.flat.grad = None
             plan.grad = None  # the reducer's shard: refilled at the next synchronising backward
 
-    def _place(self, plans: List[ShardPlan], settled: bool) -> None:
-        """Keeps or makes each bucket's parameters views of its storage, where
-        it can (Note [Parameters in the bucket's storage] in
-        ddp_ext/_shard_plan.py); the state follows the pieces' new views."""
-        members = {plan.layout: [self.params[index] for index, _, _ in plan.layout] for plan in plans}
-        for plan in plans:
-            if plan.storage is not None and not plan.bound(members[plan.layout]):
-                self._move_state(plan.unbind())
-        unbound = [plan for plan in plans if plan.storage is None]
-        if not (settled and self.in_place and unbound):
-            return
-        users: Dict[int, int] = defaultdict(int)  # storage -> the tensors of ours that use it
-        for p in self.params:
-            if p.numel():
-                users[storage_key(p)] += 1
-        for other in self.plans.values():
-            if other.storage is not None:
-                users[storage_key(other.storage)] += other.own_views
-        self.made &= set(users)
-        for plan in unbound:
-            why = self._bind_refusal(plan, members[plan.layout], users)
-            if why:
-                self.copying[plan.layout] = why
-                continue
-            self.copying.pop(plan.layout, None)
-            for p in members[plan.layout]:
-                if p.numel():
-                    users[storage_key(p)] -= 1
-            self._move_state(plan.bind(members[plan.layout]))
-            key = storage_key(plan.storage)
-            self.made.add(key)
-            users[key] += len(members[plan.layout]) + plan.own_views
-
-    def _bind_refusal(self, plan: ShardPlan, members: List[torch.Tensor], users: Dict[int, int]) -> str:
-        """Why the bucket's parameters cannot be re-pointed now, or ''."""
-        for p in members:
-            name = self.names.get(id(p), f"a parameter of shape {tuple(p.shape)}")
-            if not plan.fits(p):
-                return f"{name} is not a dense contiguous tensor of the bucket's dtype and device"
-            if not p.numel():
-                continue
-            key = storage_key(p)
-            if users[key] > 1 and key not in self.made:
-                return f"{name} shares its memory with another parameter"
-            if holders(p) != users[key]:
-                return f"something else holds a view of {name}'s memory"
-        return ""
-
     def _move_state(self, moved: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The state follows the pieces' new views (Note [Parameters in the bucket's storage])."""
         for old, new in moved:
             if old in self.state:
                 self.state[new] = self.state.pop(old)
