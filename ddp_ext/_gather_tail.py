@@ -4,7 +4,9 @@
 Note [Gathering behind the next forward]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 optimizer.step() steps the rank's shard of each bucket, launches the
-buckets' all-gathers, first layers' first (by the lowest reducer index of
+buckets' all-gathers, each as soon as its shard is stepped (Note
+[Pipelined steps and all-gathers] in ddp_ext/_sharded_optimizer.py), first
+layers' first (by the lowest reducer index of
 their parameters, which every rank agrees on, so every rank launches them
 in the same order), and returns with them on the wire. A bucket whose
 parameters live in its storage (Note [Parameters in the bucket's storage]
