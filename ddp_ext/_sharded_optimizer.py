@@ -361,9 +361,10 @@ class ShardedOptimizer:
         for group in step_groups(plans):
             self._step(group, places, used)
             for plan in group:
+                # Changed as a plain step changes them: a graph that saved one fails its check in backward,
+                # though they are written later (behind the next forward) or through views of the storage.
+                torch.autograd.graph.increment_version([self.params[index] for index, _, _ in plan.layout])
                 if plan.storage is not None:
-                    # Written without an in-place op of theirs: a graph that saved one still sees it changed.
-                    torch.autograd.graph.increment_version([self.params[index] for index, _, _ in plan.layout])
                     full, work = None, _all_gather(plan.storage, plan.params, group=self.group, async_op=True)
                 else:
                     if len(buffered) == GATHER_BUFFERS:  # its buffer is the oldest's: write that one first
