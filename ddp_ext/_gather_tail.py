@@ -4,7 +4,9 @@
 Note [Gathering behind the next forward]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 optimizer.step() steps the rank's shard of each bucket, launches the
-buckets' all-gathers, first layers' first (by the lowest reducer index of
+buckets' all-gathers, each as soon as its shard is stepped (Note
+[Pipelined steps and all-gathers] in ddp_ext/_sharded_optimizer.py), first
+layers' first (by the lowest reducer index of
 their parameters, which every rank agrees on, so every rank launches them
 in the same order), and returns with them on the wire. A bucket whose
 parameters live in its storage (Note [Parameters in the bucket's storage]
@@ -24,6 +26,11 @@ A step whose buckets were laid out anew (the first, and the one after
 each rebuild) waits for all its all-gathers: its buffers are sized for
 buckets that may go (the first iteration's one bucket is the whole
 model), and holding them would carry them into the next iteration.
+Every bucket's parameters have their version counters bumped as its
+all-gather is launched, in place or not, as a plain step's in-place
+writes would: a graph kept with retain_graph that saved one fails its
+second backward after the step, as after a plain step, rather than
+running on the old values of a parameter still pending.
 A bucket's parameters are "pending" until its all-gather is waited for
 (and, through a buffer, its parameters are written, all of them at once),
 so no code that waits sees a bucket half-written: an in-place bucket's

@@ -14,6 +14,8 @@ re-pointing re-points the new buckets. A module compiled (torch.compile)
 before its parameters were re-pointed is re-pointed too, with the same
 result as torch's DDP over the same compiled module."""
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -55,7 +57,7 @@ def _steady_job(rank, world_size):
     for kind in ("overlapped", "copying", "torch"):
         module, ddp, optimizer, scheduler = wrapped(r, "overlapped" if kind == "copying" else kind)
         if kind == "copying":
-            ddp._optimizer_overlap.in_place = False
+            ddp._optimizer_overlap.storage.in_place = False
         versions = [p._version for p in module.parameters()]
         train_steps(r, kind, ddp, optimizer, scheduler, rank, world_size, range(STEPS - 1))
         if kind == "overlapped":
@@ -63,7 +65,7 @@ def _steady_job(rank, world_size):
             out["pending"] = len(sharded.tail.buckets)  # before _in_storage reads the parameters
             out["in_storage"] = _in_storage(ddp)
             out["buckets"] = len(sharded.plans)
-            out["refused"] = dict(sharded.copying)
+            out["refused"] = dict(sharded.storage.copying)
             ddp.finish_forward_tail()
             out["versions_moved"] = all(p._version > v for p, v in zip(module.parameters(), versions))
         train_steps(r, kind, ddp, optimizer, scheduler, rank, world_size, range(STEPS - 1, STEPS))
@@ -106,10 +108,23 @@ def _edge_job(rank, world_size, case):
         return _edge_run(rank, case)
 
 
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
 def _edge_run(rank, case):
     import ddp_ext
 
     out = {}
+    told = _Lines()
+    logger = logging.getLogger("ddp_ext")
+    logger.addHandler(told)
+    logger.setLevel(logging.INFO)
     for kind in ("ddp_ext", "torch"):
         if case == "shared":
             module = SharedBase()
@@ -151,7 +166,8 @@ def _edge_run(rank, case):
             sharded = ddp._optimizer_overlap
             ddp.finish_forward_tail()
             out["storage_after"] = _in_storage(ddp)
-            out["copying"] = sorted(sharded.copying.values())
+            out["copying"] = sorted(sharded.storage.copying.values())
+            out["told"] = [line for line in told.lines if "copies its parameters" in line]
             if case == "held":
                 out["held_sees_the_parameter"] = torch.equal(held, module[0].weight.detach())
             if case == "shared":
@@ -175,6 +191,10 @@ def test_buckets_that_cannot_be_repointed_copy_and_stay_exact(case):
             assert not all(before) and any(before), (rank, before)  # the held parameter's bucket only
             assert any("something else holds a view of 0.weight" in why for why in out["copying"]), out
             assert out["held_sees_the_parameter"], f"rank {rank}: the held view kept old values"
+            # Said once on the package's logger, though the bucket copies at every step.
+            assert len(out["told"]) == 1 and "something else holds a view of 0.weight" in out["told"][0], out["told"]
+        if case in ("compiled", "tied", "rebuild"):
+            assert out["told"] == [], (rank, out["told"])
         if case == "shared":
             assert not all(before), (rank, before)
             assert any("shares its memory" in why for why in out["copying"]), out

@@ -50,7 +50,7 @@ def _pending_job(rank, world_size):
     r = run(optimizer="adam", scheduler=False)
     module, ddp, optimizer, _ = wrapped(r, "overlapped")
     sharded = ddp._optimizer_overlap
-    sharded.in_place = False  # the copying path's buffers (in place: tests/sharding/test_bucket_storage.py)
+    sharded.storage.in_place = False  # the copying path's buffers (in place: tests/sharding/test_bucket_storage.py)
     tail = sharded.tail
     facts = {}
     # The first iteration's one bucket is rebuilt after it: its step and the
