@@ -65,6 +65,7 @@ struct RingReduceScatter::Ring {
   size_t index = 0;
   RingPlan plan;
   int rank = 0;
+  std::shared_ptr<std::atomic<bool>> cut_short; // the transport's: See the Note
 
   std::mutex mutex; // guards what follows, and every write into flat and shard
   bool cancelled = false;
@@ -145,6 +146,9 @@ void RingReduceScatter::Ring::cancel(bool detach) {
   {
     std::lock_guard<std::mutex> lock(mutex);
     cancelled = true;
+    if (!completed) {
+      cut_short->store(true);
+    }
     if (detach) {
       work = nullptr;
     }
@@ -161,6 +165,9 @@ void RingReduceScatter::Ring::complete(std::exception_ptr error) {
     return;
   }
   completed = true;
+  if (error) {
+    cut_short->store(true);
+  }
   if (work) {
     work->complete(error);
   }
@@ -249,7 +256,15 @@ void RingReduceScatter::Ring::execute() {
 c10::intrusive_ptr<c10d::Work> RingReduceScatter::launch(
     const c10::intrusive_ptr<c10d::Backend>& gloo, at::Tensor flat, at::Tensor shard,
     size_t index) {
+  TORCH_CHECK(
+      !cut_short_->load(),
+      "the reduce-scatter of bucket ", index,
+      " cannot run: an earlier reduce-scatter of this wrapper (a ring of sends over Gloo) ended "
+      "unfinished, after an error on some rank, and its peers' messages may still be in flight. "
+      "Build the DistributedDataParallel wrapper and its overlap_optimizer(..., shard=True) again "
+      "to go on training.");
   auto ring = std::make_shared<Ring>();
+  ring->cut_short = cut_short_;
   ring->gloo = gloo;
   ring->plan = RingPlan::of(flat.numel(), flat.element_size(), gloo->getSize());
   TORCH_INTERNAL_ASSERT(shard.numel() == ring->plan.shard && flat.is_contiguous());

@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -75,6 +76,12 @@ namespace ddp_ext::reducer {
 // ring's mutex, nothing more is added into its bucket or written into its
 // shard, so the next backward may fill the bucket at once. Destroying the
 // transport cancels every ring queued, and joins the thread.
+//
+// A ring cut short. A ring that failed or was cancelled may leave sends of
+// its peers unreceived, under tags the next backward's ring of the same
+// bucket uses again: a later receive could take a stale partial sum. So
+// once a ring ends unfinished, every later launch of the transport raises
+// (the wrapper must be built again), rather than sum what it cannot trust.
 
 // Where one rank's chunk and one rank's shard meet: [begin, begin + length)
 // of the bucket, sent from `from` (whose chunk it lies in) to `to` (whose
@@ -133,6 +140,8 @@ class RingReduceScatter {
   std::condition_variable wake_;
   std::deque<std::shared_ptr<Ring>> queue_;
   std::shared_ptr<Ring> current_; // the ring the thread runs
+  // Set once a ring ended unfinished: See the Note, "A ring cut short".
+  std::shared_ptr<std::atomic<bool>> cut_short_ = std::make_shared<std::atomic<bool>>(false);
   bool stopping_ = false;
   std::thread thread_; // started by the first launch
 };
