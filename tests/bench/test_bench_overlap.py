@@ -5,8 +5,8 @@ overlapped optimizer steps several buckets in the backward, must write a
 summary with every variant's medians and phases, both ratios and a passed
 bitwise check, and rows (one per model and variant) with a bound and a peak
 memory; torch's optimizer in backward has a time or the reason it has none.
-The same over 1 Gbit/s links at 2 hosts x 2 ranks (where network namespaces
-can be made). The check itself must see a one-ulp difference and fail the
+The same over 1 Gbit/s links at 2 hosts x 2 ranks is in
+test_bench_overlap_configs.py. The check itself must see a one-ulp difference and fail the
 run on it; the bound, the rows and the peak's running sum are unit-tested.
 """
 
@@ -25,7 +25,6 @@ pytest.importorskip("matplotlib", reason="the benchmark suite needs matplotlib (
 
 from benchmarks.__main__ import _link_gbit  # noqa: E402
 from benchmarks.experiments import overlap  # noqa: E402
-from benchmarks.harness import fake_hosts as hosts  # noqa: E402
 from benchmarks.harness import iteration_bound, peak_memory  # noqa: E402
 from benchmarks.reporting import results  # noqa: E402
 from benchmarks.workloads import scaleout_variants as sv  # noqa: E402
@@ -106,21 +105,6 @@ def test_overlap_quick_writes_results_and_checks_bitwise(tmp_path):
     assert (tmp_path / "overlap.png").stat().st_size > 0
     assert "| mlp | 1x2 loopback | ddp_ext + overlap_optimizer |" in done.stdout and "| equal |" in done.stdout
     assert "| mlp | 1x2 loopback | ddp_ext + overlap_optimizer + forward |" in done.stdout
-
-
-def test_overlap_over_shaped_links_two_hosts_of_two(tmp_path):
-    reason = hosts.cannot_make_namespaces()
-    if reason:
-        pytest.skip(f"overlap --link: {reason}")
-    done, result = _quick_overlap(tmp_path, "--link", "1gbit", "--hosts", "2", "--ranks-per-host", "2")
-    assert result["options"]["link_gbit"] == 1.0 and result["options"]["world_size"] == 4
-    assert result["models"]["mlp"]["bitwise_equal"] == {"equal": True, "ranks": 4,
-                                                          "tensors_per_rank": len(list(sv.ScaleoutMLP(0.0).parameters()))}
-    _check_rows(result, ("mlp",), (2, 2, "1gbit"))
-    gradient = result["models"]["mlp"]["gradient_bytes"]
-    assert result["rows"][0]["link_ms"] == pytest.approx(1.5 * gradient * 8 / 1e9 * 1e3)
-    assert any("shaped to 1 Gbit/s" in note and "2 hosts of 2 rank(s)" in note for note in result["notes"])
-    assert "| mlp | 2x2 1gbit | ddp_ext + overlap_optimizer |" in done.stdout
 
 
 def test_bound_is_computation_or_ring_bytes_over_the_link():

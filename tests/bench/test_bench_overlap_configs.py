@@ -1,9 +1,11 @@
 """`python -m benchmarks overlap --configs ...` runs several configurations in one run.
 
 A --quick run of the tiny model on the loopback and over 1 Gbit/s links at
-2 hosts x 1 rank writes one result whose rows hold both configurations
+2 hosts x 2 ranks writes one result whose rows hold both configurations
 (over links only where network namespaces can be made; elsewhere that
-configuration is skipped, with the reason in the notes). --configs is
+configuration is skipped, with the reason in the notes); over the links, at
+4 ranks, the bitwise check passes, the link's bound is the ring's bytes over
+1 Gbit/s, and the notes say how the links were shaped. --configs is
 parsed strictly: a wrong spelling or a repeat is an error that says so, and
 a configuration that cannot run is skipped without a launch of ranks.
 """
@@ -17,26 +19,31 @@ from benchmarks.harness import fake_hosts as hosts  # noqa: E402
 from benchmarks.harness import link_configs  # noqa: E402
 from benchmarks.harness.link_configs import LinkConfig  # noqa: E402
 from benchmarks.harness.options import BenchOptions  # noqa: E402
+from benchmarks.workloads import tiny_mlp  # noqa: E402
 from tests.bench.test_bench_overlap import _check_rows, _overlap_options, _quick_overlap  # noqa: E402
 
 
 def test_configs_run_side_by_side_in_one_result(tmp_path):
-    done, result = _quick_overlap(tmp_path, "--configs", "loopback,1gbit:2x1", models=("tiny",))
-    assert result["options"]["configs"] == ["loopback", "1gbit:2x1"]
+    done, result = _quick_overlap(tmp_path, "--configs", "loopback,1gbit:2x2", models=("tiny",))
+    assert result["options"]["configs"] == ["loopback", "1gbit:2x2"]
     _check_rows({**result, "rows": [r for r in result["rows"] if r["link"] == "loopback"]}, ("tiny",),
                 (1, 2, "loopback"))
     assert result["configs"]["loopback"]["models"]["tiny"]["bitwise_equal"]["equal"] is True
     reason = hosts.cannot_make_namespaces()
     linked = [r for r in result["rows"] if r["link"] == "1gbit"]
     if reason:
-        assert not linked and result["configs"]["1gbit:2x1"] == {"skipped": reason}
-        assert f"1gbit:2x1 not measured: {reason}" in result["notes"]
+        assert not linked and result["configs"]["1gbit:2x2"] == {"skipped": reason}
+        assert f"1gbit:2x2 not measured: {reason}" in result["notes"]
         return
-    _check_rows({**result, "rows": linked}, ("tiny",), (2, 1, "1gbit"))
-    assert result["configs"]["1gbit:2x1"]["models"]["tiny"]["bitwise_equal"]["ranks"] == 2
+    _check_rows({**result, "rows": linked}, ("tiny",), (2, 2, "1gbit"))
+    shaped = result["configs"]["1gbit:2x2"]["models"]["tiny"]
+    assert shaped["bitwise_equal"] == {"equal": True, "ranks": 4,
+                                       "tensors_per_rank": len(list(tiny_mlp.build_mlp(0).parameters()))}
+    assert linked[0]["link_ms"] == pytest.approx(1.5 * shaped["gradient_bytes"] * 8 / 1e9 * 1e3)
+    assert any("shaped to 1 Gbit/s" in note and "2 hosts of 2 rank(s)" in note for note in result["notes"])
     assert "| tiny | 1x2 loopback | ddp_ext + overlap_optimizer |" in done.stdout
-    assert "| tiny | 2x1 1gbit | ddp_ext + overlap_optimizer |" in done.stdout
-    assert "Phases, configuration `1gbit:2x1`:" in done.stdout
+    assert "| tiny | 2x2 1gbit | ddp_ext + overlap_optimizer |" in done.stdout
+    assert "Phases, configuration `1gbit:2x2`:" in done.stdout
     assert (tmp_path / "overlap.png").stat().st_size > 0
 
 

@@ -5,13 +5,15 @@ Kineto decides its log level once per process, at its first start, so each
 case runs in a fresh interpreter: the peak-memory measurement (overlap's) and
 a profile as timeline's opens it must leave stdout to the caller and stderr
 empty, where a plain torch.profiler.profile in the same interpreter prints
-kineto's `profiler_start` / `profiler_stop` lines.
+kineto's `profiler_start` / `profiler_stop` lines. The three interpreters
+run side by side.
 """
 
 import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from benchmarks.harness import quiet_profiler
@@ -40,32 +42,47 @@ with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
 """
 
 
-def _run(code: str) -> subprocess.CompletedProcess:
+def _start(code: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != quiet_profiler.LEVEL_VARIABLE}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
-    return done
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
-def test_plain_profile_prints_kinetos_lines():
+@pytest.fixture(scope="module")
+def runs():
+    """The three interpreters' (stdout, stderr), started together: each
+    spends most of its time importing torch."""
+    started = {name: _start(code) for name, code in
+               (("plain", PLAIN_PROFILE), ("peak", PEAK_MEMORY), ("timeline", TIMELINE_PROFILE))}
+    try:
+        finished = {name: proc.communicate(timeout=180) for name, proc in started.items()}
+    finally:
+        for proc in started.values():
+            proc.kill()
+            proc.wait()
+    for name, proc in started.items():
+        assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{finished[name][1]}"
+    return finished
+
+
+def test_plain_profile_prints_kinetos_lines(runs):
     # What the others must not print: if this fails, torch no longer prints
     # them, and the Note's account is out of date.
-    stderr = _run(PLAIN_PROFILE).stderr
+    stderr = runs["plain"][1]
     assert "profiler_start" in stderr and "profiler_stop" in stderr, stderr
 
 
-def test_peak_memory_measurement_prints_only_its_results():
-    done = _run(PEAK_MEMORY)
-    assert done.stdout.split() == ["4096"] * 3
-    assert done.stderr == "", f"the peak-memory measurement printed:\n{done.stderr}"
+def test_peak_memory_measurement_prints_only_its_results(runs):
+    stdout, stderr = runs["peak"]
+    assert stdout.split() == ["4096"] * 3
+    assert stderr == "", f"the peak-memory measurement printed:\n{stderr}"
 
 
-def test_timelines_profile_prints_nothing():
-    done = _run(TIMELINE_PROFILE)
-    assert done.stdout.split() == ["True"]
-    assert done.stderr == "", f"timeline's profile printed:\n{done.stderr}"
+def test_timelines_profile_prints_nothing(runs):
+    stdout, stderr = runs["timeline"]
+    assert stdout.split() == ["True"]
+    assert stderr == "", f"timeline's profile printed:\n{stderr}"
 
 
 def test_the_level_is_left_as_found(monkeypatch):

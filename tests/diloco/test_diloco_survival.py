@@ -7,20 +7,15 @@ killed in a sync: the survivors run it again without them. With fragments
 and 8 or 4 bits, the same, and without failures the same result as DiLoCo
 in one job."""
 
-import os
 import signal
 import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.diloco import workers
-from tests.support.fault_tolerance_harness import ROOT, runs_closed_after
+from tests.diloco import surviving_worker, workers
+from tests.support.fault_tolerance_harness import forked, runs_closed_after
 from tests.support.worlds import shared_world
-
-WORKER = os.path.join(ROOT, "tests", "diloco", "surviving_worker.py")
 
 
 @pytest.fixture
@@ -38,16 +33,15 @@ def _free_port() -> int:
 def _start_host(r, host: str, index: int, name: str, steps: int, sync_every: int, **options):
     """Starts a host's two ranks as replicas `name`0 and `name`1 of run `r`."""
     port = _free_port()
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     for rank in range(workers.RANKS_PER_HOST):
         key = f"{name}{rank}"
-        cmd = [sys.executable, WORKER, "--coordinator", r.address, "--host", host, "--host-index", str(index),
-               "--rank", str(rank), "--port", str(port), "--steps", str(steps), "--sync-every", str(sync_every),
-               "--out", str(r.tmp / f"{key}.jsonl")]
+        argv = ["--coordinator", r.address, "--host", host, "--host-index", str(index), "--rank", str(rank),
+                "--port", str(port), "--steps", str(steps), "--sync-every", str(sync_every),
+                "--out", str(r.tmp / f"{key}.jsonl")]
         for option, value in options.items():
-            cmd += [f"--{option.replace('_', '-')}", str(value)]
-        log = open(str(r.tmp / f"{key}.log"), "w")
-        r.procs[key] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            argv += [f"--{option.replace('_', '-')}", str(value)]
+        # Forked from the harness's forkserver, which imported torch once: a new process, started at once.
+        r.procs[key] = forked(surviving_worker.__name__, argv, str(r.tmp / f"{key}.log"))
 
 
 def _steps(r, key):

@@ -37,12 +37,12 @@ def test_bad_joiners_are_refused_and_the_run_goes_on(runs, tmp_path):
     other = runs(run_id="other")
     gate = tmp_path / "gate"
     for rid in ("r0", "r1"):
-        r.start(rid, STEPS, gate=f"4:{gate}")
+        r.fork(rid, STEPS, gate=f"4:{gate}")
     # The run's model is its first replica's: let the good ones in first.
     r.wait_for(lambda: all(any(rec["kind"] == "step" for rec in r.records(rid)) for rid in ("r0", "r1")), 300,
                "r0 and r1 to train")
-    r.start("r2", STEPS, model="wide")  # a different model
-    r.start("r3", STEPS, coordinator=other.address)  # another run's coordinator
+    r.fork("r2", STEPS, model="wide")  # a different model
+    r.fork("r3", STEPS, coordinator=other.address)  # another run's coordinator
     r.wait(["r2", "r3"])
     refused = {rid: [rec for rec in r.records(rid) if rec["kind"] == "refused"] for rid in ("r2", "r3")}
     assert "different model" in refused["r2"][0]["message"], refused
@@ -60,7 +60,7 @@ def test_stepping_inside_the_backward_is_refused(runs, hook):
     no step applied."""
     r = runs(min_replicas=2)
     for rid in ("r0", "r1"):
-        r.start(rid, STEPS, hook=hook)
+        r.fork(rid, STEPS, hook=hook)
     assert r.wait(["r0", "r1"], timeout=120) == {"r0": 4, "r1": 4}, r.logs()
     for rid in ("r0", "r1"):
         records = r.records(rid)
@@ -74,7 +74,7 @@ def test_stepping_inside_the_backward_is_refused(runs, hook):
 def test_the_coordinator_dying_stops_the_replicas_with_a_clear_error(runs):
     r = runs(min_replicas=2)
     for rid in ("r0", "r1"):
-        r.start(rid, 10_000, sleep=0.05, heartbeat=2.0)
+        r.fork(rid, 10_000, sleep=0.05, heartbeat=2.0)
     r.wait_for(lambda: any(rec["kind"] == "step" and rec["step"] >= 3 for rec in r.records("r0")), 120,
                "training to start")
     killed = time.time()

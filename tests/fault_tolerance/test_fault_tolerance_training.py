@@ -5,7 +5,9 @@ between its vote and the decision, to become the last holder of the state),
 and replaced. Every committed step must leave the replicas that recorded it
 bitwise equal, and the finished replicas must equal local training on the
 concatenation of each committed step's quorum shards
-(tests/support/fault_tolerance_harness.py)."""
+(tests/support/fault_tolerance_harness.py). Replicas are forked from the
+harness's forkserver, which imported torch once: each is a new process with
+fresh state, started without the seconds an import of torch takes."""
 
 import signal
 import time
@@ -28,7 +30,7 @@ def run(tmp_path):
 def test_no_failure_matches_local_training(run):
     r = run(min_replicas=3)
     for rid in REPLICAS:
-        r.start(rid, STEPS, heartbeat=HEARTBEAT_S)
+        r.fork(rid, STEPS, heartbeat=HEARTBEAT_S)
     assert r.wait(REPLICAS) == {rid: 0 for rid in REPLICAS}
     per_step = check_run(r, REPLICAS, STEPS)
     assert all(len(seen["members"]) == 3 for seen in per_step.values())
@@ -47,7 +49,7 @@ def _assert_next_commit_is_quick(r, killed, first_without):
 def test_survivors_go_on_after_a_kill_between_steps(run):
     r = run(min_replicas=3)
     for rid in REPLICAS:
-        r.start(rid, STEPS, heartbeat=HEARTBEAT_S, fault="kill-between@5" if rid == "r2" else "")
+        r.fork(rid, STEPS, heartbeat=HEARTBEAT_S, fault="kill-between@5" if rid == "r2" else "")
     codes = r.wait(REPLICAS)
     assert codes["r0"] == 0 and codes["r1"] == 0 and codes["r2"] == -signal.SIGKILL, r.logs()
     per_step = check_run(r, REPLICAS, STEPS, finished=["r0", "r1"])
@@ -65,7 +67,7 @@ def test_a_stopped_replica_is_dropped_then_rejoins_and_heals(run):
     r = run(min_replicas=3)
     gate = r.tmp / "gate"
     for rid in REPLICAS:
-        r.start(rid, STEPS, heartbeat=HEARTBEAT_S, fault="stop@5" if rid == "r2" else "",
+        r.fork(rid, STEPS, heartbeat=HEARTBEAT_S, fault="stop@5" if rid == "r2" else "",
                 gate=f"14:{gate}" if rid != "r2" else "")
     r.wait_for(lambda: any(rec["kind"] == "fault" for rec in r.records("r2")), 300, "r2 to stop")
     stopped = time.monotonic()
@@ -97,8 +99,8 @@ def test_a_replica_stopped_after_its_vote_keeps_the_step_when_it_is_the_last_hol
     resumed, must read step 5's decision, apply it and carry on from step 6
     as the only holder of the state (Note [Deleting commit keys])."""
     r = run(min_replicas=2)
-    r.start("r0", STEPS, heartbeat=HEARTBEAT_S, fault="kill-alone@6", sleep=0.3)  # votes after r1
-    r.start("r1", STEPS, heartbeat=HEARTBEAT_S, fault="stop-after-vote@5")
+    r.fork("r0", STEPS, heartbeat=HEARTBEAT_S, fault="kill-alone@6", sleep=0.3)  # votes after r1
+    r.fork("r1", STEPS, heartbeat=HEARTBEAT_S, fault="stop-after-vote@5")
     r.wait_for(lambda: any(rec["kind"] == "fault" for rec in r.records("r0")), 120, "r0 to die training alone")
     assert any(rec["kind"] == "fault" for rec in r.records("r1")), r.logs()
     r.signal("r1", signal.SIGCONT)
@@ -116,7 +118,7 @@ def test_two_kills_one_after_the_other(run):
     r = run(min_replicas=3)
     faults = {"r0": "", "r1": "kill-backward@4", "r2": "kill-forward@9"}
     for rid in REPLICAS:
-        r.start(rid, STEPS, heartbeat=HEARTBEAT_S, fault=faults[rid])
+        r.fork(rid, STEPS, heartbeat=HEARTBEAT_S, fault=faults[rid])
     codes = r.wait(REPLICAS)
     assert codes == {"r0": 0, "r1": -signal.SIGKILL, "r2": -signal.SIGKILL}, r.logs()
     per_step = check_run(r, REPLICAS, STEPS, finished=["r0"])
@@ -136,10 +138,13 @@ def test_a_replacement_joins_and_catches_up(run, model, ddp):
     r = run(min_replicas=3)
     gate = r.tmp / "gate"
     for rid in REPLICAS:
-        r.start(rid, STEPS, heartbeat=HEARTBEAT_S, fault="kill-between@3" if rid == "r2" else "",
+        r.fork(rid, STEPS, heartbeat=HEARTBEAT_S, fault="kill-between@3" if rid == "r2" else "",
                 gate=f"10:{gate}" if rid != "r2" else "", model=model, ddp=ddp)
     r.wait_for(lambda: r.procs["r2"].poll() is not None, 300, "r2 to die")
-    r.start("r3", STEPS, heartbeat=HEARTBEAT_S, model=model, ddp=ddp)
+    # r3 starts in milliseconds: let the survivors reach the gate first, so that it joins there.
+    r.wait_for(lambda: any(rec["kind"] == "step" and rec["step"] == 9 for rec in r.records("r0")), 300,
+               "the survivors to reach the gate")
+    r.fork("r3", STEPS, heartbeat=HEARTBEAT_S, model=model, ddp=ddp)
     r.wait_for(lambda: any("r3" in members for members in r.epochs()), 300, "r3 to be let in")
     gate.touch()
     codes = r.wait(["r0", "r1", "r3"])
@@ -163,10 +168,10 @@ def test_adaptive_precision_across_a_membership_change(run):
     r = run(min_replicas=3)
     gate = r.tmp / "gate"
     for rid in REPLICAS:
-        r.start(rid, STEPS, heartbeat=HEARTBEAT_S, fault="kill-between@5" if rid == "r2" else "",
+        r.fork(rid, STEPS, heartbeat=HEARTBEAT_S, fault="kill-between@5" if rid == "r2" else "",
                 gate=f"12:{gate}" if rid != "r2" else "", hook="adaptive")
     r.wait_for(lambda: r.procs["r2"].poll() is not None, 300, "r2 to die")
-    r.start("r3", STEPS, heartbeat=HEARTBEAT_S, hook="adaptive")
+    r.fork("r3", STEPS, heartbeat=HEARTBEAT_S, hook="adaptive")
     r.wait_for(lambda: any("r3" in members for members in r.epochs()), 300, "r3 to be let in")
     gate.touch()
     codes = r.wait(["r0", "r1", "r3"])
@@ -191,11 +196,11 @@ def test_the_source_dying_during_a_heal(run):
     gate = r.tmp / "gate"
     faults = {"r0": "kill-heal", "r1": "", "r2": "kill-between@3"}
     for rid in REPLICAS:
-        r.start(rid, STEPS, heartbeat=HEARTBEAT_S, fault=faults[rid], gate=f"10:{gate}" if rid != "r2" else "")
+        r.fork(rid, STEPS, heartbeat=HEARTBEAT_S, fault=faults[rid], gate=f"10:{gate}" if rid != "r2" else "")
         if rid == "r0":  # first to say hello: rank 0, the source of every heal while it lives
             r.wait_for(lambda: any(rec["kind"] == "connected" for rec in r.records("r0")), 300, "r0 to connect")
     r.wait_for(lambda: r.procs["r2"].poll() is not None, 300, "r2 to die")
-    r.start("r3", STEPS, heartbeat=HEARTBEAT_S)
+    r.fork("r3", STEPS, heartbeat=HEARTBEAT_S)
     r.wait_for(lambda: any("r3" in members for members in r.epochs()), 300, "r3 to be let in")
     gate.touch()
     codes = r.wait(["r0", "r1", "r3"])
@@ -213,7 +218,7 @@ def test_twenty_re_formations_leak_no_threads_fds_or_memory(run):
     failing = list(range(40, 140, 5))
     r = run(min_replicas=3)
     for rid in REPLICAS:
-        r.start(rid, steps, heartbeat=HEARTBEAT_S, fault="raise@" + ",".join(map(str, failing)) if rid == "r1" else "")
+        r.fork(rid, steps, heartbeat=HEARTBEAT_S, fault="raise@" + ",".join(map(str, failing)) if rid == "r1" else "")
     assert r.wait(REPLICAS) == {rid: 0 for rid in REPLICAS}, r.logs()
     per_step = check_run(r, REPLICAS, steps)
     assert len(r.epochs()) >= 1 + len(failing)

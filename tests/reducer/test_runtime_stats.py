@@ -9,13 +9,15 @@ sampled iteration, backward compute time and communication time each >=
 their overlap, the host-side instants in order; and the same keys.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import ddp_ext
-from tests.support.spawn import run_ranks
+from tests.support.harness import CaseTable
 
 TIMES = ("forward_compute_time", "backward_compute_time", "backward_comm_time", "backward_compute_comm_overlap_time")
 INSTANTS = ("forward_compute_time_start", "backward_compute_time_start", "backward_compute_time_end",
@@ -27,7 +29,21 @@ def _net():
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
 
 
-def _loop(rank, world_size, which, overlap):
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    which: str  # "ddp_ext" or "torch"
+    overlap: bool = True
+
+    @property
+    def id(self) -> str:
+        return self.which + ("" if self.overlap else "-no_overlap")
+
+
+LOOPS = [Loop("ddp_ext"), Loop("torch"), Loop("ddp_ext", overlap=False)]
+
+
+def _loop(rank, world_size, c: Loop):
+    which, overlap = c.which, c.overlap
     ddp = ddp_ext.DistributedDataParallel(_net()) if which == "ddp_ext" else TorchDDP(_net())
     if not overlap:
         ddp.set_overlap_with_backward(False)
@@ -43,9 +59,12 @@ def _loop(rank, world_size, which, overlap):
     return seen
 
 
+TABLE = CaseTable(_loop, LOOPS)  # the three loops on the shared ranks of 2
+
+
 @pytest.mark.parametrize("which", ["ddp_ext", "torch"])
 def test_sampled_iterations_hold_torchs_invariants(which):
-    for rank, seen in enumerate(run_ranks(_loop, 2, which, True, timeout=180)):
+    for rank, seen in enumerate(TABLE.results(2, Loop(which))):
         previous = None
         for idx, data in enumerate(seen):
             sampled = idx > 0 and (idx < 10 or idx % 2 == 0)
@@ -70,7 +89,7 @@ def test_sampled_iterations_hold_torchs_invariants(which):
 
 
 def test_without_overlap_the_overlap_is_zero():
-    for seen in run_ranks(_loop, 2, "ddp_ext", False, timeout=180):
+    for seen in TABLE.results(2, Loop("ddp_ext", overlap=False)):
         for data in seen[1:]:
             assert data["backward_compute_comm_overlap_time"] == 0, data
             assert data["backward_comm_time"] >= 1, data

@@ -4,7 +4,8 @@ summed on its rank in the order Gloo's ring allreduce would have summed it
 through the whole path: a model of one parameter of a given length (one
 bucket), SGD with lr 1 from zeros, so that the parameters after step() are
 exactly minus the reduced gradient, against torch's DDP's allreduced
-gradient, bitwise, at 3, 4 and 5 ranks. The lengths include buckets shorter
+gradient, bitwise, at 3, 4 and 5 ranks, in float32 and float64 (both on
+one start of ranks per world size). The lengths include buckets shorter
 than the world size, not a multiple of it, and cut by Gloo's ring into
 chunks that straddle the shards. A plain sum in rank order differs from
 torch's at these sizes (checked too), so the test sees the order."""
@@ -12,10 +13,11 @@ torch's at these sizes (checked too), so the test sees the order."""
 import pytest
 import torch
 
-from tests.support.spawn import run_ranks
+from tests.support.spawn import run_ranks_for_each
 
 LENGTHS = [1, 2, 4, 7, 1000, 2762, 4099, (1 << 16) + 3, 3 * (1 << 20) + 5]
 BIG_BUCKET_MB = 64
+DTYPES = [torch.float32, torch.float64]
 
 
 class _Vector(torch.nn.Module):
@@ -31,6 +33,10 @@ def _gradient(rank, length, dtype):
     g = torch.Generator().manual_seed(7919 * rank + length)
     # Magnitudes over many binades: the order of the additions shows in the bits.
     return (torch.randn(length, generator=g) * torch.exp(3 * torch.randn(length, generator=g))).to(dtype)
+
+
+def _bits(t):
+    return t.view({torch.float32: torch.int32, torch.float64: torch.int64}[t.dtype])
 
 
 def _one(rank, world_size, length, dtype):
@@ -56,30 +62,30 @@ def _one(rank, world_size, length, dtype):
     in_rank_order = everyone[0] / world_size
     for other in everyone[1:]:
         in_rank_order += other / world_size
-    return {"params": module.weight.detach().clone(), "torch": averaged, "rank_order": in_rank_order}
+    # Compared here, so that only the verdicts travel back, not three copies of
+    # every buffer from every rank.
+    expected = torch.zeros_like(averaged).add_(averaged, alpha=-1.0)  # as SGD steps
+    params = module.weight.detach()
+    return {"same": torch.equal(_bits(params), _bits(expected)), "differ": int((params != expected).sum()),
+            "order_visible": not torch.equal(in_rank_order, averaged)}
 
 
 def _job(rank, world_size, dtype):
     return [_one(rank, world_size, length, dtype) for length in LENGTHS]
 
 
-def _bits(t):
-    return t.view({torch.float32: torch.int32, torch.float64: torch.int64}[t.dtype])
-
-
 @pytest.mark.parametrize("world_size", [3, 4, 5])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-def test_the_shards_sum_is_torch_ddps_allreduce_bit_for_bit(world_size, dtype):
-    order_visible = False
-    # Fresh ranks: the large buckets here must not linger in the shared worlds' ranks.
-    by_rank = run_ranks(_job, world_size, dtype)
-    for number, length in enumerate(LENGTHS):
-        for rank, result in enumerate(r[number] for r in by_rank):
-            expected = torch.zeros_like(result["torch"]).add_(result["torch"], alpha=-1.0)  # as SGD steps
-            same = torch.equal(_bits(result["params"]), _bits(expected))
-            assert same, (
-                f"{world_size} ranks, {length} elements of {dtype}, rank {rank}: "
-                f"{int((result['params'] != expected).sum())} elements differ from torch's DDP"
-            )
-            order_visible |= not torch.equal(result["rank_order"], result["torch"])
-    assert order_visible, "a sum in rank order gave torch's result everywhere: these lengths do not test the order"
+def test_the_shards_sum_is_torch_ddps_allreduce_bit_for_bit(world_size):
+    # Fresh ranks, one start for both dtypes: the large buckets here must not
+    # linger in the shared worlds' ranks.
+    for dtype, by_rank in zip(DTYPES, run_ranks_for_each(_job, world_size, DTYPES)):
+        order_visible = False
+        for number, length in enumerate(LENGTHS):
+            for rank, result in enumerate(r[number] for r in by_rank):
+                assert result["same"], (
+                    f"{world_size} ranks, {length} elements of {dtype}, rank {rank}: "
+                    f"{result['differ']} elements differ from torch's DDP"
+                )
+                order_visible |= result["order_visible"]
+        assert order_visible, (
+            f"{dtype}: a sum in rank order gave torch's result everywhere: these lengths do not test the order")

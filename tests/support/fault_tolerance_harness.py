@@ -2,6 +2,7 @@
 checking the outcome against local training (tests/fault_tolerance/test_fault_tolerance_*)."""
 
 import contextlib
+import importlib
 import json
 import multiprocessing
 import os
@@ -34,12 +35,22 @@ def _on(host, cmd: List[str]) -> List[str]:
     return cmd if host is None else ["ip", "netns", "exec", host.netns, *cmd]
 
 
-def _forked_worker(argv: List[str], log_path: str) -> None:
+def _forked_main(module: str, argv: List[str], log_path: str) -> None:
+    """A forked process's body: `module`.main(argv), its output to log_path."""
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
-    sys.exit(worker.main(argv))
+    torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 (_env()) makes a started process's
+    sys.exit(importlib.import_module(module).main(argv))
+
+
+def forked(module: str, argv: List[str], log_path: str) -> "_Forked":
+    """`module`.main(argv) in a process forked from the forkserver (see
+    forkserver()), with the Popen calls Run uses."""
+    process = forkserver().Process(target=_forked_main, args=(module, argv, log_path), daemon=False)
+    process.start()
+    return _Forked(process)
 
 
 class _Forked:
@@ -78,7 +89,8 @@ def forkserver():
     context = multiprocessing.get_context("forkserver")
     # torch._dynamo: torch.optim imports it on first use, a few seconds on a loaded machine.
     context.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "ddp_ext", "ddp_ext.fault_tolerance",
-                                    "tests.support.fault_tolerance_worker", "tests.support.fault_tolerance_harness"])
+                                    "tests.support.fault_tolerance_worker", "tests.support.fault_tolerance_harness",
+                                    "tests.diloco.surviving_worker"])
     return context
 
 
@@ -137,10 +149,7 @@ class Run:
                 "--steps", str(steps), "--out", out]
         for key, value in options.items():
             argv += [f"--{key.replace('_', '-')}", str(value)]
-        process = forkserver().Process(target=_forked_worker, args=(argv, str(self.tmp / f"{replica_id}.log")),
-                                       daemon=False)
-        process.start()
-        self.procs[replica_id] = _Forked(process)
+        self.procs[replica_id] = forked(worker.__name__, argv, str(self.tmp / f"{replica_id}.log"))
         return out
 
     def records(self, replica_id: str) -> List[dict]:
