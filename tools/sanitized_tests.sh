@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds ddp_ext with AddressSanitizer and UndefinedBehaviorSanitizer and runs
-# the reducer, round-robin and fault tests under it.
+# the reducer, round-robin, fault and sharded ring tests under it.
 #
 #   tools/sanitized_tests.sh [extra pytest arguments]
 #
