@@ -10,10 +10,8 @@ loaded two-core machine but stay well below the 60 s default.
 """
 
 import datetime
-import multiprocessing
 import os
 import re
-import tempfile
 import time
 import warnings
 
@@ -24,7 +22,7 @@ import torch.distributed as dist
 
 import ddp_ext
 from ddp_ext._diagnosis.hang import UNFINISHED_PROOF_S
-from tests.support.spawn import _rank_main, run_ranks, stop
+from tests.support.spawn import run_ranks, run_ranks_with_a_victim
 from tests.support.models import SkippableNet
 
 PROVEN_WITHIN_S = 5.0  # the bound for a proof: one probe slice (1 s) and a loaded machine
@@ -157,41 +155,9 @@ def _dies_mid_step(rank, world_size):
     return None, None
 
 
-def _run_with_a_victim(fn, world_size, timeout_s=150):
-    """Like run_ranks, but the last rank dies: the survivors' values by rank,
-    and the victim's exit code."""
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    with tempfile.TemporaryDirectory(prefix="ddp_ext_store_") as tmp:
-        procs = [
-            context.Process(
-                target=_rank_main, args=(fn, r, world_size, os.path.join(tmp, "store"), (), results), daemon=True
-            )
-            for r in range(world_size)
-        ]
-        for p in procs:
-            p.start()
-        try:
-            import pickle
-
-            values = {}
-            deadline = time.monotonic() + timeout_s
-            while len(values) < world_size - 1 and time.monotonic() < deadline:
-                try:
-                    rank, ok, value = results.get(timeout=1.0)
-                except Exception:
-                    continue
-                assert ok, f"rank {rank} failed:\n{value}"
-                values[rank] = pickle.loads(value)
-            procs[-1].join(timeout=10)
-            return [values.get(r) for r in range(world_size - 1)], procs[-1].exitcode
-        finally:
-            stop(procs)
-
-
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_a_rank_that_died_mid_step_is_named_within_seconds(world_size):
-    outcomes, exit_code = _run_with_a_victim(_dies_mid_step, world_size)
+    outcomes, exit_code = run_ranks_with_a_victim(_dies_mid_step, world_size)
     victim = world_size - 1
     assert exit_code == 3, f"the victim ended with {exit_code}"
     assert all(o is not None for o in outcomes), f"survivors that answered: {outcomes}"

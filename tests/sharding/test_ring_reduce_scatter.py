@@ -7,16 +7,13 @@ middle of a backward makes the others raise within seconds, not hang, and
 training goes on over several steps and buckets with the ring (the
 parameters bitwise torch's DDP's with SGD)."""
 
-import multiprocessing
 import os
-import pickle
-import tempfile
 import time
 
 import pytest
 import torch
 
-from tests.support.spawn import _rank_main, run_ranks, stop
+from tests.support.spawn import run_ranks, run_ranks_with_a_victim
 
 
 def _net():
@@ -65,39 +62,9 @@ def _dies_mid_backward(rank, world_size):
     return (*first, None)
 
 
-def _run_with_a_victim(fn, world_size, timeout_s):
-    """The survivors' values by rank (None: no answer in time), and the
-    victim's exit code."""
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    with tempfile.TemporaryDirectory(prefix="ddp_ext_store_") as tmp:
-        procs = [
-            context.Process(
-                target=_rank_main, args=(fn, r, world_size, os.path.join(tmp, "store"), (), results), daemon=True
-            )
-            for r in range(world_size)
-        ]
-        for p in procs:
-            p.start()
-        try:
-            values = {}
-            deadline = time.monotonic() + timeout_s
-            while len(values) < world_size - 1 and time.monotonic() < deadline:
-                try:
-                    rank, ok, value = results.get(timeout=1.0)
-                except Exception:  # noqa: BLE001 - queue.Empty
-                    continue
-                assert ok, f"rank {rank} failed:\n{value}"
-                values[rank] = pickle.loads(value)
-            procs[-1].join(timeout=10)
-            return [values.get(r) for r in range(world_size - 1)], procs[-1].exitcode
-        finally:
-            stop(procs)
-
-
 def test_a_rank_that_dies_mid_ring_makes_the_others_raise():
     world_size = 3
-    outcomes, exit_code = _run_with_a_victim(_dies_mid_backward, world_size, timeout_s=150)
+    outcomes, exit_code = run_ranks_with_a_victim(_dies_mid_backward, world_size, timeout_s=150)
     assert exit_code == 3, f"the victim ended with {exit_code}"
     for rank, outcome in enumerate(outcomes):
         assert outcome is not None, f"rank {rank} did not answer within 150 s (hang?): {outcomes}"

@@ -89,6 +89,37 @@ def stop(procs) -> None:
         p.join(timeout=10)
 
 
+def run_ranks_with_a_victim(fn: Callable, world_size: int, timeout_s: float = 150.0):
+    """Like run_ranks, but the last rank is meant to die: the survivors'
+    values by rank (None: no answer within `timeout_s`, a hang), and the
+    victim's exit code."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory(prefix="ddp_ext_store_") as tmp:
+        procs = [
+            context.Process(
+                target=_rank_main, args=(fn, r, world_size, os.path.join(tmp, "store"), (), results), daemon=True
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            values = {}
+            deadline = time.monotonic() + timeout_s
+            while len(values) < world_size - 1 and time.monotonic() < deadline:
+                try:
+                    rank, ok, value = results.get(timeout=1.0)
+                except queue.Empty:
+                    continue
+                assert ok, f"rank {rank} failed:\n{value}"
+                values[rank] = pickle.loads(value)
+            procs[-1].join(timeout=10)
+            return [values.get(r) for r in range(world_size - 1)], procs[-1].exitcode
+        finally:
+            stop(procs)
+
+
 def run_ranks(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S, backend: str = "gloo"
 ) -> List[Any]:
