@@ -120,7 +120,11 @@ def hang_message(
     failed = own["kind"] == "failed"
     where = f"{waiting_text(own)} at {place_text(own)}"
     lines = []
-    if unfinished:
+    # A dead process comes first: a survivor's unfinished backward may be its
+    # consequence (a ring of sends to the dead rank fails mid-backward).
+    if gone:
+        lines.append(_death_line(own, gone, True, failed, timeout_s, window_s))
+    elif unfinished:
         how = "whose wait failed" if failed else f"which waited {own['waited_s']:.1f} s"
         lines.append(
             f"DistributedDataParallel: {ranks_text(unfinished)} left parameters without a gradient in the backward "
@@ -141,17 +145,8 @@ def hang_message(
             "frozen part, an output left out of the loss), pass find_unused_parameters=True to "
             "DistributedDataParallel; otherwise make sure every parameter takes part in the loss on every rank."
         )
-    elif gone or (failed and unknown):
-        dead = gone or unknown
-        how = "died" if gone else "died or became unreachable"
-        wait = "failed" if failed else f"has lasted {own['waited_s']:.1f} s (hang_timeout_s={timeout_s:g})"
-        lines.append(
-            f"DistributedDataParallel: {ranks_text(dead)} {how} during training step {step}: on rank {rank} the "
-            f"wait for {where} {wait}, and {ranks_text(dead)} reported nothing through the store within "
-            f"{window_s:.1f} s{' (the process is gone)' if gone else ''}. Look at "
-            f"{'their' if len(dead) > 1 else 'its'} output for why (an exception, the out-of-memory killer, a lost "
-            f"host); the job cannot go on without {'them' if len(dead) > 1 else 'it'}: restart it from a checkpoint."
-        )
+    elif failed and unknown:
+        lines.append(_death_line(own, unknown, False, failed, timeout_s, window_s))
     elif left:
         how = "its wait failed" if failed else f"waited {own['waited_s']:.1f} s"
         lines.append(
@@ -204,6 +199,21 @@ def hang_message(
     for r in sorted(everyone):
         lines.append("  " + report_line(r, everyone[r], window_s, alive.get(r)))
     return "\n".join(lines)
+
+
+def _death_line(own: dict, dead: List[int], gone: bool, failed: bool, timeout_s: float, window_s: float) -> str:
+    """Ranks `dead` reported nothing; `gone`: their processes are proven gone."""
+    rank, step = own["rank"], step_of(own)
+    where = f"{waiting_text(own)} at {place_text(own)}"
+    how = "died" if gone else "died or became unreachable"
+    wait = "failed" if failed else f"has lasted {own['waited_s']:.1f} s (hang_timeout_s={timeout_s:g})"
+    return (
+        f"DistributedDataParallel: {ranks_text(dead)} {how} during training step {step}: on rank {rank} the "
+        f"wait for {where} {wait}, and {ranks_text(dead)} reported nothing through the store within "
+        f"{window_s:.1f} s{' (the process is gone)' if gone else ''}. Look at "
+        f"{'their' if len(dead) > 1 else 'its'} output for why (an exception, the out-of-memory killer, a lost "
+        f"host); the job cannot go on without {'them' if len(dead) > 1 else 'it'}: restart it from a checkpoint."
+    )
 
 
 def _same_wait(reports) -> bool:

@@ -1,7 +1,7 @@
-"""The text of a hang report when every rank reported and none is proven
-gone or finished (ddp_ext/_diagnosis/messages.py): ranks waiting for the
-same collective are in step and merely slow; ranks waiting for different
-ones ran different collectives."""
+"""The text of a hang report (ddp_ext/_diagnosis/messages.py): ranks
+waiting for the same collective are in step and merely slow; ranks waiting
+for different ones ran different collectives; a dead rank is named before
+what its death caused on the others."""
 
 from ddp_ext._diagnosis.messages import hang_message, proven
 
@@ -39,3 +39,20 @@ def test_a_rank_still_reporting_the_step_before_is_named_as_not_there_yet():
     assert "rank 0 last reported a wait in training step 3" in message, message
     assert "do not pair up" not in message and "slow rather than mismatched" not in message, message
     assert not proven(own, {0: stalled(0, bucket=0, step=3)})
+
+
+def test_a_dead_rank_is_named_before_a_survivor_whose_backward_it_cut_short():
+    # Rank 2 died mid-backward; rank 1, its neighbour on a ring of sends, failed
+    # in its own backward and reported parameters without a gradient. The
+    # death is the cause, so rank 0's message names rank 2 first.
+    own = dict(rank=0, kind="failed", step=2, waiting_for="bucket", bucket=1, error="connection closed",
+               waited_s=0.3)
+    cut_short = dict(rank=1, kind="unfinished", step=2, unready=["fc0.weight"], unready_buckets=[2],
+                     buckets_launched=2, buckets_total=3)
+    message = hang_message(own, {1: cut_short, 2: None}, timeout_s=60.0, window_s=1.0, alive={1: True, 2: False})
+    assert message.startswith("DistributedDataParallel: rank 2 died during training step 2: on rank 0"), message
+    assert "left parameters without a gradient" not in message, message
+    assert "rank 1: its backward of training step 2 ended with no gradient for fc0.weight" in message, message
+    # Without the death, the unfinished backward is what the message names.
+    message = hang_message(own, {1: cut_short}, timeout_s=60.0, window_s=1.0, alive={1: True})
+    assert message.startswith("DistributedDataParallel: rank 1 left parameters without a gradient"), message
