@@ -358,12 +358,12 @@ void bind_observation(ReducerClass& cls) {
           py::arg("step"))
       .def(
           "_set_reduce_scatter",
-          [](Reducer& r, py::function step) {
+          [](Reducer& r, py::function step, int64_t replicated_below) {
             Reducer::BucketStep call = shard_step(r.weak_from_this(), std::move(step));
             py::gil_scoped_release no_gil;
-            r.set_reduce_scatter(std::move(call));
+            r.set_reduce_scatter(std::move(call), replicated_below);
           },
-          py::arg("step"))
+          py::arg("step"), py::arg("replicated_below") = 0)
       // Per bucket: the bytes its memory holds now, and its shard's.
       .def("_bucket_memory", layout_reader([](const BucketLayout& l) {
         std::vector<std::pair<int64_t, int64_t>> bytes;

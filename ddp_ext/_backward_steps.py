@@ -13,7 +13,8 @@ import torch
 from ddp_ext import _forward_tail
 from ddp_ext._bound import Bound
 from ddp_ext._optimizer_overlap import OptimizerOverlap, hooked_step_refusal, shown_names
-from ddp_ext._sharded_optimizer import ShardedOptimizer, elementwise_refusal
+from ddp_ext._shard_admission import agreed_shard_min_bytes, elementwise_refusal
+from ddp_ext._sharded_optimizer import ShardedOptimizer
 
 
 def has_optimizers_in_backward(parameters) -> bool:
@@ -85,18 +86,26 @@ class BackwardSteps(Bound):
         self.overlap = OptimizerOverlap(self.reducer, optimizer, self.named, self._rank(), held)
         return self.overlap
 
-    def shard_optimizer(self, optimizer, refusal: str, device, overlap_forward: bool) -> ShardedOptimizer:
+    def shard_optimizer(self, optimizer, refusal: str, device, overlap_forward: bool,
+                        shard_min_bytes: int) -> ShardedOptimizer:
         """Installs the sharded optimizer (ddp_ext/_sharded_optimizer.py), after
         refusing on every rank alike what it cannot do exactly. `refusal`:
-        why the wrapper's settings cannot shard, if they cannot."""
+        why the wrapper's settings cannot shard, if they cannot; buckets of
+        fewer than `shard_min_bytes` bytes are replicated (Note [Replicated
+        small buckets] in reducer/transport/reduce_scatter.h)."""
         self.check("overlap_optimizer(shard=True)")
         why = elementwise_refusal(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else ""
         if why or refusal:
             raise ValueError(f"DistributedDataParallel.overlap_optimizer(..., shard=True) on rank {self._rank()} "
                              f"{why or refusal}")
+        why = agreed_shard_min_bytes(shard_min_bytes, self.process_group, device)  # a collective
+        if why:
+            raise ValueError(f"DistributedDataParallel.overlap_optimizer(..., shard=True) on rank {self._rank()} "
+                             f"{why}")
         self._check_optimizer(optimizer)
-        self.overlap = ShardedOptimizer(optimizer, self.named, self.process_group, device, bool(overlap_forward))
-        self.reducer._set_reduce_scatter(self.overlap.step_bucket)  # Note [Sharded buckets]
+        self.overlap = ShardedOptimizer(optimizer, self.named, self.process_group, device, bool(overlap_forward),
+                                        shard_min_bytes)
+        self.reducer._set_reduce_scatter(self.overlap.step_bucket, shard_min_bytes)  # Note [Sharded buckets]
         return self.overlap
 
     def check_regroup(self) -> None:

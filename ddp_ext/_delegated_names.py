@@ -15,7 +15,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel.distributed import DistributedDataParallel as TorchDistributedDataParallel
 from torch.nn.parallel.scatter_gather import gather as _gather, scatter_kwargs as _scatter_kwargs
 
-from ddp_ext import _forward_tail, _parameters, _pickling, _sharded_optimizer, hierarchy
+from ddp_ext import _forward_tail, _parameters, _pickling, _shard_admission, _sharded_optimizer, hierarchy
 from ddp_ext._buffer_sync import BROADCAST_CHUNK_BYTES
 from ddp_ext._comm_hooks import register_fused_optim
 from ddp_ext._delayed_all_reduce import DelayedAllReduce
@@ -186,7 +186,8 @@ class DelegatedNames:
 
     _optimizer_overlap = None  # an OptimizerOverlap once overlap_optimizer is called
 
-    def overlap_optimizer(self, optimizer: torch.optim.Optimizer, overlap_forward=False, shard: bool = False) -> None:
+    def overlap_optimizer(self, optimizer: torch.optim.Optimizer, overlap_forward=False, shard: bool = False,
+                          shard_min_bytes: int = _shard_admission.SHARD_MIN_BYTES) -> None:
         """ddp_ext only. From the next backward on, each bucket's parameters are
         stepped by `optimizer` as soon as the bucket is reduced, while later
         buckets are still being reduced; `optimizer.step()` then steps only
@@ -202,12 +203,16 @@ class DelegatedNames:
         parameters, and the optimizer's state exists for the shard only;
         with `overlap_forward=True` as well, the step returns without waiting
         for the all-gathers, and what reads a parameter (the next forward,
-        first layers first) waits for its bucket. See docs/SHARDING.md."""
+        first layers first) waits for its bucket. A bucket of fewer than
+        `shard_min_bytes` bytes (default 64 KiB; 0 shards every bucket) is
+        allreduced and stepped whole on every rank instead, its state
+        replicated. See docs/SHARDING.md."""
         if shard:
-            refusal = _sharded_optimizer.settings_refusal(
+            refusal = _shard_admission.settings_refusal(
                 self.module, self._backward_steps.named, [name for name, _ in self._hooks.registered],
                 self._layer_drop, overlap_forward, self.process_group)
-            sharded = self._backward_steps.shard_optimizer(optimizer, refusal, self._settings.device, overlap_forward)
+            sharded = self._backward_steps.shard_optimizer(optimizer, refusal, self._settings.device, overlap_forward,
+                                                           shard_min_bytes)
             self._optimizer_overlap = sharded
             return
         refusal = _forward_tail.refusal(self._module_parameters, self._settings.gradient_as_bucket_view,

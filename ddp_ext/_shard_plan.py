@@ -59,6 +59,20 @@ move: each is bumped as its bucket's all-gather is launched, and a graph
 that saved one still fails its check in backward, as after a plain step.
 What cannot be seen stays as with the copying path: another thread or C++
 code reading a parameter while its all-gather is on the wire.
+
+Note [Replicated plans]
+~~~~~~~~~~~~~~~~~~~~~~~
+A bucket the reducer allreduces whole (fewer bytes than shard_min_bytes, at
+two ranks or more: Note [Replicated small buckets] in
+reducer/transport/reduce_scatter.h) has a replicated plan: the rank's
+range is the whole bucket (S = L, no padding), its pieces are whole
+parameters, and every rank steps it and keeps its state whole. replicates()
+is the rule both sides apply to the bucket's byte size. What the ranks
+hand each other still follows the sharded ranges, which `span` gives for
+both kinds of plan: the re-cut of the state sends each element once
+(ddp_ext/_shard_recut.py), the sharded checkpoint saves rank r's range of
+a replicated bucket as of a sharded one (ddp_ext/_sharded_checkpoint.py),
+and clipping sums rank r's range only, so the norm is the sharded plan's.
 """
 
 from typing import List, Optional, Tuple
@@ -72,6 +86,12 @@ Placed = Tuple[int, int, int]
 # The scalar state of torch.optim's optimizers: told apart by name from a
 # 0-d parameter's elementwise state, which is 0-d too.
 SCALAR_STATE = ("step", "mu_product", "eta", "mu")
+
+
+def replicates(length: int, element_size: int, world_size: int, shard_min_bytes: int) -> bool:
+    """Whether a bucket of `length` elements is replicated (Note [Replicated
+    plans]); the reducer applies the same rule to the same bytes."""
+    return world_size > 1 and length * element_size < shard_min_bytes
 
 
 def holders(t: torch.Tensor) -> int:
@@ -115,13 +135,15 @@ class ShardPlan:
     """One bucket's shard on this rank: the range, the pieces, the buffers."""
 
     def __init__(self, layout: Tuple[Placed, ...], length: int, dtype: torch.dtype, device: torch.device,
-                 rank: int, world_size: int):
+                 rank: int, world_size: int, replicated: bool = False):
         self.layout = layout
         self.length = length
         self.world_size = world_size
-        self.shard = -(-length // world_size) if length else 0
-        self.lo = min(rank * self.shard, length)
-        self.hi = min((rank + 1) * self.shard, length)
+        self.replicated = replicated  # Note [Replicated plans]
+        self.cut = -(-length // world_size) if length else 0  # the sharded ranges' size
+        self.shard = length if replicated else self.cut
+        self.lo = 0 if replicated else min(rank * self.shard, length)
+        self.hi = length if replicated else min((rank + 1) * self.shard, length)
         # The reducer's shard of the bucket, the averaged gradient of the
         # range, from a synchronising backward to the step (else None).
         self.grad = None
@@ -165,7 +187,8 @@ class ShardPlan:
             for (_, offset, numel), p in zip(self.layout, members):
                 p.data = storage[offset:offset + numel].view(p.shape)
         self.storage = storage
-        self.params = storage[self.rank * self.shard:(self.rank + 1) * self.shard]
+        start = 0 if self.replicated else self.rank * self.shard  # its range of the padded storage
+        self.params = storage[start:start + self.shard]
         moved = self._recut()
         self.own_views = holders(storage) - len(members)
         return moved
@@ -185,11 +208,29 @@ class ShardPlan:
 
     @property
     def padded(self) -> int:
-        return self.shard * self.world_size
+        return self.length if self.replicated else self.shard * self.world_size
+
+    def sharded_range(self, rank: int) -> Tuple[int, int]:
+        """Rank `rank`'s range [lo, hi) of the bucket as a sharded plan cuts
+        it, replicated or not (Note [Replicated plans])."""
+        return min(rank * self.cut, self.length), min((rank + 1) * self.cut, self.length)
 
     def span(self, offset: int, numel: int, rank: int) -> Tuple[int, int]:
         """The elements [start, stop) of the parameter at `offset` (of `numel`
-        elements) that rank `rank` owns; start >= stop when it owns none."""
-        lo, hi = min(rank * self.shard, self.length), min((rank + 1) * self.shard, self.length)
+        elements) in rank `rank`'s sharded range; start >= stop when it has none."""
+        lo, hi = self.sharded_range(rank)
         return max(lo, offset) - offset, min(hi, offset + numel) - offset
+
+    def sharded_part(self, piece: "Piece") -> Tuple[int, int]:
+        """The elements of this rank's `piece`, as positions [start, stop) in
+        the bucket, that lie in its sharded range: the whole piece in a
+        sharded plan, in a replicated one what a sharded plan would give it."""
+        at = self.lo + piece.at
+        lo, hi = self.sharded_range(self.rank)
+        return max(at, lo), min(at + piece.stop - piece.start, hi)
+
+    def held(self, offset: int, numel: int, rank: int) -> Tuple[int, int]:
+        """The elements of that parameter whose state rank `rank` holds: all
+        of them in a replicated plan, else its span."""
+        return (0, numel) if self.replicated else self.span(offset, numel, rank)
 

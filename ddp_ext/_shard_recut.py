@@ -25,6 +25,11 @@ bucket's parameters for one key and its new range of them, received
 layouts, takes part in the same collectives in the same order. The elements
 are copied, never computed: the state is bitwise what it was.
 
+A replicated bucket (Note [Replicated plans] in ddp_ext/_shard_plan.py)
+sends as a sharded one would, each rank its sharded range, so each
+element goes once to each rank that needs it, and receives whole: every
+rank's new range of a replicated bucket is all of it.
+
 A parameter of an old bucket that no new bucket holds (its new bucket was
 not reduced at this step, as with skip_all_reduce_unused_params) is sent
 whole to every rank instead, and waits whole, as a loaded checkpoint's state
@@ -54,7 +59,7 @@ def recut(state: Dict[torch.Tensor, dict], old: List[ShardPlan], new: List[Shard
                                   for plan in old for index, offset, numel in plan.layout}
     kinds = _kinds(state, held, group)
     placed = {index for plan in new for index, _, _ in plan.layout}
-    moves = [[(index, [plan.span(offset, numel, r) for r in range(world_size)]) for index, offset, numel in plan.layout
+    moves = [[(index, [plan.held(offset, numel, r) for r in range(world_size)]) for index, offset, numel in plan.layout
               if index in kinds] for plan in new]
     orphans = sorted(index for index in was if index in kinds and index not in placed)
     moves.append([(index, [(0, params[index].numel())] * world_size) for index in orphans])
@@ -115,7 +120,8 @@ def _move(state, key: str, members: List[Tuple[int, List[Span]]], held: Dict[int
             mine = was[index][rank]
             lo, hi = _overlap(mine, into[to])
             if lo < hi:
-                parts.append(state[held[index].flat][key][lo - mine[0]:hi - mine[0]])
+                piece = held[index]  # the whole parameter, in a replicated plan
+                parts.append(state[piece.flat][key][lo - piece.start:hi - piece.start])
                 count += hi - lo
         send_counts.append(count)
     send = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)

@@ -21,6 +21,9 @@ Loading waits for the plans: load_sharded_optimizer_state_dict() reads the
 layout and the groups' values at once, and the ranges at the first
 optimizer.step(), when the plans say which piece of which parameter this
 rank steps (ShardedOptimizer._cut_loaded delegates to `PendingShards.cut`).
+A replicated bucket (Note [Replicated plans] in ddp_ext/_shard_plan.py) is
+saved as a sharded one is, rank r its range, and read whole: its pieces are
+whole parameters.
 Each piece is a range of its parameter in a saved bucket; DCP reads just
 those ranges (`_Ranges`, any number of chunks of one saved tensor). So the
 checkpoint loads at another world size or bucket_cap_mb, and before the
@@ -41,12 +44,6 @@ from torch.distributed.tensor import DTensor, Shard
 from ddp_ext._shard_plan import ShardPlan, elementwise_state
 
 Layout = Tuple[Tuple[str, int, int], ...]  # (parameter name, offset, numel) of each parameter of a bucket
-
-
-def _chunk(length: int, rank: int, world_size: int) -> Tuple[int, int]:
-    """The range rank `rank` owns of `length` elements (Note [Shard plan], and DTensor's Shard(0))."""
-    size = -(-length // world_size) if length else 0
-    return min(rank * size, length), min((rank + 1) * size, length)
 
 
 def _error(sharded, what: str) -> str:
@@ -75,16 +72,19 @@ def state_dict(sharded) -> Dict[str, object]:
                                                for group in sharded.optimizer.param_groups]}
     for b, plan in enumerate(plans):
         flats: Dict[str, torch.Tensor] = {}
+        lo, hi = plan.sharded_range(sharded.rank)  # replicated or not (Note [Shard plan], and DTensor's Shard(0))
         for piece in plan.pieces:
             name = sharded.names[id(sharded.params[piece.index])]
             state = sharded.state.get(piece.flat, {})
             if state:
                 out[f"keys.{name}"] = tuple(sorted(state))  # which state it has: zeros are not "none"
+            at = plan.lo + piece.at  # the piece's first element in the bucket
+            start, stop = plan.sharded_part(piece)
             for key, value in state.items():
                 if elementwise_state(key, value, piece.stop - piece.start):
-                    flat = flats.setdefault(key, torch.zeros(plan.hi - plan.lo, dtype=value.dtype,
-                                                             device=value.device))
-                    flat[piece.at:piece.at + piece.stop - piece.start].copy_(value)
+                    flat = flats.setdefault(key, torch.zeros(hi - lo, dtype=value.dtype, device=value.device))
+                    if start < stop:
+                        flat[start - lo:stop - lo].copy_(value[start - at:stop - at])
                 else:
                     out[f"param.{name}.{key}"] = value
         for key, flat in flats.items():

@@ -21,7 +21,8 @@ DDP (over Gloo at any world size; over NCCL at 2 ranks, below) because:
    ranks is a sum of two, the same in any order, and at more may add in
    another order than the allreduce (the last bits may differ).
  - the step: the optimizers admitted update each element from its own
-   gradient and state alone (Note [Elementwise optimizers]), so stepping a
+   gradient and state alone (Note [Elementwise optimizers] in
+   ddp_ext/_shard_admission.py), so stepping a
    piece of a parameter gives the bits the whole parameter's step gives to
    those elements; torch.optim's kernels give the same bits for a slice at
    any offset (tests/sharding checks them against plain steps).
@@ -76,7 +77,7 @@ from ddp_ext._gradient_edits import GradientEdits
 from ddp_ext._optimizer_overlap import (_called_by_grad_scaler, _unhooked_step, _view, hooked_step_refusal,
                                         shown_names)
 from ddp_ext._shard_gradient import ShardGradient, drop_zeroed
-from ddp_ext._shard_plan import SCALAR_STATE, ShardPlan
+from ddp_ext._shard_plan import SCALAR_STATE, ShardPlan, replicates
 from ddp_ext._shard_recut import recut
 
 # torch 2.13 renamed all_gather_into_tensor (the old name warns).
@@ -122,36 +123,6 @@ def step_groups(plans: List[ShardPlan]) -> List[List[ShardPlan]]:
     return groups
 
 
-# Note [Elementwise optimizers]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Sharding is exact for an optimizer whose update of each element depends
-# only on that element's gradient and state, and on scalars the same for
-# every element (the group's values, a step count). torch.optim's below
-# are (foreach, fused or not). An optimizer of the user's own is admitted
-# when its class says so: `ddp_ext_elementwise = True`.
-ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad,
-               torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax, torch.optim.Adadelta)
-_MIXING = {
-    "LBFGS": "its step needs a closure and mixes every parameter's gradient in one line search",
-    "SparseAdam": "it steps sparse gradients, which the buckets do not reduce-scatter",
-    "Adafactor": "it factors the second moment of a matrix into its rows' and columns' means, which look across "
-                 "the whole parameter",
-}
-
-
-def elementwise_refusal(optimizer) -> str:
-    """Why `optimizer` cannot be sharded exactly, or ''."""
-    cls = type(optimizer)
-    if cls in ELEMENTWISE or getattr(cls, "ddp_ext_elementwise", False) is True:
-        return ""
-    reason = _MIXING.get(cls.__name__)
-    if reason:
-        return f"cannot shard {cls.__qualname__}: {reason}, so a rank holding part of a parameter cannot step it."
-    return (f"cannot shard {cls.__qualname__}: only optimizers that update each element from its own gradient and "
-            "state can be stepped by pieces (torch.optim's SGD, Adam, AdamW, RMSprop, Adagrad, NAdam, RAdam, Adamax, "
-            "Adadelta). If yours does, set `ddp_ext_elementwise = True` on its class.")
-
-
 class ShardedOptimizer:
     """One wrapper's sharded optimizer: what the reducer's reduce-scatter hands
     over (step_bucket), the shard plans, the inner state, and the step. Holds
@@ -164,8 +135,9 @@ class ShardedOptimizer:
         return (type(None), ())
 
     def __init__(self, optimizer, named: List[Tuple[str, torch.Tensor]], group, device,
-                 overlap_forward: bool = False):
+                 overlap_forward: bool = False, shard_min_bytes: int = 0):
         self.optimizer = optimizer
+        self.shard_min_bytes = shard_min_bytes  # smaller buckets are replicated: Note [Replicated plans]
         self.group = group
         self.rank = group.rank()
         self.world_size = group.size()
@@ -244,9 +216,14 @@ class ShardedOptimizer:
         layout = tuple(zip(members, offsets, lengths))
         plan = self.plans.get(layout)
         if plan is None:
-            plan = ShardPlan(layout, length, shard.dtype, shard.device, self.rank, self.world_size)
+            replicated = replicates(length, shard.element_size(), self.world_size, self.shard_min_bytes)
+            plan = ShardPlan(layout, length, shard.dtype, shard.device, self.rank, self.world_size, replicated)
             self.plans[layout] = plan
             self.gather_buffers = {}  # sized for the old buckets (none is in use in a backward)
+        if shard.numel() != plan.shard:
+            raise RuntimeError(self._error(
+                f"received a shard of {shard.numel()} elements for a bucket of {length} elements whose plan holds "
+                f"{plan.shard}: the reducer and the optimizer disagree on shard_min_bytes."))
         plan.grad = shard
         self.reduced[layout] = plan
         self.used.update(used)
@@ -352,7 +329,7 @@ class ShardedOptimizer:
         tail and buckets `settled` (laid out as at the last step), returns
         with them on the wire (Note [Gathering behind the next forward] in
         ddp_ext/_gather_tail.py)."""
-        largest = max((p.padded for p in plans if p.storage is None), default=0)
+        largest = max((p.padded for p in plans if p.storage is None and not p.replicated), default=0)
         if not largest:
             self.gather_buffers = {}  # every bucket in place: none is needed (none is in use between steps)
         launched: List[int] = []  # keys not yet written, oldest first
@@ -364,6 +341,10 @@ class ShardedOptimizer:
                 # Changed as a plain step changes them: a graph that saved one fails its check in backward,
                 # though they are written later (behind the next forward) or through views of the storage.
                 torch.autograd.graph.increment_version([self.params[index] for index, _, _ in plan.layout])
+                if plan.replicated:  # stepped whole on every rank: nothing to gather (Note [Replicated plans])
+                    if plan.storage is None:
+                        self._write(plan, plan.params)
+                    continue
                 if plan.storage is not None:
                     full, work = None, _all_gather(plan.storage, plan.params, group=self.group, async_op=True)
                 else:
@@ -404,6 +385,10 @@ class ShardedOptimizer:
         work.wait()
         if full is None:
             return  # in place: the parameters are written
+        self._write(plan, full)
+
+    def _write(self, plan: ShardPlan, full: torch.Tensor) -> None:
+        """Writes the bucket's parameters from `full`, laid out as the bucket."""
         with torch.no_grad():
             for index, offset, numel in plan.layout:
                 self.params[index].view(-1).copy_(full[offset:offset + numel])
@@ -418,7 +403,10 @@ class ShardedOptimizer:
     # its pieces in float64, one all-reduce adds the ranks' sums (a max for
     # p = inf), and the root is cast to the gradients' dtype: the same
     # formula, summed in another order, so the norm (and the clipped
-    # gradients) may differ from torch's in the last bits. Every rank gets
+    # gradients) may differ from torch's in the last bits. A replicated
+    # bucket (Note [Replicated plans] in ddp_ext/_shard_plan.py) counts
+    # once: each rank sums the range a sharded plan would give it, the same
+    # slices of the same bits, so the norm is bitwise the sharded one. Every rank gets
     # the same norm, so the parameters stay identical on every rank. The
     # clipped pieces are remembered as the gradients the step may use (Note
     # [Gradients after a sharded backward]).
@@ -440,7 +428,7 @@ class ShardedOptimizer:
         if not grads:
             return torch.tensor(0.0)
         local = torch.zeros((), dtype=torch.float64, device=self.device)
-        for g in grads:
+        for g in self._counted():
             if g.numel():
                 if math.isinf(norm_type):
                     local = torch.maximum(local, g.detach().abs().max().to(torch.float64))
@@ -460,6 +448,17 @@ class ShardedOptimizer:
             torch._foreach_mul_(grads, coefficient)
         self.clipped = True
         return total
+
+    def _counted(self) -> List[torch.Tensor]:
+        """The gradients this rank counts in the norm: its pieces', and of a
+        replicated bucket its sharded range's only (each element once across ranks)."""
+        counted = []
+        for plan in self.reduced.values():
+            for piece in plan.pieces:
+                start, stop = plan.sharded_part(piece)
+                if piece.index in self.used and start < stop:
+                    counted.append(plan.grad[start - plan.lo:stop - plan.lo])
+        return counted
 
     # --- the state: sharded inside, unsharded outside ---------------------------
 
@@ -508,11 +507,15 @@ class ShardedOptimizer:
 
     def _gathered(self) -> Dict[int, dict]:
         """Every parameter's unsharded state, by reducer index (a collective)."""
-        mine = {}
+        mine, whole = {}, {}
         for plan in self.plans.values():
             for piece in plan.pieces:
                 state = self.state.get(piece.flat)
-                if state:
+                if state and plan.replicated:  # whole on every rank: nothing to gather
+                    p = self.params[piece.index]
+                    whole[piece.index] = {k: _joined([v.detach().cpu() if isinstance(v, torch.Tensor) else v], p)
+                                          for k, v in state.items()}
+                elif state:
                     mine[piece.key] = {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
                                        for k, v in state.items()}
         every = [None] * self.world_size
@@ -521,7 +524,6 @@ class ShardedOptimizer:
         for rank_pieces in every:
             for (index, start, _), state in rank_pieces.items():
                 pieces.setdefault(index, []).append((start, state))
-        whole = {}
         for index, found in pieces.items():
             found.sort(key=lambda pair: pair[0])
             p = self.params[index]
@@ -575,40 +577,3 @@ def _joined(values: list, p: torch.Tensor):
     if isinstance(first, torch.Tensor) and first.dim() > 0:
         return torch.cat([v.reshape(-1) for v in values]).view(p.shape)
     return first
-
-
-def settings_refusal(module, named, hooks: List[str], layer_drop: bool, overlap_forward, group) -> str:
-    """Why this wrapper cannot shard its optimizer, or '' (the same on every
-    rank: it reads settings every rank shares)."""
-    if overlap_forward not in (True, False, None):
-        return (f"takes overlap_forward=True or False (got {overlap_forward!r}): the all-gathers of every bucket "
-                "go behind the next forward, there is no fraction to hold.")
-    if overlap_forward:
-        devices = sorted({p.device.type for _, p in named})
-        if devices != ["cpu"]:
-            return (f"overlaps the all-gathers with the next forward for a module on the CPU only (this one is on "
-                    f"{devices}): use overlap_forward=False.")
-    if hooks:
-        return (f"cannot shard with a communication hook registered ({'; '.join(hooks)}): the sharded optimizer "
-                "reduce-scatters each bucket itself. Use one or the other.")
-    if layer_drop:
-        return ("cannot shard with layer dropping (ddp_ext.LayerDrop): a dropped layer's bucket is not reduced, "
-                "so its shard would not be stepped. Use one or the other.")
-    backend = None
-    try:
-        backend = dist.get_backend(group)
-    except (RuntimeError, ValueError):
-        pass
-    if backend not in ("gloo", "nccl"):
-        return (f"needs a Gloo or NCCL process group (got {type(group).__name__}, backend {backend}): the shards "
-                "are reduce-scattered and all-gathered with reduce_scatter_tensor and all_gather_into_tensor, "
-                "which the MPI and round-robin groups do not offer.")
-    sparse = [name for name, m in module.named_modules() if getattr(m, "sparse", False) is True]
-    if sparse:
-        return (f"cannot shard sparse gradients ({shown_names(sparse)} set sparse=True): only dense buckets are "
-                "reduce-scattered. Use dense gradients.")
-    strided = [name for name, p in named if not p.is_contiguous()]
-    if strided:
-        return (f"cannot shard non-contiguous parameters ({shown_names(strided)}): the shards are ranges of each "
-                "parameter's elements in memory order. Make them contiguous (e.g. .contiguous() before wrapping).")
-    return ""

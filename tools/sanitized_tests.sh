@@ -20,7 +20,8 @@ TESTS=(reducer/test_unused_parameters.py reducer/test_static_graph.py reducer/te
        fault_tolerance/test_faults.py diagnosis/test_out_of_step.py reducer/test_gradient_order.py
        reducer/test_rebuild_buckets.py reducer/test_rebuild_buckets_contract.py reducer/test_layer_drop.py
        hooks/test_adaptive_precision.py reducer/test_auto_buckets.py
-       sharding/test_ring_reduce_scatter.py sharding/test_ring_order.py)
+       sharding/test_ring_reduce_scatter.py sharding/test_ring_order.py
+       sharding/test_step_check_on_replicated_bucket0.py)
 TESTS+=($(cd "$ROOT/tests" && ls process_groups/test_round_robin_*.py))
 
 # gcc's runtimes; -print-file-name echoes the bare name when it has none.

@@ -147,14 +147,69 @@ namespace ddp_ext::reducer {
 //     chunk (Note [Gloo's ring chunks] in reducer/agreement/ring_chunks.h).
 //     The unused room holds zeros, whose sums stay zeros.
 //  4. Elsewhere (a hook registered before the first forward, layer
-//     dropping, Join, buffers broadcast, NCCL, reduced precision) the
-//     separate check of Note [Ranks out of step] runs, on every rank
-//     alike.
+//     dropping, Join, buffers broadcast, NCCL, reduced precision, a
+//     sharded bucket 0) the separate check of Note [Ranks out of step]
+//     runs, on every rank alike. With the optimizer sharded and bucket 0
+//     replicated the check rides: Note [The step check on a replicated
+//     bucket 0].
 // The cost: bucket 0 is copied into the buffer before its allreduce and
 // back after it (memory bandwidth, on the CPU), and at three ranks or more
 // the carrier holds a few elements per ring segment of padding besides
 // bucket 0 and the tail, instead of one more latency-bound collective per
 // iteration (docs/BENCHMARKS.md gives what each costs).
+
+// Note [The step check on a replicated bucket 0]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// With the optimizer sharded (Note [Sharded buckets] in
+// reducer/transport/reduce_scatter.h) the transport runs no hook but
+// answers runs_hook() as one does, so the check ran on its own. Where
+// bucket 0 is replicated (Note [Replicated small buckets]) it is
+// allreduced by the transport the reducer uses without sharding,
+// CarrierWithStepCheck over Gloo, and the check rides on it exactly as in
+// Note [The step check on bucket 0] (BucketTransport::carries_step_check):
+// a model whose buckets are all replicated runs one collective per
+// backward, as torch's DDP does. Where bucket 0 is sharded nothing changes.
+// Points 1 to 4 still hold:
+//  - The same decision on every rank. Whether bucket 0 is replicated is
+//    ReduceScatter::replicates() of bucket 0's byte size, the world size
+//    and shard_min_bytes: the layout is agreed (Note [Agreeing on the
+//    bucket layout] in reducer/layout/bucket_layout.h, a rebuild applied on
+//    every rank at the same backward), shard_min_bytes is agreed before
+//    the reduce-scatter is set (agreed_shard_min_bytes in
+//    ddp_ext/_sharded_optimizer.py), and the reducer asks it afresh at every
+//    backward. The other conditions of point 1 are as without sharding;
+//    hooks and Join are refused with sharding, so no hook can be
+//    registered late.
+//  - Bucket 0 is launched first in every synchronising backward (index
+//    order; a sharded backward skips no bucket), so the check is still the
+//    first collective a backward issues: the separate check and bucket 0's
+//    allreduce, the first two collectives of each backward, become one. The
+//    step's all-gathers (Gloo collectives launched from Python after the
+//    backward, or behind the next forward, always before the next backward
+//    begins) and the other buckets' reduce-scatters keep their places
+//    around it.
+//  - What the rest can pair with when ranks are out of step. Every rank's
+//    iteration is the same sequence (the agreed layout and shard_min_bytes
+//    fix which buckets are reduce-scattered and all-gathered), so a rank
+//    that skipped a backward, or ran one more, pairs each backward's first
+//    collective with a peer's first collective of a backward, a carrier
+//    with a carrier, as the separate check paired with a separate check;
+//    the remaining buckets then meet buckets of the same index, as they did.
+//    A sharded bucket's reduce-scatter at three ranks or more is a ring of
+//    point-to-point sends, which Gloo pairs by peer and tag apart from
+//    collectives, so it can meet no check, carried or not. At two ranks it
+//    is an all-to-all, a collective: it can meet, at the same position, a
+//    peer's collective of that position, as before; the step's all-gathers
+//    likewise. What a check can meet is thus what it met before, less the
+//    separate bucket 0 allreduce, which no longer exists. NCCL's
+//    reduce_scatter never meets a carrier: over NCCL the check is separate.
+//  - Exact sums and gradients: bucket 0's allreduce is the carrier's of
+//    point 3 (the replicated bucket's bits are those of torch's DDP), and
+//    its shard is then copied out of the unpacked bucket.
+// The carrier of bucket 0 is finished with the check at the end of the
+// backward (PeerStepCheck::await_backward), not when later buckets wait
+// for room among the buckets in flight, so it may stay in memory a little
+// longer: fewer than shard_min_bytes.
 
 // See Note [The step check on bucket 0]: whether a reducer's step checks
 // ride on (or are shaped like) its bucket 0 `first`, over `group`.

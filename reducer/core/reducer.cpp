@@ -220,7 +220,7 @@ void Reducer::start_reducing() {
   reported_unfinished_ = false;
   const int64_t order_vote = layout_.cast_vote();
   const bool checked = step_check_->launch_backward(
-      layout_.buckets().front(), needs_own_step_check(), transport_->runs_hook(),
+      layout_.buckets().front(), needs_own_step_check(), *transport_,
       transport_context(), [&] {
         StepEntry entry = StepCheck::backward_entry(training_steps_);
         entry.rider = order_vote;

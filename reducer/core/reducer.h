@@ -138,7 +138,7 @@ class Reducer : public std::enable_shared_from_this<Reducer>, private LockWindow
   // reduce-scattered buckets (Note [Sharded buckets]); the forward's share.
   using BucketStep = reducer::BucketStep;
   void set_bucket_step(BucketStep step);
-  void set_reduce_scatter(BucketStep step);
+  void set_reduce_scatter(BucketStep step, int64_t replicated_below = 0);
   void set_forward_tail(double fraction);
   std::vector<std::pair<size_t, std::vector<size_t>>> deferred_buckets() const;
   void finish_deferred(size_t bucket_index);

@@ -12,7 +12,7 @@
 
 namespace ddp_ext::reducer {
 
-void Reducer::set_reduce_scatter(BucketStep step) {
+void Reducer::set_reduce_scatter(BucketStep step, int64_t replicated_below) {
   std::unique_ptr<EndOfBackward> previous; // released after the lock: it may hold Python objects
   const auto lock = lock_state(Access::kChange);
   const int rank = process_group_->getRank();
@@ -27,7 +27,10 @@ void Reducer::set_reduce_scatter(BucketStep step) {
           std::none_of(sparse_gradients_.begin(), sparse_gradients_.end(), [](bool s) { return s; }),
       "DistributedDataParallel on rank ", rank,
       " reduce-scatters dense buckets of the parameters' dtype only, without layer dropping");
-  transport_ = std::make_shared<ReduceScatter>();
+  TORCH_CHECK(replicated_below >= 0, "replicated_below is a number of bytes >= 0, got ", replicated_below);
+  // Note [Replicated small buckets]: replicated buckets travel as without sharding.
+  transport_ =
+      std::make_shared<ReduceScatter>(replicated_below, step_check_->transport_without_hook());
   gradients_stay_local_ = stays_local();
   layout_.separate_buckets();
   previous = std::exchange(end_of_backward_, std::make_unique<KeepShards>(std::move(step)));

@@ -14,6 +14,8 @@ void Reducer::reset_step_check() {
   step_check_ = step_check_policy(*process_group_, params_.front().device());
   if (!transport_->runs_hook()) { // See Note [Bucket transports].
     transport_ = step_check_->transport_without_hook();
+  } else {
+    transport_->step_check_replaced(step_check_->transport_without_hook());
   }
 }
 
@@ -45,10 +47,12 @@ void Reducer::raise_if_out_of_step() {
 
 bool Reducer::needs_own_step_check() const {
   // A hook registered late counts as none until a check confirmed it. The
-  // same on every rank.
+  // same on every rank, as is whether bucket 0 is replicated under sharding
+  // (Note [The step check on a replicated bucket 0]).
   return options_.buffers_broadcast || drops_layers_ ||
       options_.skip_all_reduce_unused_params || averaging_.under_join() ||
-      (transport_->runs_hook() && !hook_unconfirmed_);
+      (!transport_->carries_step_check(layout_.buckets().front(), process_group_->getSize()) &&
+       !hook_unconfirmed_);
 }
 
 void Reducer::check_step_before_forward_collectives() {

@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
 #include <cstddef>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -54,7 +55,9 @@ namespace ddp_ext::reducer {
 //    undivided (hooks, which divide as they please).
 //  - runs_hook(): a hook must see every bucket, so a world of one rank
 //    still copies and launches (Note [A world of one rank]), no bucket is
-//    left on the wire, and the step check does not ride on bucket 0.
+//    left on the wire, and the step check does not ride on bucket 0
+//    unless carries_step_check() says it does (a replicated bucket 0, Note
+//    [Replicated small buckets]).
 //  - reduce_for_joined(): what a rank that ran out of data (Join) runs to
 //    shadow a peer's bucket: the same collective over zeros.
 // The reducer decides when buckets launch (index order, the same on every
@@ -115,6 +118,16 @@ class BucketTransport {
   virtual bool averages_while_copying() const = 0;
   virtual bool runs_hook() const = 0;
   virtual bool keeps_per_bucket_state() const = 0;
+  // Whether bucket 0 `first`, over `ranks` ranks, travels by an allreduce
+  // that may carry the backward's step check (Note [The step check on
+  // bucket 0]): wherever no hook runs.
+  virtual bool carries_step_check(const Bucket& /*first*/, int64_t /*ranks*/) const {
+    return !runs_hook();
+  }
+  // The reducer replaced its step check (a new process group): `unhooked`
+  // is the new policy's transport_without_hook(), for a transport that
+  // sends some buckets by it (Note [Replicated small buckets]).
+  virtual void step_check_replaced(std::shared_ptr<BucketTransport> /*unhooked*/) {}
 
   // Reduces `bucket` for a rank that shadows its peers (Join); called
   // without the reducer's lock.

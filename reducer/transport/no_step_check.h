@@ -12,7 +12,7 @@ class NoStepCheck final : public StepCheckPolicy {
     return std::make_shared<Allreduce>();
   }
   bool launch_backward(
-      const Bucket&, bool, bool, const TransportContext&,
+      const Bucket&, bool, const BucketTransport&, const TransportContext&,
       c10::function_ref<StepEntry()>) override {
     return false;
   }

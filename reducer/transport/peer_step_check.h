@@ -16,8 +16,8 @@ class PeerStepCheck final : public StepCheckPolicy {
   // CarrierWithStepCheck, which carries this policy's check on bucket 0.
   std::shared_ptr<BucketTransport> transport_without_hook() override;
   bool launch_backward(
-      const Bucket& first, bool own_check, bool runs_hook, const TransportContext& context,
-      c10::function_ref<StepEntry()> entry) override;
+      const Bucket& first, bool own_check, const BucketTransport& transport,
+      const TransportContext& context, c10::function_ref<StepEntry()> entry) override;
   bool launched() const override {
     return check_.launched();
   }

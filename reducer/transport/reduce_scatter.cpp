@@ -17,29 +17,26 @@ namespace ddp_ext::reducer {
 
 namespace {
 
-// Copies this rank's range of an allreduced bucket into its shard (zeros
-// past the bucket's end).
-void copy_range(Bucket& bucket, int64_t rank) {
+// Copies an allreduced bucket into its shard, which is the whole bucket
+// (alone, or replicated).
+void copy_whole(Bucket& bucket) {
   at::NoGradGuard no_grad;
-  const int64_t length = bucket.flat.numel();
-  const int64_t shard = bucket.shard.numel();
-  const int64_t lo = std::min(rank * shard, length);
-  const int64_t hi = std::min(lo + shard, length);
-  bucket.shard.narrow(0, 0, hi - lo).copy_(bucket.flat.narrow(0, lo, hi - lo));
-  if (hi - lo < shard) {
-    bucket.shard.narrow(0, hi - lo, shard - (hi - lo)).zero_();
-  }
+  TORCH_INTERNAL_ASSERT(bucket.shard.numel() == bucket.flat.numel());
+  bucket.shard.copy_(bucket.flat);
 }
 
 } // namespace
 
 void ReduceScatter::complete(InFlight& entry, const TransportContext& context) {
   Bucket& bucket = *entry.bucket;
-  if (bucket.work) {
+  if (bucket.work && entry.replicated) {
+    replicated_->finish(entry.index, bucket, context); // unpacks a step check it carried
+    copy_whole(bucket);
+  } else if (bucket.work) {
     await_work(*bucket.work, entry.index, context);
     bucket.work.reset();
     if (entry.in_place) {
-      copy_range(bucket, context.group.getRank());
+      copy_whole(bucket);
     } else if (entry.received.defined()) {
       ring_order_sum(
           entry.received, bucket.flat.numel(), context.group.getRank(), context.group.getSize(),
@@ -61,11 +58,12 @@ void ReduceScatter::record(
 }
 
 void ReduceScatter::launch(
-    size_t index, size_t /*count*/, Bucket& bucket, const TransportContext& context,
+    size_t index, size_t count, Bucket& bucket, const TransportContext& context,
     TimelineRange& range) {
   TORCH_CHECK(!bucket.sparse, "a sparse bucket cannot be reduce-scattered");
-  if (!in_flight_.empty() && index <= in_flight_.back().index) {
+  if ((!in_flight_.empty() && index <= in_flight_.back().index) || index == 0) {
     in_flight_.clear(); // a new backward: the last one's entries are finished or dropped
+    first_.reset();
   }
   while (in_flight_.size() >= kInFlight) {
     InFlight oldest = std::move(in_flight_.front());
@@ -74,13 +72,24 @@ void ReduceScatter::launch(
   }
   const int64_t ranks = context.group.getSize();
   const int64_t length = bucket.flat.numel();
-  const int64_t shard = (length + ranks - 1) / ranks;
+  const bool replicated = replicates(bucket, ranks);
+  const int64_t shard = replicated ? length : (length + ranks - 1) / ranks;
   if (!bucket.shard.defined() || bucket.shard.numel() != shard) {
     bucket.shard = at::empty({shard}, bucket.flat.options());
   }
   // The gradients are in the bucket now: autograd's own .grad goes.
   for (const at::Tensor& param : bucket.params) {
     param.mutable_grad().reset();
+  }
+  if (replicated) { // Note [Replicated small buckets]
+    replicated_->launch(index, count, bucket, context, range); // bucket 0 may carry the step check
+    InFlight entry{index, &bucket, at::Tensor(), at::Tensor(), /*in_place=*/true, /*replicated=*/true};
+    if (index == 0) {
+      first_ = std::move(entry); // finished with the step check, at the end of the backward
+    } else {
+      in_flight_.push_back(std::move(entry));
+    }
+    return;
   }
   const auto backend = context.group.getBackend(bucket.flat.device().type());
   if (backend->getBackendName() == "gloo") {
@@ -129,6 +138,12 @@ void ReduceScatter::launch(
 }
 
 void ReduceScatter::finish(size_t index, Bucket& bucket, const TransportContext& context) {
+  if (first_ && first_->index == index && first_->bucket == &bucket) {
+    InFlight entry = std::move(*first_);
+    first_.reset();
+    complete(entry, context);
+    return;
+  }
   for (auto it = in_flight_.begin(); it != in_flight_.end(); ++it) {
     if (it->index == index && it->bucket == &bucket) {
       InFlight entry = std::move(*it);

@@ -22,13 +22,13 @@ std::shared_ptr<BucketTransport> PeerStepCheck::transport_without_hook() {
 }
 
 bool PeerStepCheck::launch_backward(
-    const Bucket& first, bool own_check, bool runs_hook, const TransportContext& context,
-    c10::function_ref<StepEntry()> entry) {
+    const Bucket& first, bool own_check, const BucketTransport& transport,
+    const TransportContext& context, c10::function_ref<StepEntry()> entry) {
   // See Note [The step check on bucket 0].
   if (!rides_on_bucket0(first, context.group, own_check)) {
     check_.launch_backward(context.group, entry());
     context.observers.notify(&ReducerObserver::on_step_check_launched);
-  } else if (!runs_hook) {
+  } else if (transport.carries_step_check(first, context.group.getSize())) {
     // See Note [The step check on bucket 0]: launched with bucket 0.
     check_.ride_on_bucket0(entry(), first.flat.scalar_type());
   } else {

@@ -41,10 +41,11 @@ class StepCheckPolicy {
 
   // At the start of a synchronising backward, whose bucket 0 is `first`:
   // starts its check with this rank's `entry()`. `own_check`: see
-  // rides_on_bucket0. Returns whether a check started.
+  // rides_on_bucket0; `transport`: the reducer's, which says whether bucket
+  // 0 carries the check (carries_step_check). Returns whether a check started.
   virtual bool launch_backward(
-      const Bucket& first, bool own_check, bool runs_hook, const TransportContext& context,
-      c10::function_ref<StepEntry()> entry) = 0;
+      const Bucket& first, bool own_check, const BucketTransport& transport,
+      const TransportContext& context, c10::function_ref<StepEntry()> entry) = 0;
   // Whether a backward's check is in flight (or rides on bucket 0, unread).
   virtual bool launched() const = 0;
   // Waits for the backward's check (finishing bucket 0 through `transport`

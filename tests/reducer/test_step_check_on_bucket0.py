@@ -233,20 +233,26 @@ OUT_OF_STEP_TABLE = CaseTable(skip_a_backward, OUT_OF_STEP, timeout=180.0, isola
 @pytest.mark.parametrize("c", OUT_OF_STEP, ids=lambda c: c.id)
 def test_ranks_out_of_step_are_caught_on_bucket0(c, world_size):
     results = OUT_OF_STEP_TABLE.results(world_size, c)
-    messages = [r["outcome"][-1] for r in results]
-    odd = world_size - 1
+    assert_caught_out_of_step(results, world_size)
     for rank, r in enumerate(results):
-        message = messages[rank]
-        assert message not in (None, "skipped"), f"rank {rank} trained on out of step: {r['outcome']}"
-        assert "out of step" in message and f"this is rank {rank})" in message, message
-        in_step = "rank 0" if world_size == 2 else "ranks 0, 1"
-        # The in-step ranks' backward of step 2 met the odd rank's of step 3.
-        assert f"{in_step} in the backward of training step 2; rank {odd} in the backward of training step 3" in message
         # Caught by the bucket 0 that carried the check: no collective of its own.
         carried = carried_numel(r["first_bucket"], world_size, 8 if c.id == "float64" else 4)
         assert r["shapes"] and [[carried]] in r["shapes"], f"rank {rank}: {r['shapes']}"
         assert [[check_numel(world_size)]] not in r["shapes"], f"rank {rank}: {r['shapes']}"
-    # The same text on every rank, but for "this is rank r".
+
+
+def assert_caught_out_of_step(results, world_size: int) -> None:
+    """Every rank raised the same out-of-step message (but for "this is rank
+    r"): the last rank skipped the backward of training step 2, so the
+    others' backward of step 2 met its backward of step 3."""
+    messages = [r["outcome"][-1] for r in results]
+    odd = world_size - 1
+    in_step = "rank 0" if world_size == 2 else "ranks 0, 1"
+    for rank, r in enumerate(results):
+        message = messages[rank]
+        assert message not in (None, "skipped"), f"rank {rank} trained on out of step: {r['outcome']}"
+        assert "out of step" in message and f"this is rank {rank})" in message, message
+        assert f"{in_step} in the backward of training step 2; rank {odd} in the backward of training step 3" in message
     assert len({m.replace(f"this is rank {r})", "") for r, m in enumerate(messages)}) == 1, messages
 
 

@@ -46,6 +46,7 @@ class Run:
     between_steps: bool = False  # EMA, deepcopy, torch.save and an eval forward after each step
     clip: float = 0.0  # clip_grad_norm_(clip) before each step
     freeze_first: bool = False  # the first layer's weight frozen (requires_grad=False, kept in the optimizer)
+    shard_min_bytes: int = 0  # 0: every bucket sharded; above, the smaller buckets replicated
 
     @property
     def id(self) -> str:
@@ -57,6 +58,8 @@ class Run:
             parts.append(f"micro{self.micro_batches}")
         if self.clip:
             parts.append(f"clip{self.clip}")
+        if self.shard_min_bytes:
+            parts.append(f"replicated<{self.shard_min_bytes}")
         return "-".join(parts)
 
 
@@ -80,9 +83,9 @@ def wrapped(r: Run, kind: str, seed: int = models.MODEL_SEED):
         ddp = ddp_ext.DistributedDataParallel(module, **dict(r.ddp))
     optimizer = optimizer_of(r.optimizer, module)
     if kind == "sharded":
-        ddp.overlap_optimizer(optimizer, shard=True)
+        ddp.overlap_optimizer(optimizer, shard=True, shard_min_bytes=r.shard_min_bytes)
     if kind == "overlapped":
-        ddp.overlap_optimizer(optimizer, shard=True, overlap_forward=True)
+        ddp.overlap_optimizer(optimizer, shard=True, shard_min_bytes=r.shard_min_bytes, overlap_forward=True)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5) if r.scheduler else None
     return module, ddp, optimizer, scheduler
 

@@ -148,7 +148,7 @@ def _edge_run(rank, case):
         if kind == "ddp_ext":
             # Two views of one tensor share its version counter: a bucket written
             # in the forward (the copying path's overlap) would fail the other's saved check.
-            ddp.overlap_optimizer(optimizer, shard=True, overlap_forward=case != "shared")
+            ddp.overlap_optimizer(optimizer, shard=True, shard_min_bytes=0, overlap_forward=case != "shared")
         for step in range(STEPS + 2):
             g = torch.Generator().manual_seed(100 * step + rank)
             x, y = torch.randn(8, 4, generator=g), torch.randn(8, 4, generator=g)

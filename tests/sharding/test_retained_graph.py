@@ -32,7 +32,7 @@ def _job(rank, world_size, path):
             ddp = ddp_ext.DistributedDataParallel(module, bucket_cap_mb=0.0002)
         optimizer = torch.optim.Adam(module.parameters(), lr=0.01)
         if kind == "ddp_ext":
-            ddp.overlap_optimizer(optimizer, shard=True, overlap_forward=path != "waited")
+            ddp.overlap_optimizer(optimizer, shard=True, shard_min_bytes=0, overlap_forward=path != "waited")
             if path == "copying":
                 ddp._optimizer_overlap.storage.in_place = False
         for step in range(SETTLED + 1):

@@ -53,7 +53,7 @@ def _one(rank, world_size, length, dtype):
     module = _Vector(length, dtype)
     ddp = ddp_ext.DistributedDataParallel(module, bucket_cap_mb=BIG_BUCKET_MB)
     optimizer = torch.optim.SGD(module.parameters(), lr=1.0)
-    ddp.overlap_optimizer(optimizer, shard=True)
+    ddp.overlap_optimizer(optimizer, shard=True, shard_min_bytes=0)
     (ddp() * gradient).sum().backward()
     optimizer.step()
 

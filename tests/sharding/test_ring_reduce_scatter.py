@@ -30,7 +30,7 @@ def _dies_mid_backward(rank, world_size):
     net = _net()
     ddp = ddp_ext.DistributedDataParallel(net, bucket_cap_mb=1e-9)  # a bucket per parameter
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-    ddp.overlap_optimizer(optimizer, shard=True)
+    ddp.overlap_optimizer(optimizer, shard=True, shard_min_bytes=0)
     steps = [0]
     if rank == victim:
         # Dies in the backward of step 2, after the last layers' buckets left.
@@ -83,7 +83,7 @@ def _train(rank, world_size, sharded):
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     if sharded:
         model = ddp_ext.DistributedDataParallel(net, bucket_cap_mb=1e-4)
-        model.overlap_optimizer(optimizer, shard=True)
+        model.overlap_optimizer(optimizer, shard=True, shard_min_bytes=0)
     else:
         model = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=1e-4)
     for step in range(5):

@@ -55,7 +55,7 @@ def _resumed(rank, world_size, folder: str, kind: str, bucket_cap_mb: float = SM
         state = {"model": module.state_dict()}
         dcp.load(state, checkpoint_id=os.path.join(folder, "dcp"))
         ddp = ddp_ext.DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
-        ddp.overlap_optimizer(optimizer, shard=True)
+        ddp.overlap_optimizer(optimizer, shard=True, shard_min_bytes=0)
         ddp.load_sharded_optimizer_state_dict(os.path.join(folder, "dcp"), key="optimizer")
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     scheduler.load_state_dict(plain["scheduler"])
@@ -99,7 +99,7 @@ def _refusals_job(rank, world_size, folder: str):
     optimizer = torch.optim.Adam(module.parameters(), lr=0.01)
     optimizer.add_param_group({"params": []})  # the saved run's two groups
     ddp = ddp_ext.DistributedDataParallel(module, bucket_cap_mb=SMALL_BUCKETS)
-    ddp.overlap_optimizer(optimizer, shard=True)
+    ddp.overlap_optimizer(optimizer, shard=True, shard_min_bytes=0)
     ddp.load_sharded_optimizer_state_dict(os.path.join(folder, "dcp"), key="optimizer")
     messages = {}
     try:

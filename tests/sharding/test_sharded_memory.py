@@ -71,7 +71,7 @@ def _wrapped(kind: str):
         ddp = ddp_ext.DistributedDataParallel(module, bucket_cap_mb=BUCKET_MB, init_sync=False)
     optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
     if kind in SHARDED:
-        ddp.overlap_optimizer(optimizer, shard=True, overlap_forward=SHARDED[kind])
+        ddp.overlap_optimizer(optimizer, shard=True, shard_min_bytes=0, overlap_forward=SHARDED[kind])
     return module, ddp, optimizer
 
 

@@ -34,7 +34,7 @@ def _refuse_line(rank, world_size, name):
     module, ddp = plain_wrapper()
     optimizer = LINE_OPTIMIZERS[name](module)
     before = snapshot(module)
-    message = raised(lambda: ddp.overlap_optimizer(optimizer, shard=True))
+    message = raised(lambda: ddp.overlap_optimizer(optimizer, shard=True, shard_min_bytes=0))
     return message, unchanged(module, before) and ddp._optimizer_overlap is None
 
 
@@ -45,7 +45,7 @@ def _line(name: str) -> Callable:
 def _refuse_forward_fraction(rank, world_size):
     module, ddp = plain_wrapper()
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
-    return raised(lambda: ddp.overlap_optimizer(optimizer, overlap_forward=0.5, shard=True)), True
+    return raised(lambda: ddp.overlap_optimizer(optimizer, overlap_forward=0.5, shard=True, shard_min_bytes=0)), True
 
 
 def _refuse_hook_before(rank, world_size):
@@ -53,14 +53,14 @@ def _refuse_hook_before(rank, world_size):
 
     module, ddp = plain_wrapper()
     ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    return raised(lambda: ddp.overlap_optimizer(torch.optim.SGD(module.parameters(), lr=0.1), shard=True)), True
+    return raised(lambda: ddp.overlap_optimizer(torch.optim.SGD(module.parameters(), lr=0.1), shard=True, shard_min_bytes=0)), True
 
 
 def _refuse_hook_after(rank, world_size):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     module, ddp = plain_wrapper()
-    ddp.overlap_optimizer(torch.optim.SGD(module.parameters(), lr=0.1), shard=True)
+    ddp.overlap_optimizer(torch.optim.SGD(module.parameters(), lr=0.1), shard=True, shard_min_bytes=0)
     return raised(lambda: ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)), True
 
 
@@ -68,7 +68,7 @@ def _refuse_mixed_precision(rank, world_size):
     from torch.nn.parallel.distributed import _MixedPrecision
 
     module, ddp = plain_wrapper(mixed_precision=_MixedPrecision(param_dtype=torch.float64))
-    return raised(lambda: ddp.overlap_optimizer(torch.optim.SGD(module.parameters(), lr=0.1), shard=True)), True
+    return raised(lambda: ddp.overlap_optimizer(torch.optim.SGD(module.parameters(), lr=0.1), shard=True, shard_min_bytes=0)), True
 
 
 def _refuse_sparse(rank, world_size):
@@ -76,7 +76,7 @@ def _refuse_sparse(rank, world_size):
 
     module = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
     ddp = ddp_ext.DistributedDataParallel(module)
-    return raised(lambda: ddp.overlap_optimizer(torch.optim.SGD(module.parameters(), lr=0.1), shard=True)), True
+    return raised(lambda: ddp.overlap_optimizer(torch.optim.SGD(module.parameters(), lr=0.1), shard=True, shard_min_bytes=0)), True
 
 
 def _stepped(rank, world_size, between, step):
@@ -86,7 +86,7 @@ def _stepped(rank, world_size, between, step):
     step = STEPS.get(step, step)
     module, ddp = plain_wrapper()
     optimizer = torch.optim.Adam(module.parameters(), lr=0.1)
-    ddp.overlap_optimizer(optimizer, shard=True)
+    ddp.overlap_optimizer(optimizer, shard=True, shard_min_bytes=0)
     before = snapshot(module)
     between(ddp, module, rank, world_size)
     message = raised(lambda: step(optimizer))
@@ -127,7 +127,7 @@ def _refuse_gradient_op(rank, world_size, op):
 
     module, ddp = plain_wrapper()
     optimizer = torch.optim.Adam(module.parameters(), lr=0.1)
-    ddp.overlap_optimizer(optimizer, shard=True)
+    ddp.overlap_optimizer(optimizer, shard=True, shard_min_bytes=0)
     scaler = torch.amp.GradScaler("cpu")
     before = snapshot(module)
     args, target = models.rank_batch("deep", 0, 0, rank, world_size, per_rank=4)
@@ -152,7 +152,7 @@ def _refuse_grad_scaler(rank, world_size):
 
 def _refuse_join(rank, world_size):
     module, ddp = plain_wrapper()
-    ddp.overlap_optimizer(torch.optim.SGD(module.parameters(), lr=0.1), shard=True)
+    ddp.overlap_optimizer(torch.optim.SGD(module.parameters(), lr=0.1), shard=True, shard_min_bytes=0)
 
     def joined():
         with ddp.join():
@@ -164,7 +164,7 @@ def _refuse_join(rank, world_size):
 def _refuse_second_backward(rank, world_size):
     module, ddp = plain_wrapper()
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
-    ddp.overlap_optimizer(optimizer, shard=True)
+    ddp.overlap_optimizer(optimizer, shard=True, shard_min_bytes=0)
     backward(ddp, rank, world_size)
     before = snapshot(module)
     return raised(lambda: backward(ddp, rank, world_size, step=1)), unchanged(module, before)
@@ -217,7 +217,7 @@ def test_refused_on_every_rank_before_anything_is_stepped(r):
 def _elementwise_admitted(rank, world_size):
     module, ddp = plain_wrapper()
     optimizer = Elementwise(module.parameters(), lr=0.1)
-    ddp.overlap_optimizer(optimizer, shard=True)
+    ddp.overlap_optimizer(optimizer, shard=True, shard_min_bytes=0)
     before = snapshot(module)
     backward(ddp, rank, world_size)
     optimizer.step()
@@ -234,5 +234,5 @@ def test_a_wrapper_refusing_backward_steps_refuses_sharding(single_process_group
     ddp._refuse_backward_steps("the caller steps")
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"\(overlap_optimizer\(shard=True\)\): the caller steps"):
-        ddp.overlap_optimizer(optimizer, shard=True)
+        ddp.overlap_optimizer(optimizer, shard=True, shard_min_bytes=0)
     assert ddp._optimizer_overlap is None and not ddp._comm_hooks

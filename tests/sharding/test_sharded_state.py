@@ -40,7 +40,7 @@ def _resumed(rank, world_size, saved: bytes, kind: str, load_before_line: bool =
     if load_before_line:
         optimizer.load_state_dict(checkpoint["optimizer"])
     if kind == "sharded":
-        ddp.overlap_optimizer(optimizer, shard=True)
+        ddp.overlap_optimizer(optimizer, shard=True, shard_min_bytes=0)
     if not load_before_line:
         optimizer.load_state_dict(checkpoint["optimizer"])
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
@@ -115,7 +115,7 @@ def _memory_job(rank, world_size):
     module = Wide()
     ddp = ddp_ext.DistributedDataParallel(module, bucket_cap_mb=0.1)
     optimizer = torch.optim.Adam(module.parameters(), lr=0.01)
-    ddp.overlap_optimizer(optimizer, shard=True)
+    ddp.overlap_optimizer(optimizer, shard=True, shard_min_bytes=0)
     for step in range(2):
         x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step * 10 + rank))
         ddp(x).square().mean().backward()
