@@ -30,6 +30,8 @@ def waiting_text(report: dict) -> str:
     what = report.get("waiting_for", "")
     if what == "bucket":
         return f"the allreduce of bucket {report['bucket']}"
+    if what == "reduce-scatter":
+        return f"the reduce-scatter of bucket {report['bucket']} (overlap_optimizer(..., shard=True))"
     if what == "step check":
         return "the step check (the backward's first collective)"
     if what == "usage":

@@ -76,8 +76,9 @@ namespace ddp_ext::reducer {
 struct StallEvent {
   enum Kind { kStalled, kFailed, kUnfinished, kResolved, kWaiting, kAbandoned };
   Kind kind = kStalled;
-  // kStalled, kFailed, kWaiting: what the wait was for ("bucket", "step check",
-  // "usage"), and the bucket's index (-1 otherwise).
+  // kStalled, kFailed, kWaiting: what the wait was for ("bucket",
+  // "reduce-scatter", "step check", "usage"), and the bucket's index (-1
+  // otherwise).
   std::string waiting_for;
   int64_t bucket = -1;
   double waited_s = 0.0;

@@ -43,16 +43,16 @@ void Allreduce::launch(
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> await_work(
-    c10d::Work& work, size_t index, const TransportContext& context) {
+    c10d::Work& work, size_t index, const TransportContext& context, const char* waiting_for) {
   // Over a group not built into torch (one written in Python), as torch's
   // reducer: through the Work's future, all such a Work must provide. Over
   // torch's own, and for a Work without a future, the Work itself (the
   // process group's timeout applies).
   const auto done = torch_backend(context.group) ? nullptr : future_of(work);
   if (done) {
-    context.stall.wait(*done, "bucket", static_cast<int64_t>(index));
+    context.stall.wait(*done, waiting_for, static_cast<int64_t>(index));
   } else {
-    context.stall.wait(work, "bucket", static_cast<int64_t>(index));
+    context.stall.wait(work, waiting_for, static_cast<int64_t>(index));
   }
   context.timeline.awaited(index);
   return done;

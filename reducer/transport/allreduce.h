@@ -44,8 +44,11 @@ class Allreduce : public BucketTransport {
 
 // Waits for `work`, the allreduce of bucket `index` (also one left on the
 // wire by an earlier backward); returns the future it waited through (null:
-// the Work itself).
+// the Work itself). `waiting_for` names the collective to the stall watch
+// (its hang reports): "bucket" for an allreduce, "reduce-scatter" for a
+// sharded bucket's.
 c10::intrusive_ptr<c10::ivalue::Future> await_work(
-    c10d::Work& work, size_t index, const TransportContext& context);
+    c10d::Work& work, size_t index, const TransportContext& context,
+    const char* waiting_for = "bucket");
 
 } // namespace ddp_ext::reducer

@@ -33,7 +33,8 @@ void ReduceScatter::complete(InFlight& entry, const TransportContext& context) {
     replicated_->finish(entry.index, bucket, context); // unpacks a step check it carried
     copy_whole(bucket);
   } else if (bucket.work) {
-    await_work(*bucket.work, entry.index, context);
+    // At one rank (in place) an allreduce; else the bucket's reduce-scatter.
+    await_work(*bucket.work, entry.index, context, entry.in_place ? "bucket" : "reduce-scatter");
     bucket.work.reset();
     if (entry.in_place) {
       copy_whole(bucket);

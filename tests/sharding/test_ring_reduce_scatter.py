@@ -3,7 +3,8 @@ a ring of point-to-point sends that a thread of the reducer drives (Note [A
 ring of sends for the reduce-scatter] in
 reducer/transport/ring_reduce_scatter.h); tests/sharding/test_ring_order.py
 checks its result bitwise against torch's DDP. Here: a rank that dies in the
-middle of a backward makes the others raise within seconds, not hang, and
+middle of a backward makes the others raise within seconds, not hang, naming
+the reduce-scatter they waited for, and
 training goes on over several steps and buckets with the ring (the
 parameters bitwise torch's DDP's with SGD)."""
 
@@ -71,6 +72,10 @@ def test_a_rank_that_dies_mid_ring_makes_the_others_raise():
         name, message, seconds, again = outcome
         assert seconds < 60, f"rank {rank} raised only after {seconds:.0f} s: {name}: {message}"
         print(f"rank {rank}: {name} after {seconds:.1f} s: {message.splitlines()[0][:200]}")
+        # A bucket's wait is named as the collective it is.
+        assert "allreduce of bucket" not in message, message
+        if " of bucket " in message:
+            assert "the reduce-scatter of bucket" in message, message
         assert again is not None, f"rank {rank} trained on after the ring failed"
         assert again[2] < 60, f"rank {rank}'s next step raised only after {again[2]:.0f} s"
         print(f"rank {rank}, next step: {again[0]}: {again[1].splitlines()[0][:200]}")
