@@ -202,26 +202,41 @@ OUT_OF_STEP = [
 ]
 
 
+def skip_one_backward(ddp, rank: int, world_size: int, batch, optimizer=None) -> dict:
+    """Four steps over `ddp` in which the last rank skips the backward of
+    step 1. Each rank's outcome per step (None, "skipped", or the error it
+    raised, which ends its run), the Gloo allreduces' shapes of the backward
+    that raised, and bucket 0's elements. `batch(step)` is a step's input;
+    `optimizer`, if any, is stepped after each backward."""
+    outcome = []
+    for step in range(4):
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        loss = (ddp(batch(step)) ** 2).sum()
+        if step == 1 and rank == world_size - 1:
+            outcome.append("skipped")
+            continue
+        try:
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                loss.backward()
+                if optimizer is not None:
+                    optimizer.step()
+            outcome.append(None)
+        except RuntimeError as error:
+            outcome.append(str(error))
+            return {"outcome": outcome, "shapes": gloo_allreduces(prof), "first_bucket": first_bucket(ddp)}
+    return {"outcome": outcome, "shapes": None}
+
+
 def skip_a_backward(rank: int, world_size: int, c: OutOfStep):
     group = dist.new_group()  # the dropped allreduces stay on this group
     try:
         dtype = torch.float64 if c.id == "float64" else torch.float32
         ddp = ddp_ext.DistributedDataParallel(Net(dtype, False), process_group=group, **dict(c.ddp_kwargs))
-        outcome = []
-        for step in range(4):
-            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step)).to(dtype)
-            loss = (ddp(x) ** 2).sum()
-            if step == 1 and rank == world_size - 1:
-                outcome.append("skipped")
-                continue
-            try:
-                with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-                    loss.backward()
-                outcome.append(None)
-            except RuntimeError as error:
-                outcome.append(str(error))
-                return {"outcome": outcome, "shapes": gloo_allreduces(prof), "first_bucket": first_bucket(ddp)}
-        return {"outcome": outcome, "shapes": None}
+        def batch(step: int) -> torch.Tensor:
+            return torch.randn(4, 6, generator=torch.Generator().manual_seed(step)).to(dtype)
+
+        return skip_one_backward(ddp, rank, world_size, batch)
     finally:
         dist.destroy_process_group(group)
 

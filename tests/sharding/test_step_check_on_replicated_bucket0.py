@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import ddp_ext
 from tests.reducer.test_step_check_on_bucket0 import (Net, assert_caught_out_of_step, carried_numel, check_numel,
-                                                     first_bucket)
+                                                     first_bucket, skip_one_backward)
 from tests.support.harness import CaseTable
 
 
@@ -97,23 +97,7 @@ def skip_a_backward(rank: int, world_size: int, c: C):
         ddp = ddp_ext.DistributedDataParallel(Net(torch.float32, False), process_group=group)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
         ddp.overlap_optimizer(optimizer, shard=True, shard_min_bytes=c.shard_min_bytes)
-        outcome = []
-        for step in range(4):
-            optimizer.zero_grad(set_to_none=True)
-            loss = (ddp(batch(step, 0)) ** 2).sum()
-            if step == 1 and rank == world_size - 1:
-                outcome.append("skipped")
-                continue
-            try:
-                with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-                    loss.backward()
-                optimizer.step()
-                outcome.append(None)
-            except RuntimeError as error:
-                outcome.append(str(error))
-                return {"outcome": outcome, "collectives": gloo_collectives(prof),
-                        "first_bucket": first_bucket(ddp)}
-        return {"outcome": outcome, "collectives": None}
+        return skip_one_backward(ddp, rank, world_size, lambda step: batch(step, 0), optimizer)
     finally:
         dist.destroy_process_group(group)
 
@@ -127,9 +111,9 @@ def test_ranks_out_of_step_are_caught(c, world_size):
     results = OUT_OF_STEP_TABLE.results(world_size, c)
     assert_caught_out_of_step(results, world_size)
     for r in results:
-        allreduces = [shapes for name, shapes in r["collectives"] if name == "gloo:all_reduce"]
+        allreduces = r["shapes"]
         carried = carried_numel(r["first_bucket"], world_size)
         if c.rides:  # caught by the bucket 0 that carried the check
-            assert [[carried]] in allreduces and [[check_numel(world_size)]] not in allreduces, r["collectives"]
+            assert [[carried]] in allreduces and [[check_numel(world_size)]] not in allreduces, allreduces
         else:
-            assert [[check_numel(world_size)]] in allreduces, r["collectives"]
+            assert [[check_numel(world_size)]] in allreduces, allreduces
