@@ -277,15 +277,15 @@ c10::intrusive_ptr<c10d::Work> RingReduceScatter::launch(
   {
     std::lock_guard<std::mutex> lock(mutex_);
     queue_.push_back(std::move(ring));
-    if (!thread_.joinable()) {
-      thread_ = std::thread([this] { run(); });
+    for (int lane = static_cast<int>(threads_.size()); lane < kLanes; ++lane) {
+      threads_.emplace_back([this, lane] { run(lane); });
     }
   }
   wake_.notify_one();
   return work;
 }
 
-void RingReduceScatter::run() {
+void RingReduceScatter::run(int lane) {
   while (true) {
     std::shared_ptr<Ring> ring;
     {
@@ -296,7 +296,7 @@ void RingReduceScatter::run() {
       }
       ring = std::move(queue_.front());
       queue_.pop_front();
-      current_ = ring;
+      running_[lane] = ring;
     }
     std::exception_ptr error;
     try {
@@ -306,7 +306,7 @@ void RingReduceScatter::run() {
     }
     ring->complete(error);
     std::lock_guard<std::mutex> lock(mutex_);
-    current_.reset();
+    running_[lane].reset();
   }
 }
 
@@ -314,13 +314,15 @@ RingReduceScatter::~RingReduceScatter() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
-    if (current_) {
-      current_->cancel(/*detach=*/false);
+    for (const auto& ring : running_) {
+      if (ring) {
+        ring->cancel(/*detach=*/false);
+      }
     }
   }
   wake_.notify_all();
-  if (thread_.joinable()) {
-    thread_.join();
+  for (std::thread& thread : threads_) {
+    thread.join();
   }
   for (const auto& ring : queue_) {
     ring->cancel(/*detach=*/false);

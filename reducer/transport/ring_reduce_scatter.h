@@ -48,19 +48,24 @@ namespace ddp_ext::reducer {
 // bucket on average, plus the fix-up: a reduce-scatter's.
 // Memory: the sums accumulate in the bucket itself (it is released after
 // its reduce-scatter) and each receive lands in one chunk-sized buffer per
-// ring, so a bucket in flight costs 1/N of a bucket more, instead of the
-// all-to-all's one bucket.
+// running ring, so the rings in flight cost kLanes / N of a bucket more,
+// instead of the all-to-all's one bucket per bucket.
 //
 // Who drives the rounds. Each round waits for the previous one, so they run
-// on a thread the transport owns (RingReduceScatter), fed in launch order
-// (the same order on every rank) and running one bucket's rounds at a time
-// through the Gloo backend's send and recv, which run on the calling thread
-// (Gloo's unbound buffers; their slots are apart from the collectives').
-// Tags: kTagBase + the bucket's index times N + the round (the fix-up is
-// round N - 1), the same on every rank; the rings run one after another,
-// and messages between two ranks under one tag arrive in order. The thread
-// runs no Python and no user code and takes none of the reducer's locks:
-// only its queue's mutex and each ring's own.
+// on threads the transport owns (RingReduceScatter): kLanes of them, fed
+// from one queue in launch order (the same order on every rank), each
+// running one bucket's rounds at a time through the Gloo backend's send and
+// recv, which run on the calling thread (Gloo's unbound buffers; their
+// slots are apart from the collectives'). Two buckets' rings run at once, so
+// one's sends fill the link while the other waits for a round's receive and
+// adds it. Tags: kTagBase + the bucket's index times N + the round (the
+// fix-up is round N - 1), the same on every rank, so rings running at once
+// never take each other's messages, whichever lane runs which bucket on
+// which rank; a bucket's next ring starts only after this one finished (a
+// backward waits for every bucket), and messages between two ranks under
+// one tag arrive in order. The threads run no Python and no user code and
+// take none of the reducer's locks: only the queue's mutex and each ring's
+// own.
 //
 // The Work. launch() gets a RingWork, completed by the thread when the
 // shard holds its sums (or with the exception that stopped the ring), with
@@ -118,9 +123,10 @@ struct RingPlan {
 class RingReduceScatter {
  public:
   static constexpr int kTagBase = 1 << 30;
+  static constexpr int kLanes = 2; // rings running at once: See the Note
 
   RingReduceScatter() = default;
-  ~RingReduceScatter(); // cancels what is queued, joins the thread
+  ~RingReduceScatter(); // cancels what is queued, joins the threads
   RingReduceScatter(const RingReduceScatter&) = delete;
   RingReduceScatter& operator=(const RingReduceScatter&) = delete;
 
@@ -134,16 +140,16 @@ class RingReduceScatter {
   struct Ring; // one bucket's ring, shared by its Work and the thread
 
  private:
-  void run();
+  void run(int lane);
 
   std::mutex mutex_;
   std::condition_variable wake_;
   std::deque<std::shared_ptr<Ring>> queue_;
-  std::shared_ptr<Ring> current_; // the ring the thread runs
+  std::vector<std::shared_ptr<Ring>> running_ = std::vector<std::shared_ptr<Ring>>(kLanes); // by lane
   // Set once a ring ended unfinished: See the Note, "A ring cut short".
   std::shared_ptr<std::atomic<bool>> cut_short_ = std::make_shared<std::atomic<bool>>(false);
   bool stopping_ = false;
-  std::thread thread_; // started by the first launch
+  std::vector<std::thread> threads_; // kLanes, started by the first launch
 };
 
 } // namespace ddp_ext::reducer
