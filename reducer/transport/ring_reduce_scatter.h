@@ -56,31 +56,31 @@ namespace ddp_ext::reducer {
 // from one queue in launch order (the same order on every rank), each
 // running one bucket's rounds at a time through the Gloo backend's send and
 // recv, which run on the calling thread (Gloo's unbound buffers; their
-// slots are apart from the collectives'). Two buckets' rings run at once, so
-// one's sends fill the link while the other waits for a round's receive and
-// adds it. Tags: kTagBase + the bucket's index times N + the round (the
-// fix-up is round N - 1), the same on every rank, so rings running at once
-// never take each other's messages, whichever lane runs which bucket on
-// which rank; a bucket's next ring starts only after this one finished (a
+// slots are apart from the collectives'). So kLanes buckets' rings run at
+// once: one's sends fill the link while another waits for a round's
+// receive and adds it. Tags: kTagBase + the bucket's index times N + the
+// round (the fix-up is round N - 1), the same on every rank, so rings
+// running at once never take each other's messages, whichever lane runs
+// which bucket on which rank; a bucket's next ring starts only after this one finished (a
 // backward waits for every bucket), and messages between two ranks under
 // one tag arrive in order. The threads run no Python and no user code and
 // take none of the reducer's locks: only the queue's mutex and each ring's
 // own.
 //
-// The Work. launch() gets a RingWork, completed by the thread when the
+// The Work. launch() gets a RingWork, completed by its lane when the
 // shard holds its sums (or with the exception that stopped the ring), with
 // a future for the timeline; finish() waits for it through the StallWatch
 // as for any Work. A peer that dies closes its connection and fails the
 // pending send or recv (Gloo raises), a peer that never comes fails it at
 // the process group's timeout: the ring completes with that error, which
-// finish() raises; the thread goes on with the next ring.
+// finish() raises; the lane goes on with the next ring.
 //
 // Abandoned and destroyed. Dropping a RingWork that has not completed (the
 // reducer abandons an iteration, or the reducer or the transport goes)
 // cancels its ring: its pending send and recv are aborted and, under the
 // ring's mutex, nothing more is added into its bucket or written into its
 // shard, so the next backward may fill the bucket at once. Destroying the
-// transport cancels every ring queued, and joins the thread.
+// transport cancels every ring queued or running, and joins the lanes.
 //
 // A ring cut short. A ring that failed or was cancelled may leave sends of
 // its peers unreceived, under tags the next backward's ring of the same
@@ -137,7 +137,7 @@ class RingReduceScatter {
       const c10::intrusive_ptr<c10d::Backend>& gloo, at::Tensor flat, at::Tensor shard,
       size_t index);
 
-  struct Ring; // one bucket's ring, shared by its Work and the thread
+  struct Ring; // one bucket's ring, shared by its Work and the lane that runs it
 
  private:
   void run(int lane);

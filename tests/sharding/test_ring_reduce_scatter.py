@@ -1,5 +1,5 @@
 """At three ranks or more over Gloo each sharded bucket is reduce-scattered by
-a ring of point-to-point sends that a thread of the reducer drives (Note [A
+a ring of point-to-point sends that threads of the reducer drive (Note [A
 ring of sends for the reduce-scatter] in
 reducer/transport/ring_reduce_scatter.h); tests/sharding/test_ring_order.py
 checks its result bitwise against torch's DDP. Here: a rank that dies in the
