@@ -409,7 +409,8 @@ class ShardedOptimizer:
     # slices of the same bits, so the norm is bitwise the sharded one. Every rank gets
     # the same norm, so the parameters stay identical on every rank. The
     # clipped pieces are remembered as the gradients the step may use (Note
-    # [Gradients after a sharded backward]).
+    # [Gradients after a sharded backward]). Every rank joins the
+    # all-reduce, also one whose pieces hold no parameter some rank used.
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
         """Clips the last synchronising backward's gradient by its whole norm:
@@ -423,10 +424,10 @@ class ShardedOptimizer:
             raise RuntimeError(self._error("clip_grad_norm_ was called already since this backward."))
         self._refuse_edits()
         norm_type = float(norm_type)
+        if not self.used:
+            return torch.tensor(0.0)  # no rank used a parameter: the same on every rank
         grads = [plan.grad[piece.at:piece.at + piece.stop - piece.start]
                  for plan in self.reduced.values() for piece in plan.pieces if piece.index in self.used]
-        if not grads:
-            return torch.tensor(0.0)
         local = torch.zeros((), dtype=torch.float64, device=self.device)
         for g in self._counted():
             if g.numel():
@@ -437,15 +438,16 @@ class ShardedOptimizer:
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
         dist.all_reduce(local, op=op, group=self.group)
         total = local if math.isinf(norm_type) else local ** (1.0 / norm_type)
-        total = total.to(grads[0].dtype)
+        total = total.to(self.params[min(self.used)].dtype)  # the first used parameter's, on every rank
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(
                 f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
                 "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
                 "`error_if_nonfinite=False`")
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        with torch.no_grad():
-            torch._foreach_mul_(grads, coefficient)
+        if grads:  # a rank whose pieces hold no used parameter has joined the all-reduce all the same
+            with torch.no_grad():
+                torch._foreach_mul_(grads, coefficient)
         self.clipped = True
         return total
 

@@ -158,3 +158,51 @@ def test_clip_grad_norm_clips_by_the_whole_norm(max_norm):
         else:
             assert_states_close(r["sharded"], r["torch"], f"rank {rank}: clipped", rtol=1e-5, atol=1e-6)
         assert_states_bitwise(r["sharded"], results[0]["sharded"], f"rank {rank} vs rank 0")
+
+
+class UnusedTail(nn.Module):
+    """One bucket laid out as [fc's bias and weight, `spare`]: at 2 ranks,
+    rank 1's half of it is `spare` alone, which no rank uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.spare = nn.Parameter(torch.randn(1000))
+        self.fc = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def _clip_unused_job(rank, world_size):
+    import ddp_ext
+
+    out = {}
+    for kind in ("sharded", "torch"):
+        torch.manual_seed(0)
+        module = UnusedTail()
+        wrapper = ddp_ext.DistributedDataParallel if kind == "sharded" else torch.nn.parallel.DistributedDataParallel
+        ddp = wrapper(module, find_unused_parameters=True)
+        optimizer = torch.optim.Adam(module.parameters(), lr=0.01)
+        if kind == "sharded":
+            ddp.overlap_optimizer(optimizer, shard=True, shard_min_bytes=0)
+        norms = []
+        for step in range(3):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step * 10 + rank))
+            ddp(x).square().mean().backward()
+            clip = ddp.clip_grad_norm_ if kind == "sharded" else (
+                lambda n: torch.nn.utils.clip_grad_norm_(module.parameters(), n))
+            norms.append(clip(0.01))
+            optimizer.step()
+            optimizer.zero_grad()
+        out[kind] = {"params": {n: p.detach().clone() for n, p in module.named_parameters()},
+                     "norms": {str(i): n for i, n in enumerate(norms)}}
+    return out
+
+
+def test_clip_grad_norm_on_a_rank_whose_shard_holds_only_unused_parameters():
+    """That rank still joins the norm's all-reduce (no hang), and clips by the same norm."""
+    results = shared_world(2).run(_clip_unused_job, timeout=90)
+    for rank, r in enumerate(results):
+        for what in ("params", "norms"):
+            assert_states_close(r["sharded"][what], r["torch"][what], f"rank {rank}: {what}", rtol=1e-5, atol=1e-7)
+        assert_states_bitwise(r["sharded"]["params"], results[0]["sharded"]["params"], f"rank {rank} vs rank 0")
