@@ -135,9 +135,11 @@ class PendingShards:
         sharded.pending = None
         plans = list(sharded.plans.values())
         names = {id(piece): sharded.names[id(sharded.params[piece.index])] for p in plans for piece in p.pieces}
-        wrong = [f"{names[id(piece)]!r} ({'not in the checkpoint' if names[id(piece)] not in self.places else 'another size'})"
-                 for p in plans for piece in p.pieces
-                 if self.places.get(names[id(piece)], (0, 0, -1))[2] != sharded.params[piece.index].numel()]
+        # Every plan's parameters, not this rank's pieces: every rank refuses alike, before dcp.load.
+        every = [(sharded.names[id(sharded.params[index])], numel) for p in plans for index, _, numel in p.layout
+                 if numel]
+        wrong = [f"{name!r} ({'not in the checkpoint' if name not in self.places else 'another size'})"
+                 for name, numel in every if self.places.get(name, (0, 0, -1))[2] != numel]
         if wrong:
             raise RuntimeError(_error(sharded, (
                 f"load_sharded_optimizer_state_dict(): cannot place the saved state of {', '.join(wrong[:3])}"

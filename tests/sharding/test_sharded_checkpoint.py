@@ -162,3 +162,58 @@ def test_another_models_checkpoint_is_refused_before_stepping(saved):
         step = messages.get("step", "")
         assert "cannot place the saved state of 'inner.layers" in step and "not in the checkpoint" in step, messages
         assert "Nothing was stepped" in step and messages["stepped"] is False, f"rank {rank}: {messages}"
+
+
+class _Saved(torch.nn.Module):
+    """One bucket laid out as [fc's bias and weight, `spare`] (reversed registration)."""
+
+    def __init__(self):
+        super().__init__()
+        self.spare = torch.nn.Parameter(torch.randn(1000))
+        self.fc = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.fc(x) + self.spare.sum()
+
+
+class _Grown(torch.nn.Module):
+    """The saved model and `extra`, registered first: last in the bucket, so at 2 ranks in rank 1's range only."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra = torch.nn.Parameter(torch.randn(10))
+        self.spare = torch.nn.Parameter(torch.randn(1000))
+        self.fc = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.fc(x) + self.spare.sum() + self.extra.sum()
+
+
+def _missing_on_one_rank_job(rank, world_size, folder: str):
+    import ddp_ext
+
+    messages = {}
+    for kind in ("saved", "grown"):
+        torch.manual_seed(0)
+        module = _Saved() if kind == "saved" else _Grown()
+        ddp = ddp_ext.DistributedDataParallel(module)
+        optimizer = torch.optim.Adam(module.parameters(), lr=0.01)
+        ddp.overlap_optimizer(optimizer, shard=True, shard_min_bytes=0)
+        if kind == "grown":
+            ddp.load_sharded_optimizer_state_dict(os.path.join(folder, "missing"), key="optimizer")
+        ddp(torch.randn(8, 4)).square().mean().backward()
+        try:
+            optimizer.step()
+        except RuntimeError as error:
+            messages[kind] = str(error)
+        if kind == "saved":
+            dcp.save({"optimizer": ddp.sharded_optimizer_state_dict()}, checkpoint_id=os.path.join(folder, "missing"))
+        dist.barrier()
+    return messages
+
+
+def test_a_parameter_missing_from_the_checkpoint_in_one_ranks_range_is_refused_on_every_rank(tmp_path):
+    """`extra` lies in rank 1's range only: rank 0 refuses too, rather than waiting in DCP's load (a hang)."""
+    for rank, messages in enumerate(shared_world(2).run(_missing_on_one_rank_job, str(tmp_path), timeout=90)):
+        assert "saved" not in messages, messages
+        assert "cannot place the saved state of 'extra'" in messages.get("grown", ""), f"rank {rank}: {messages}"
