@@ -274,12 +274,14 @@ class ShardedOptimizer:
                 for number, group in enumerate(optimizer.param_groups)}
         return (_view(optimizer, rest), *args[1:]), kwargs
 
-    def _refuse_edits(self) -> None:
+    def _refuse_edits(self, elsewhere: bool = False) -> None:
+        """Raises if a gradient was edited here (or, `elsewhere`, on another rank)."""
         edited = self.edits.edited()
-        if edited:
+        if edited or elsewhere:
             names = [self.names.get(id(p), f"a parameter of shape {tuple(p.shape)}") for p in edited]
             raise RuntimeError(self._error(
-                f"found the gradients of {shown_names(names)} changed between backward() and optimizer.step() "
+                f"found the gradients of {shown_names(names) if names else 'parameters on another rank'} changed "
+                "between backward() and optimizer.step() "
                 "(clip_grad_norm_, a GradScaler's unscale_ or another change): each rank holds only its shard of "
                 "the averaged gradient, so a norm or a check of .grad differs between ranks. Clip with "
                 "ddp.clip_grad_norm_(max_norm), which uses the whole gradient's norm. Nothing was stepped."))
@@ -422,7 +424,6 @@ class ShardedOptimizer:
                 "optimizer.step()."))
         if self.clipped:
             raise RuntimeError(self._error("clip_grad_norm_ was called already since this backward."))
-        self._refuse_edits()
         norm_type = float(norm_type)
         if not self.used:
             return torch.tensor(0.0)  # no rank used a parameter: the same on every rank
@@ -436,7 +437,12 @@ class ShardedOptimizer:
                 else:
                     local += torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float64) ** norm_type
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-        dist.all_reduce(local, op=op, group=self.group)
+        # With whether this rank's gradients were edited: every rank refuses alike, after the all-reduce.
+        edited = torch.tensor(float(bool(self.edits.edited())), dtype=torch.float64, device=self.device)
+        both = torch.stack([local, edited])
+        dist.all_reduce(both, op=op, group=self.group)
+        self._refuse_edits(elsewhere=bool(both[1] > 0))
+        local = both[0]
         total = local if math.isinf(norm_type) else local ** (1.0 / norm_type)
         total = total.to(self.params[min(self.used)].dtype)  # the first used parameter's, on every rank
         if error_if_nonfinite and not torch.isfinite(total):

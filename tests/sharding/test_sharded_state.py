@@ -206,3 +206,27 @@ def test_clip_grad_norm_on_a_rank_whose_shard_holds_only_unused_parameters():
         for what in ("params", "norms"):
             assert_states_close(r["sharded"][what], r["torch"][what], f"rank {rank}: {what}", rtol=1e-5, atol=1e-7)
         assert_states_bitwise(r["sharded"]["params"], results[0]["sharded"]["params"], f"rank {rank} vs rank 0")
+
+
+def _clip_edited_on_one_rank_job(rank, world_size):
+    import ddp_ext
+
+    torch.manual_seed(0)
+    module = UnusedTail()
+    ddp = ddp_ext.DistributedDataParallel(module, find_unused_parameters=True)
+    optimizer = torch.optim.Adam(module.parameters(), lr=0.01)
+    ddp.overlap_optimizer(optimizer, shard=True, shard_min_bytes=0)
+    ddp(torch.randn(8, 4)).square().mean().backward()
+    if rank == 1:
+        module.fc.bias.grad = None
+    try:
+        ddp.clip_grad_norm_(0.01)
+    except RuntimeError as error:
+        return str(error)
+    return "nothing raised"
+
+
+def test_clip_grad_norm_refuses_on_every_rank_a_gradient_changed_on_one():
+    """Rank 1 set a .grad to None: rank 0 refuses too, rather than waiting in the norm's all-reduce (a hang)."""
+    for rank, message in enumerate(shared_world(2).run(_clip_edited_on_one_rank_job, timeout=90)):
+        assert "changed between backward() and optimizer.step()" in message, f"rank {rank}: {message}"
