@@ -95,10 +95,8 @@ class BackwardSteps(Bound):
         small buckets] in reducer/transport/reduce_scatter.h)."""
         self.check("overlap_optimizer(shard=True)")
         why = elementwise_refusal(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else ""
-        if why or refusal:
-            raise ValueError(f"DistributedDataParallel.overlap_optimizer(..., shard=True) on rank {self._rank()} "
-                             f"{why or refusal}")
-        why = agreed_shard_min_bytes(shard_min_bytes, self.process_group, device)  # a collective
+        # A collective, which also tells every rank whether any rank refuses (its settings may be its own).
+        why = agreed_shard_min_bytes(shard_min_bytes, self.process_group, device, why or refusal)
         if why:
             raise ValueError(f"DistributedDataParallel.overlap_optimizer(..., shard=True) on rank {self._rank()} "
                              f"{why}")

@@ -45,15 +45,24 @@ def elementwise_refusal(optimizer) -> str:
 SHARD_MIN_BYTES = 64 * 2**10
 
 
-def agreed_shard_min_bytes(value, group, device) -> str:
+def agreed_shard_min_bytes(value, group, device, refusal: str = "") -> str:
     """Why `value` cannot be shard_min_bytes, or '': a number of bytes >= 0,
     the same on every rank (a collective: every rank learns whether any
-    rank's differs, so every rank refuses alike)."""
+    rank's differs, so every rank refuses alike). `refusal`: this rank's
+    other reason to refuse, if any; a rank without one refuses too when
+    another rank has one."""
     valid = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**62
     mine = value if valid else -1
-    seen = torch.tensor([mine, -mine], dtype=torch.int64,
-                        device=device if dist.get_backend(group) == "nccl" else "cpu")
+    try:
+        nccl = dist.get_backend(group) == "nccl"
+    except (RuntimeError, ValueError):  # a group of another kind, which `refusal` names
+        nccl = False
+    seen = torch.tensor([mine, -mine, int(bool(refusal))], dtype=torch.int64, device=device if nccl else "cpu")
     dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
+    if refusal:
+        return refusal
+    if int(seen[2]):
+        return "was refused on another rank (that rank's error says why): every rank refuses alike."
     if not valid:
         return (f"takes shard_min_bytes as a number of bytes >= 0 (got {value!r}): buckets of fewer bytes are "
                 "allreduced and stepped whole on every rank, 0 shards every bucket.")

@@ -236,3 +236,22 @@ def test_a_wrapper_refusing_backward_steps_refuses_sharding(single_process_group
     with pytest.raises(ValueError, match=r"\(overlap_optimizer\(shard=True\)\): the caller steps"):
         ddp.overlap_optimizer(optimizer, shard=True, shard_min_bytes=0)
     assert ddp._optimizer_overlap is None and not ddp._comm_hooks
+
+
+def _refuse_strided_on_one_rank(rank, world_size):
+    module, ddp = plain_wrapper()
+    if rank == 1:  # after wrapping: the construction's check of strides across ranks has passed
+        weight = next(p for p in module.parameters() if p.dim() == 2)
+        weight.data = weight.data.t().contiguous().t()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    message = raised(lambda: ddp.overlap_optimizer(optimizer, shard=True, shard_min_bytes=0))
+    return message, ddp._optimizer_overlap is None
+
+
+def test_a_refusal_on_one_rank_is_a_refusal_on_every_rank():
+    """Rank 1 refuses a non-contiguous parameter: rank 0 refuses too, rather than waiting in the
+    agreement on shard_min_bytes (a hang)."""
+    for rank, (message, installed_none) in enumerate(shared_world(2).run(_refuse_strided_on_one_rank, timeout=90)):
+        assert message.startswith("ValueError"), f"rank {rank}: {message}"
+        assert "non-contiguous parameters" in message or "another rank" in message, f"rank {rank}: {message}"
+        assert installed_none, f"rank {rank}: installed"
