@@ -42,6 +42,7 @@ from typing import Dict, List, Optional, Tuple
 import torch.nn.functional as F
 
 from benchmarks.harness import fake_hosts as hosts
+from benchmarks.harness import product
 from benchmarks.harness.launcher import launch
 from benchmarks.workloads import overlap_variants as ov
 from benchmarks.workloads import sharding_variants as sv
@@ -70,10 +71,9 @@ class GatherLog:
         self._keys = itertools.count()
 
     def install(self) -> None:
-        import ddp_ext._sharded_optimizer as sharded
+        product.wrap_sharded_all_gathers(self._logged)
 
-        launch_all_gather = sharded._all_gather
-
+    def _logged(self, launch_all_gather):
         def logged(output, shard, group=None, async_op=False):
             key, began = next(self._keys), time.monotonic_ns()
             self.open[key] = began
@@ -81,7 +81,7 @@ class GatherLog:
             work.get_future().add_done_callback(lambda _, key=key: self._done(key))
             return work
 
-        sharded._all_gather = logged
+        return logged
 
     def _done(self, key: int) -> None:
         self.intervals.append((self.open.pop(key), time.monotonic_ns()))

@@ -16,6 +16,10 @@ this module takes, from where, and why:
   broadcast, so its step check runs as a collective of its own: the
   `fixedcost` experiment times it beside the default, where the check rides
   on bucket 0's allreduce. Nothing else differs.
+- `wrap_sharded_all_gathers(wrap)`: the sharded optimizer's all-gather
+  launcher (`ddp_ext._sharded_optimizer`) replaced by `wrap(launcher)`, for
+  `benchmarks/sharding_profile.py` to time each all-gather from its launch
+  to its completion. The product records no such events of its own.
 
 When the product moves these, this file is the only one to change.
 """
@@ -25,7 +29,8 @@ import torch
 from ddp_ext._bucket_tuner import TuningStage
 from ddp_ext._native import core
 
-__all__ = ["TuningStage", "int8_decode_sum", "int8_encode", "settled_caps_mb", "with_separate_step_check"]
+__all__ = ["TuningStage", "int8_decode_sum", "int8_encode", "settled_caps_mb", "with_separate_step_check",
+           "wrap_sharded_all_gathers"]
 
 
 def int8_encode(values, chunk: int):
@@ -61,3 +66,11 @@ def with_separate_step_check(model):
         return DistributedDataParallel(model)
     finally:
         _C.Reducer = native
+
+
+def wrap_sharded_all_gathers(wrap) -> None:
+    """Every all-gather the sharded optimizer launches from now on goes through
+    `wrap(launcher)`, which takes the launcher's arguments."""
+    import ddp_ext._sharded_optimizer as sharded
+
+    sharded._all_gather = wrap(sharded._all_gather)
