@@ -94,13 +94,20 @@ class BackwardSteps(Bound):
         fewer than `shard_min_bytes` bytes are replicated (Note [Replicated
         small buckets] in reducer/transport/reduce_scatter.h)."""
         self.check("overlap_optimizer(shard=True)")
-        why = elementwise_refusal(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else ""
+        why = (elementwise_refusal(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else "") or refusal
+        local = None
+        if not why:
+            try:  # this rank's own checks (a step hook may be registered on one rank only)
+                self._check_optimizer(optimizer, sharded=True)
+            except (TypeError, ValueError, RuntimeError) as error:
+                local = error
         # A collective, which also tells every rank whether any rank refuses (its settings may be its own).
-        why = agreed_shard_min_bytes(shard_min_bytes, self.process_group, device, why or refusal)
+        why = agreed_shard_min_bytes(shard_min_bytes, self.process_group, device, why or str(local or ""))
+        if local is not None:
+            raise local
         if why:
             raise ValueError(f"DistributedDataParallel.overlap_optimizer(..., shard=True) on rank {self._rank()} "
                              f"{why}")
-        self._check_optimizer(optimizer)
         self.overlap = ShardedOptimizer(optimizer, self.named, self.process_group, device, bool(overlap_forward),
                                         shard_min_bytes)
         self.reducer._set_reduce_scatter(self.overlap.step_bucket, shard_min_bytes)  # Note [Sharded buckets]
@@ -114,7 +121,7 @@ class BackwardSteps(Bound):
     def _error(self, what: str) -> str:
         return f"DistributedDataParallel on rank {self._rank()}: overlap_optimizer {what}"
 
-    def _check_optimizer(self, optimizer) -> None:
+    def _check_optimizer(self, optimizer, sharded: bool = False) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(self._error(f"needs a torch.optim.Optimizer, got {type(optimizer).__name__}"))
         if isinstance(optimizer, torch.optim.LBFGS):
@@ -141,7 +148,7 @@ class BackwardSteps(Bound):
                 f"cannot overlap the optimizer with a communication hook that steps parameters itself registered "
                 f"({'; '.join(self.stepping)}): ZeroRedundancyOptimizer's and _register_fused_optim's hooks step "
                 "each bucket's parameters once it is reduced, so they would be stepped twice. Use one or the other."))
-        refusal = hooked_step_refusal(optimizer)
+        refusal = hooked_step_refusal(optimizer, sharded=sharded)
         if refusal:
             raise RuntimeError(self._error(refusal))
         reduced = {id(p) for _, p in self.named}

@@ -122,8 +122,18 @@ def shown_names(names: List[str]) -> str:
     return shown + (f" and {len(names) - _MAX_NAMED} more" if len(names) > _MAX_NAMED else "")
 
 
-def hooked_step_refusal(optimizer, own: Optional[int] = None) -> str:
-    """Why `optimizer`'s step hooks (but the overlap's own pre-hook, of handle id `own`) are refused."""
+# Why step hooks are refused, by mode: the backward's steps, or the sharded step.
+_HOOKS_PER_BUCKET = ("the backward steps each bucket separately, so a hook would run once per bucket. Remove the "
+                     "hooks, or step without overlap_optimizer.")
+_HOOKS_AROUND_SHARDS = ("optimizer.step() steps this rank's shard in a pre-hook of its own, so another pre-hook runs "
+                        "before or after the step depending on when it was registered, and a hook sees only this "
+                        "rank's shard of the gradients (and, with overlap_forward, parameters still being "
+                        "gathered). Remove the hooks, or step without shard=True.")
+
+
+def hooked_step_refusal(optimizer, own: Optional[int] = None, sharded: bool = False) -> str:
+    """Why `optimizer`'s step hooks (but the overlap's own pre-hook, of handle id `own`) are refused,
+    by the overlap or (`sharded`) the sharded optimizer."""
     hooks = []
     if any(key != own for key in optimizer._optimizer_step_pre_hooks) or _global_optimizer_pre_hooks:
         hooks.append("pre-hooks")
@@ -133,9 +143,8 @@ def hooked_step_refusal(optimizer, own: Optional[int] = None) -> str:
         return ""
     return (
         f"cannot step an optimizer with step {' and '.join(hooks)} registered (register_step_pre_hook, "
-        "register_step_post_hook or torch.optim.optimizer.register_optimizer_step_pre_hook/post_hook): the "
-        "backward steps each bucket separately, so a hook would run once per bucket. Remove the hooks, or "
-        "step without overlap_optimizer."
+        "register_step_post_hook or torch.optim.optimizer.register_optimizer_step_pre_hook/post_hook): "
+        f"{_HOOKS_AROUND_SHARDS if sharded else _HOOKS_PER_BUCKET}"
     )
 
 

@@ -241,7 +241,7 @@ class ShardedOptimizer:
         self.finish_forward_tail()  # the last step's parameters, before anything reads them
         if any(a is not None for a in args[1:]) or any(v is not None for v in kwargs.values()):
             raise ValueError(self._error("runs optimizer.step() without a closure only."))
-        refusal = hooked_step_refusal(optimizer, own=self._step_hook.id)
+        refusal = hooked_step_refusal(optimizer, own=self._step_hook.id, sharded=True)
         if refusal:
             raise RuntimeError(self._error(refusal))
         if _called_by_grad_scaler(optimizer):

@@ -109,7 +109,8 @@ def _no_sync_only(ddp, module, rank, world_size):
 
 
 BETWEEN = {"backward": _backward, "grad_replaced": _grad_replaced, "no_sync_only": _no_sync_only}
-STEPS = {"plain": lambda o: o.step(), "closure": lambda o: o.step(lambda: torch.tensor(0.0))}
+STEPS = {"plain": lambda o: o.step(), "closure": lambda o: o.step(lambda: torch.tensor(0.0)),
+         "hooked": lambda o: (o.register_step_post_hook(lambda *args: None), o.step())}
 
 
 # What reads or changes a ShardGradient (Note [Gradients after a sharded backward]).
@@ -196,6 +197,8 @@ REFUSALS = [
             ("no synchronising backward since the last optimizer.step()", "Nothing was stepped")),
     Refusal("closure", functools.partial(_stepped, between="backward", step="closure"),
             ("without a closure",)),
+    Refusal("step_hook", functools.partial(_stepped, between="backward", step="hooked"),
+            ("step post-hooks registered", "steps this rank's shard in a pre-hook of its own")),
     Refusal("grad_scaler", _refuse_grad_scaler, ("holds only this rank's shard", "ddp.clip_grad_norm_")),
     Refusal("join", _refuse_join, ("cannot join uneven inputs with overlap_optimizer(..., shard=True)",)),
     Refusal("second_backward", _refuse_second_backward, ("holds only this rank's shard",
@@ -255,3 +258,21 @@ def test_a_refusal_on_one_rank_is_a_refusal_on_every_rank():
         assert message.startswith("ValueError"), f"rank {rank}: {message}"
         assert "non-contiguous parameters" in message or "another rank" in message, f"rank {rank}: {message}"
         assert installed_none, f"rank {rank}: installed"
+
+
+def _refuse_step_hook_on_one_rank(rank, world_size):
+    module, ddp = plain_wrapper()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    if rank == 1:
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs: None)
+    message = raised(lambda: ddp.overlap_optimizer(optimizer, shard=True, shard_min_bytes=0))
+    return message, ddp._optimizer_overlap is None
+
+
+def test_a_step_hook_on_one_rank_is_refused_at_the_line_on_every_rank():
+    """Rank 1's optimizer has a step pre-hook: it refuses with the sharded step's reason, and rank 0
+    refuses too instead of going on to shard alone."""
+    (first, none_first), (second, none_second) = shared_world(2).run(_refuse_step_hook_on_one_rank, timeout=90)
+    assert "was refused on another rank" in first, first
+    assert "step pre-hooks registered" in second and "steps this rank's shard" in second, second
+    assert none_first and none_second
