@@ -233,7 +233,8 @@ class DelegatedNames:
     def sharded_optimizer_state_dict(self) -> dict:
         """ddp_ext only. With overlap_optimizer(..., shard=True), after a step:
         this rank's shard of the optimizer's state, as torch.distributed.checkpoint
-        saves it without gathering (dcp.save({"optimizer": ...})). See docs/SHARDING.md."""
+        saves it without gathering (dcp.save({"optimizer": ...})); a collective,
+        on every rank. See docs/SHARDING.md."""
         from ddp_ext import _sharded_checkpoint  # torch.distributed.checkpoint, imported when used
 
         return _sharded_checkpoint.state_dict(self._sharded_or_refuse("sharded_optimizer_state_dict()"))

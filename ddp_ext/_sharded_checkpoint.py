@@ -10,9 +10,12 @@ elements, S = ceil(L / N), which is how a DTensor sharded on dimension 0
 (Shard(0)) splits a tensor of L elements. So each elementwise state (Adam's
 exp_avg, say) of each bucket is saved as one DTensor of global shape (L,)
 whose local tensor is the rank's range, under `bucket.<b>.<key>`; elements no
-parameter covers are zeros. DCP writes each rank's range from that rank and
-can read any other split of it: loaded at N' ranks, each rank reads the
-range the same rule gives it at N'. Scalar state (a parameter's `step`) is
+parameter covers are zeros. The ranks first agree on each bucket's keys (one
+all_gather_object), since DCP needs every rank's range of each: a range
+holding no state (unused parameters only) saves zeros, and `keys.<name>`
+says which parameters have state. DCP writes each rank's range from that
+rank and can read any other split of it: loaded at N' ranks, each rank
+reads the range the same rule gives it at N'. Scalar state (a parameter's `step`) is
 saved per parameter under `param.<name>.<key>` by the ranks holding a piece
 (all equal; DCP keeps one). `layout` names each bucket's parameters,
 offsets and sizes, and `param_groups` the groups' values.
@@ -36,6 +39,7 @@ the state is not in place yet.
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
@@ -54,40 +58,66 @@ def named_layout(sharded, plan: ShardPlan) -> Layout:
     return tuple((sharded.names[id(sharded.params[index])], offset, numel) for index, offset, numel in plan.layout)
 
 
-def state_dict(sharded) -> Dict[str, object]:
-    """The rank's state as DCP saves it without gathering (Note [Sharded checkpoints])."""
+def _refusal(sharded) -> Optional[str]:
+    """Why this rank cannot save its state now, if it cannot."""
     if sharded.loaded or getattr(sharded, "pending", None) is not None:
-        raise RuntimeError(_error(sharded, "sharded_optimizer_state_dict() found state loaded but not yet cut into "
-                                           "this rank's shards (that happens at the next optimizer.step()): save "
-                                           "after a step, or save the gathered optimizer.state_dict()."))
+        return ("sharded_optimizer_state_dict() found state loaded but not yet cut into this rank's shards (that "
+                "happens at the next optimizer.step()): save after a step, or save the gathered "
+                "optimizer.state_dict().")
     if sharded.optimizer.state:
-        raise RuntimeError(_error(sharded, "sharded_optimizer_state_dict() found optimizer state outside the shards "
-                                           f"({len(sharded.optimizer.state)} parameters no bucket reduces): save the "
-                                           "gathered optimizer.state_dict()."))
-    mesh = DeviceMesh.from_group(sharded.group, sharded.device.type)
+        return ("sharded_optimizer_state_dict() found optimizer state outside the shards "
+                f"({len(sharded.optimizer.state)} parameters no bucket reduces): save the gathered "
+                "optimizer.state_dict().")
+    return None
+
+
+def _bucket(sharded, plan: ShardPlan, out: Dict[str, object]) -> Dict[str, torch.Tensor]:
+    """The rank's range of each elementwise state of the bucket, by key; its other entries go into `out`."""
+    flats: Dict[str, torch.Tensor] = {}
+    lo, hi = plan.sharded_range(sharded.rank)  # replicated or not (Note [Shard plan], and DTensor's Shard(0))
+    for piece in plan.pieces:
+        name = sharded.names[id(sharded.params[piece.index])]
+        state = sharded.state.get(piece.flat, {})
+        if state:
+            out[f"keys.{name}"] = tuple(sorted(state))  # which state it has: zeros are not "none"
+        at = plan.lo + piece.at  # the piece's first element in the bucket
+        start, stop = plan.sharded_part(piece)
+        for key, value in state.items():
+            if elementwise_state(key, value, piece.stop - piece.start):
+                flat = flats.setdefault(key, torch.zeros(hi - lo, dtype=value.dtype, device=value.device))
+                if start < stop:
+                    flat[start - lo:stop - lo].copy_(value[start - at:stop - at])
+            else:
+                out[f"param.{name}.{key}"] = value
+    return flats
+
+
+def state_dict(sharded) -> Dict[str, object]:
+    """The rank's state as DCP saves it without gathering (Note [Sharded checkpoints]); a collective."""
+    refusal = _refusal(sharded)
     plans = sorted(sharded.plans.values(), key=lambda plan: min(index for index, _, _ in plan.layout))
     out: Dict[str, object] = {"layout": [(named_layout(sharded, plan), plan.length) for plan in plans],
                               # (key, value) pairs: DCP would save a dict's values one by one
                               "param_groups": [tuple((k, v) for k, v in group.items() if k != "params")
                                                for group in sharded.optimizer.param_groups]}
+    flats = [] if refusal else [_bucket(sharded, plan, out) for plan in plans]
+    # The ranks agree on each bucket's keys (a range holding no state has none) and on any refusal: every
+    # rank takes this one collective, so a refusing rank leaves none waiting.
+    every = [None] * sharded.world_size
+    dist.all_gather_object(every, (refusal, [{key: flat.dtype for key, flat in f.items()} for f in flats]),
+                           group=sharded.group)
+    if refusal:
+        raise RuntimeError(_error(sharded, refusal))
+    for rank, (what, _) in enumerate(every):
+        if what:
+            raise RuntimeError(_error(sharded, f"rank {rank} refused: {what}"))
+    mesh = DeviceMesh.from_group(sharded.group, sharded.device.type)
     for b, plan in enumerate(plans):
-        flats: Dict[str, torch.Tensor] = {}
-        lo, hi = plan.sharded_range(sharded.rank)  # replicated or not (Note [Shard plan], and DTensor's Shard(0))
-        for piece in plan.pieces:
-            name = sharded.names[id(sharded.params[piece.index])]
-            state = sharded.state.get(piece.flat, {})
-            if state:
-                out[f"keys.{name}"] = tuple(sorted(state))  # which state it has: zeros are not "none"
-            at = plan.lo + piece.at  # the piece's first element in the bucket
-            start, stop = plan.sharded_part(piece)
-            for key, value in state.items():
-                if elementwise_state(key, value, piece.stop - piece.start):
-                    flat = flats.setdefault(key, torch.zeros(hi - lo, dtype=value.dtype, device=value.device))
-                    if start < stop:
-                        flat[start - lo:stop - lo].copy_(value[start - at:stop - at])
-                else:
-                    out[f"param.{name}.{key}"] = value
-        for key, flat in flats.items():
+        lo, hi = plan.sharded_range(sharded.rank)
+        for _, keys in every:
+            for key, dtype in keys[b].items():
+                flats[b].setdefault(key, torch.zeros(hi - lo, dtype=dtype, device=sharded.device))
+        for key, flat in sorted(flats[b].items()):
             out[f"bucket.{b}.{key}"] = DTensor.from_local(flat, mesh, [Shard(0)], run_check=False,
                                                           shape=torch.Size([plan.length]), stride=(1,))
     return out

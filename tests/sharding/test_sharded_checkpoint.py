@@ -6,7 +6,9 @@ run does (which is torch's DDP with a plain optimizer, at 2 ranks). Read at
 3 ranks, or with other buckets (1 MiB), the same checkpoint continues as torch's DDP
 does from the gathered optimizer.state_dict() saved at the same step. A
 checkpoint of another model is refused at the first step, on every rank,
-before stepping; so is optimizer.state_dict() before that step."""
+before stepping; so is optimizer.state_dict() before that step. A rank whose
+range of a bucket holds no state (unused parameters only) still saves its
+range of the bucket's DTensors, and the run resumes bitwise."""
 
 import os
 
@@ -217,3 +219,53 @@ def test_a_parameter_missing_from_the_checkpoint_in_one_ranks_range_is_refused_o
     for rank, messages in enumerate(shared_world(2).run(_missing_on_one_rank_job, str(tmp_path), timeout=90)):
         assert "saved" not in messages, messages
         assert "cannot place the saved state of 'extra'" in messages.get("grown", ""), f"rank {rank}: {messages}"
+
+
+class _UnusedSpare(_Saved):
+    """_Saved's bucket, `spare` unused: at 2 ranks rank 1's range is `spare` alone, with no state."""
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def _unused_range_job(rank, world_size, folder: str):
+    """Two steps, a DCP save and a resume from it in a fresh wrapper, two more steps; and torch's DDP's 4 steps."""
+    import ddp_ext
+
+    def steps(ddp, optimizer, numbers):
+        for step in numbers:
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step * 10 + rank))
+            ddp(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    out = {}
+    for kind in ("saved", "resumed", "torch"):
+        torch.manual_seed(0 if kind != "resumed" else 1)  # the resumed run takes the saved run's weights
+        module = _UnusedSpare()
+        if kind == "resumed":
+            module.load_state_dict(weights)
+        wrapper = torch.nn.parallel.DistributedDataParallel if kind == "torch" else ddp_ext.DistributedDataParallel
+        ddp = wrapper(module, find_unused_parameters=True)
+        optimizer = torch.optim.Adam(module.parameters(), lr=0.01)
+        if kind != "torch":
+            ddp.overlap_optimizer(optimizer, shard=True, shard_min_bytes=0)
+        if kind == "resumed":
+            ddp.load_sharded_optimizer_state_dict(os.path.join(folder, "unused"), key="optimizer")
+        steps(ddp, optimizer, range(2) if kind == "saved" else range(2, 4) if kind == "resumed" else range(4))
+        if kind == "saved":
+            dcp.save({"optimizer": ddp.sharded_optimizer_state_dict()}, checkpoint_id=os.path.join(folder, "unused"))
+            weights = {n: t.detach().clone() for n, t in module.state_dict().items()}
+        else:
+            out[kind] = {"params": {n: p.detach().clone() for n, p in module.named_parameters()},
+                         "optimizer": optimizer_tensors(optimizer.state_dict())}
+    return out
+
+
+def test_a_range_holding_no_state_saves_and_resumes_bitwise(tmp_path):
+    """Rank 1's range of the bucket holds no state (only the unused `spare`): the ranks still agree on the
+    bucket's DTensors (else DCP refuses the save), and the resumed run continues as torch's DDP does."""
+    for rank, r in enumerate(shared_world(2).run(_unused_range_job, str(tmp_path), timeout=90)):
+        assert "spare" not in str(sorted(r["resumed"]["optimizer"])) and "0.exp_avg" not in r["resumed"]["optimizer"]
+        for what in ("params", "optimizer"):
+            assert_states_bitwise(r["resumed"][what], r["torch"][what], f"rank {rank}: {what}")
