@@ -146,7 +146,8 @@ def _link_ms_per_phase(ddp, ranks: int, link_gbit: Optional[float]) -> float:
     return (ranks - 1) / ranks * gradient * 8 / (link_gbit * 1e9) * 1e3
 
 
-def profile(model: str, steps: int, per_host: int, link_gbit: Optional[float], cap: float) -> List[dict]:
+def profile(model: str, steps: int, per_host: int, link_gbit: Optional[float], cap: float,
+            torchrun: bool = True) -> List[dict]:
     """Each rank's medians, then the medians over the ranks."""
     job = (model, steps, cap, link_gbit)
     if not link_gbit:
@@ -156,7 +157,8 @@ def profile(model: str, steps: int, per_host: int, link_gbit: Optional[float], c
         if reason:
             raise RuntimeError(f"sharding_profile --link-gbit: {reason}")
         with hosts.fake_hosts(2, "sp", link_gbit) as placed:
-            ranks = launch(_rank_job, 2 * per_host, job, setup=functools.partial(hosts.enter_rank, placed, per_host))
+            enter = functools.partial(hosts.enter_rank, placed, per_host, torchrun=torchrun)
+            ranks = launch(_rank_job, 2 * per_host, job, setup=enter)
     summary = {key: _median([r[key] for r in ranks]) for key in ranks[0]}
     return [*ranks, summary]
 
@@ -168,8 +170,10 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="mlp")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--bucket-cap-mb", type=float, default=1.0)
+    p.add_argument("--flat", action="store_true",
+                   help="without torchrun's LOCAL_WORLD_SIZE: the all-gathers over the flat group, not host by host")
     args = p.parse_args(argv)
-    rows = profile(args.model, args.steps, args.per_host, args.link_gbit, args.bucket_cap_mb)
+    rows = profile(args.model, args.steps, args.per_host, args.link_gbit, args.bucket_cap_mb, not args.flat)
     for rank, row in enumerate(rows):
         label = "all ranks (median)" if rank == len(rows) - 1 else f"rank {rank}"
         print(json.dumps({"ranks": label, **{k: None if v is None else round(v, 2) for k, v in row.items()}}))

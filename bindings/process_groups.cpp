@@ -54,12 +54,16 @@ void bind_process_groups(py::module& m) {
       "c10d Backend whose allreduce runs inside each host, across hosts, and inside "
       "again; see process_groups/hierarchical/backend.h.")
       .def(py::init([](ProcessGroupPtr flat, ProcessGroupPtr intra, ProcessGroupPtr inter,
-                       ProcessGroupPtr intra_gather) {
+                       ProcessGroupPtr intra_gather, ProcessGroupPtr gather_across,
+                       ProcessGroupPtr gather_inside) {
              return c10::make_intrusive<HierarchicalBackend>(HierarchicalGroups{
-                 std::move(flat), std::move(intra), std::move(inter), std::move(intra_gather)});
+                 std::move(flat), std::move(intra), std::move(inter), std::move(intra_gather),
+                 std::move(gather_across), std::move(gather_inside)});
            }),
-           py::arg("flat"), py::arg("intra"), py::arg("inter"), py::arg("intra_gather"))
-      .def_property_readonly("hierarchical_calls", &HierarchicalBackend::hierarchical_calls);
+           py::arg("flat"), py::arg("intra"), py::arg("inter"), py::arg("intra_gather"),
+           py::arg("gather_across") = ProcessGroupPtr(), py::arg("gather_inside") = ProcessGroupPtr())
+      .def_property_readonly("hierarchical_calls", &HierarchicalBackend::hierarchical_calls)
+      .def_property_readonly("hierarchical_gathers", &HierarchicalBackend::hierarchical_gathers);
 }
 
 } // namespace ddp_ext::bindings

@@ -87,12 +87,15 @@ class BackwardSteps(Bound):
         return self.overlap
 
     def shard_optimizer(self, optimizer, refusal: str, device, overlap_forward: bool,
-                        shard_min_bytes: int) -> ShardedOptimizer:
+                        shard_min_bytes: int, gather_group) -> ShardedOptimizer:
         """Installs the sharded optimizer (ddp_ext/_sharded_optimizer.py), after
         refusing on every rank alike what it cannot do exactly. `refusal`:
         why the wrapper's settings cannot shard, if they cannot; buckets of
         fewer than `shard_min_bytes` bytes are replicated (Note [Replicated
-        small buckets] in reducer/transport/reduce_scatter.h)."""
+        small buckets] in reducer/transport/reduce_scatter.h). `gather_group`:
+        the reducer's group, over which the parameters are all-gathered; a
+        hierarchical one (ddp_ext/hierarchy.py) gives the reducer back the
+        flat group (Note [Sharding over several hosts])."""
         self.check("overlap_optimizer(shard=True)")
         why = (elementwise_refusal(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else "") or refusal
         local = None
@@ -109,7 +112,9 @@ class BackwardSteps(Bound):
             raise ValueError(f"DistributedDataParallel.overlap_optimizer(..., shard=True) on rank {self._rank()} "
                              f"{why}")
         self.overlap = ShardedOptimizer(optimizer, self.named, self.process_group, device, bool(overlap_forward),
-                                        shard_min_bytes)
+                                        shard_min_bytes, gather_group)
+        if gather_group is not self.process_group:
+            self.reducer._update_process_group(self.process_group)  # Note [Sharding over several hosts]
         self.reducer._set_reduce_scatter(self.overlap.step_bucket, shard_min_bytes)  # Note [Sharded buckets]
         return self.overlap
 

@@ -23,6 +23,7 @@ SOURCES = [
     "comm_hooks/compression/residuals.cpp",
     "process_groups/broadcast_coalesced.cpp",
     "process_groups/exit_release.cpp",
+    "process_groups/hierarchical/all_gather.cpp",
     "process_groups/hierarchical/backend.cpp",
     "process_groups/hierarchical/future_work.cpp",
     "process_groups/ordered_launches.cpp",

@@ -212,7 +212,7 @@ class DelegatedNames:
                 self.module, self._backward_steps.named, [name for name, _ in self._hooks.registered],
                 self._layer_drop, overlap_forward, self.process_group)
             sharded = self._backward_steps.shard_optimizer(optimizer, refusal, self._settings.device, overlap_forward,
-                                                           shard_min_bytes)
+                                                           shard_min_bytes, self.reducer_group)
             self._optimizer_overlap = sharded
             return
         refusal = _forward_tail.refusal(self._module_parameters, self._settings.gradient_as_bucket_view,
@@ -332,7 +332,11 @@ class DelegatedNames:
     @property
     def reducer_group(self) -> dist.ProcessGroup:
         """The group gradient buckets are reduced over without a hook:
-        process_group, or its hierarchical twin (ddp_ext/hierarchy.py)."""
+        process_group, or its hierarchical twin (ddp_ext/hierarchy.py); the
+        process group while the optimizer is sharded (Note [Sharding over
+        several hosts] in ddp_ext/_sharded_optimizer.py)."""
+        if isinstance(self._optimizer_overlap, _sharded_optimizer.ShardedOptimizer):
+            return self.process_group
         return hierarchy.reducer_group(self.hierarchical_allreduce, self.process_group, self.device_type)
 
     def set_overlap_with_backward(self, overlap: bool) -> None:

@@ -89,6 +89,19 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 # buckets' all-gathers are on the wire, or held behind the next forward, at once.
 GATHER_BUFFERS = 2
 
+# Note [Sharding over several hosts]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Where the wrapper would reduce over a hierarchical twin of its group
+# (hierarchical_allreduce, ddp_ext/hierarchy.py: torchrun's several hosts of
+# several ranks), sharding gives the reducer back the flat group: the
+# reduce-scatter and the replicated buckets' allreduces sum in the order of
+# torch's DDP's flat allreduce (Note [Exact sharded steps]), which the
+# twin's host-first sums would not. The all-gathers only copy, so they run
+# over the twin (Note [Hierarchical all-gather] in
+# process_groups/hierarchical/backend.h): each shard crosses a host's link
+# once, (H - 1)/H of a bucket per host instead of a ring's (W - 1)/W, with
+# the same bits.
+
 # Note [Pipelined steps and all-gathers]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # optimizer.step() steps the buckets' shards in groups, first layers' first,
@@ -135,10 +148,11 @@ class ShardedOptimizer:
         return (type(None), ())
 
     def __init__(self, optimizer, named: List[Tuple[str, torch.Tensor]], group, device,
-                 overlap_forward: bool = False, shard_min_bytes: int = 0):
+                 overlap_forward: bool = False, shard_min_bytes: int = 0, gather_group=None):
         self.optimizer = optimizer
         self.shard_min_bytes = shard_min_bytes  # smaller buckets are replicated: Note [Replicated plans]
         self.group = group
+        self.gather_group = group if gather_group is None else gather_group  # Note [Sharding over several hosts]
         self.rank = group.rank()
         self.world_size = group.size()
         self.device = device
@@ -348,13 +362,13 @@ class ShardedOptimizer:
                         self._write(plan, plan.params)
                     continue
                 if plan.storage is not None:
-                    full, work = None, _all_gather(plan.storage, plan.params, group=self.group, async_op=True)
+                    full, work = None, _all_gather(plan.storage, plan.params, group=self.gather_group, async_op=True)
                 else:
                     if len(buffered) == GATHER_BUFFERS:  # its buffer is the oldest's: write that one first
                         self._write_gathered(buffered.pop(0))
                     full = self._gather_buffer(plan, copied % GATHER_BUFFERS, largest)
                     copied += 1
-                    work = _all_gather(full, plan.params, group=self.group, async_op=True)
+                    work = _all_gather(full, plan.params, group=self.gather_group, async_op=True)
                 key = self.gathers
                 self.gathers += 1
                 self.gathering[key] = (plan, full, work)

@@ -1,4 +1,5 @@
 """Hierarchical allreduce: inside each host, across hosts, inside again.
+(And, for the sharded optimizer, the all-gather: across hosts, then inside.)
 
 ``DistributedDataParallel(..., hierarchical_allreduce="auto")`` (the default)
 reduces gradient buckets in three steps where ranks share hosts and there
@@ -145,16 +146,18 @@ def _make(process_group: dist.ProcessGroup, topology: Topology) -> dist.ProcessG
     host, local_rank = divmod(process_group.rank(), local)
     # Every rank makes every group, in the same order (dist.new_group's rule).
     mine = {}
-    for kind in ("intra", "intra_gather"):
+    for kind in ("intra", "intra_gather", "gather_inside"):
         for h in range(hosts):
             group = dist.new_group(list(range(h * local, (h + 1) * local)), backend="gloo")
             if h == host:
                 mine[kind] = group
-    for lr in range(local):
-        group = dist.new_group([h * local + lr for h in range(hosts)], backend="gloo")
-        if lr == local_rank:
-            mine["inter"] = group
-    backend = _C.HierarchicalBackend(process_group, mine["intra"], mine["inter"], mine["intra_gather"])
+    for kind in ("inter", "gather_across"):
+        for lr in range(local):
+            group = dist.new_group([h * local + lr for h in range(hosts)], backend="gloo")
+            if lr == local_rank:
+                mine[kind] = group
+    backend = _C.HierarchicalBackend(process_group, mine["intra"], mine["inter"], mine["intra_gather"],
+                                     mine["gather_across"], mine["gather_inside"])
     store = dist.PrefixStore("ddp_ext_hierarchical/", c10d._world.pg_map[process_group][1])
     group = dist.ProcessGroup(store, process_group.rank(), process_group.size())
     custom = dist.ProcessGroup.BackendType.CUSTOM
@@ -170,3 +173,9 @@ def hierarchical_calls(group: dist.ProcessGroup) -> int:
     """Allreduces `group` (a `reducer_group`) ran in three steps; 0 for a flat group."""
     backend = _backends.get(group)
     return backend.hierarchical_calls if backend is not None else 0
+
+
+def hierarchical_gathers(group: dist.ProcessGroup) -> int:
+    """All-gathers `group` (a `reducer_group`) ran in two steps; 0 for a flat group."""
+    backend = _backends.get(group)
+    return backend.hierarchical_gathers if backend is not None else 0

@@ -149,7 +149,7 @@ def _launch(options: BenchOptions, progress) -> List[dict]:
     count, per_host = overlap.placement(options)
     with hosts.fake_hosts(count, "sh", options.link_gbit) as placed:
         return launch(_measure, options.world_size, job, options.threads, options.timeout_s,
-                      setup=functools.partial(hosts.enter_rank, placed, per_host))
+                      setup=functools.partial(hosts.enter_rank, placed, per_host, torchrun=True))
 
 
 def bound_ms(summary: dict, ranks: int, link_gbit: Optional[float]) -> float:

@@ -163,13 +163,16 @@ def enter(host: Host) -> None:
         os.close(fd)
 
 
-def enter_rank(placed: List[Host], ranks_per_host: int, rank: int) -> Host:
+def enter_rank(placed: List[Host], ranks_per_host: int, rank: int, torchrun: bool = False) -> Host:
     """Runs first in the process of rank `rank` (ranks numbered host by
     host, `ranks_per_host` on each of `placed`): into its host, with Gloo on
-    the host's link. Returns the host."""
+    the host's link, and with `torchrun` the variables torchrun sets
+    (LOCAL_WORLD_SIZE, LOCAL_RANK), which tell ddp_ext the hosts. Returns the host."""
     host = placed[rank // ranks_per_host]
     enter(host)
     os.environ["GLOO_SOCKET_IFNAME"] = host.veth
+    if torchrun:
+        os.environ.update(LOCAL_WORLD_SIZE=str(ranks_per_host), LOCAL_RANK=str(rank % ranks_per_host))
     return host
 
 

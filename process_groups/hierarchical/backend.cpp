@@ -52,7 +52,9 @@ HierarchicalBackend::HierarchicalBackend(HierarchicalGroups groups)
       groups_(std::move(groups)),
       across_(std::make_shared<OrderedLaunches>()),
       gathers_(std::make_shared<OrderedLaunches>()),
-      calls_(std::make_shared<std::atomic<int64_t>>(0)) {
+      calls_(std::make_shared<std::atomic<int64_t>>(0)),
+      insides_(std::make_shared<OrderedLaunches>()),
+      gathered_(std::make_shared<std::atomic<int64_t>>(0)) {
   TORCH_CHECK(groups_.intra && groups_.inter && groups_.intra_gather,
               "HierarchicalBackend needs the intra-host, inter-host and gather groups");
   const int64_t local = groups_.intra->getSize();
@@ -62,6 +64,13 @@ HierarchicalBackend::HierarchicalBackend(HierarchicalGroups groups)
               "HierarchicalBackend: ", groups_.flat->getSize(), " ranks are not ",
               groups_.inter->getSize(), " hosts of ", local, " ranks (intra-host groups of ",
               local, " and ", groups_.intra_gather->getSize(), ")");
+  TORCH_CHECK(!groups_.gather_across == !groups_.gather_inside, "HierarchicalBackend: give both gather groups or none");
+  TORCH_CHECK(!groups_.gather_across ||
+                  (groups_.gather_across->getSize() == groups_.inter->getSize() &&
+                   groups_.gather_across->getRank() == groups_.inter->getRank() &&
+                   groups_.gather_inside->getSize() == local &&
+                   groups_.gather_inside->getRank() == groups_.intra->getRank()),
+              "HierarchicalBackend: the gather groups are not the inter-host and intra-host groups' ranks");
 }
 
 int64_t HierarchicalBackend::hierarchical_calls() const {
