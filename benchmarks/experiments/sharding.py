@@ -118,7 +118,8 @@ def _measure(rank: int, world_size: int, job):
         # Untimed, after the timed blocks: the profiler slows what it watches.
         # Three iterations before the measured ones: the sharded run's third step
         # is the first on a settled layout, where its parameters move into their buckets' storage.
-        peaks = {kind: peak_memory.held_peak_bytes(functools.partial(make, kind), before=3, measured=PEAK_ITERATIONS)
+        peaks = {kind: peak_memory.held_peak_bytes(functools.partial(make, kind), before=3, measured=PEAK_ITERATIONS,
+                                                   finish=_finished)
                  for kind in VARIANTS}
         module, _ = sv.ov.model_and_batch(model, options.preset, options.seed, rank)
         measured[model] = {"samples": samples, "differing": differing, "against_torch": against_torch,

@@ -26,7 +26,7 @@ the experiment again.
 import json
 import os
 import tempfile
-from typing import Callable, Iterable, Tuple
+from typing import Callable, Iterable, Optional, Tuple
 
 from torch.autograd.profiler_util import MEMORY_EVENT_NAME
 from torch.profiler import ProfilerActivity, record_function
@@ -61,7 +61,8 @@ def peak_bytes(fn: Callable[[], object]) -> int:
 MEASURED = "peak_memory.measured"  # the profiler's label of the iteration held_peak_bytes measures
 
 
-def held_peak_bytes(build: Callable[[], Callable[[], object]], before: int = 2, measured: int = 1) -> int:
+def held_peak_bytes(build: Callable[[], Callable[[], object]], before: int = 2, measured: int = 1,
+                    finish: Optional[Callable[[object], object]] = None) -> int:
     """Bytes of torch CPU tensors held at the peak of one iteration, counting
     everything the step holds: `build()` makes the step (model, wrapper,
     optimizer, batch) under the profiler, so that every tensor it keeps is
@@ -80,7 +81,10 @@ def held_peak_bytes(build: Callable[[], Callable[[], object]], before: int = 2, 
     be high. Which tensors a Gloo thread frees is a race, different in each
     iteration, while what an iteration really holds is the same once the
     state exists: so `measured` iterations run after the `before` ones, each
-    measured alone, and the least of their peaks is returned."""
+    measured alone, and the least of their peaks is returned. `finish(step)`,
+    if given, runs last under the profiler: it waits for what the step left
+    on the wire, since torch's profiler can crash when it stops while a
+    Gloo thread launches a collective (a hierarchical allreduce's steps)."""
     with quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step = build()
         for _ in range(before):
@@ -88,6 +92,8 @@ def held_peak_bytes(build: Callable[[], Callable[[], object]], before: int = 2, 
         for _ in range(measured):
             with record_function(MEASURED):
                 step()
+        if finish is not None:
+            finish(step)
     events = trace_events(prof)
     marks = [e for e in events if e.get("name") == MEASURED and e.get("ph") == "X"]
     if len(marks) != measured:

@@ -64,7 +64,7 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::_allgather_base(
   std::vector<at::Tensor> mine{gather->input};
   auto first = groups_.gather_across->allgather(across, mine, c10d::AllgatherOptions());
   const auto ticket = insides_->take();
-  auto inside = groups_.gather_inside;
+  auto inside = groups_.gather_inside->getBackend(c10::DeviceType::CPU); // Note [Hierarchical allreduce], ordering
   auto insides = insides_;
   first->getFuture()->addCallback([gather, inside, insides, ticket](c10::ivalue::Future& done) {
     const bool failed = done.hasError();

@@ -120,7 +120,8 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::allreduce(
 
   auto gather = [steps, groups]() {
     auto third = process_groups::all_gather_single(
-        *groups.intra_gather, steps->padded, steps->segment, c10d::AllgatherOptions());
+        *groups.intra_gather->getBackend(c10::DeviceType::CPU), steps->padded, steps->segment,
+        c10d::AllgatherOptions());
     after(third, steps, [steps]() {
       if (!steps->padded.is_same(steps->tensor) &&
           steps->padded.data_ptr() != steps->tensor.data_ptr()) {
@@ -133,7 +134,7 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::allreduce(
     std::vector<at::Tensor> segment{steps->segment};
     c10d::AllreduceOptions across_opts;
     across_opts.reduceOp = steps->op;
-    auto second = groups.inter->allreduce(segment, across_opts);
+    auto second = groups.inter->getBackend(c10::DeviceType::CPU)->allreduce(segment, across_opts);
     second->getFuture()->addCallback([steps, gathers, gather_ticket, gather](c10::ivalue::Future& done) {
       const bool failed = done.hasError();
       if (failed) {

@@ -39,7 +39,10 @@ namespace ddp_ext::hierarchical {
 // are issued from completion callbacks; each runs on its own group that
 // carries nothing else, issued there in the order the allreduces were
 // called (OrderedLaunches), which is the same on every rank. Step 1 runs
-// on the caller's thread, in call order.
+// on the caller's thread, in call order. The callbacks call the groups'
+// Gloo backends directly, not through the dispatcher: on a Gloo thread a
+// dispatched collective is an operator call the profiler records, and
+// torch's profiler crashes when it stops while another thread is in one.
 //
 // Only what the reducer needs is hierarchical: a SUM allreduce of one
 // dense CPU tensor, and the sharded optimizer's all-gather (Note
