@@ -52,7 +52,8 @@ void bind_process_groups(py::module& m) {
   py::class_<HierarchicalBackend, c10d::Backend, c10::intrusive_ptr<HierarchicalBackend>>(
       m, "HierarchicalBackend",
       "c10d Backend whose allreduce runs inside each host, across hosts, and inside "
-      "again; see process_groups/hierarchical/backend.h.")
+      "again, and whose all-gather runs across hosts, then inside; see "
+      "process_groups/hierarchical/backend.h.")
       .def(py::init([](ProcessGroupPtr flat, ProcessGroupPtr intra, ProcessGroupPtr inter,
                        ProcessGroupPtr intra_gather, ProcessGroupPtr gather_across,
                        ProcessGroupPtr gather_inside) {

@@ -18,7 +18,6 @@ namespace {
 struct Gather {
   at::Tensor output; // the caller's, H x L x S: shard (h, l) of rank h * L + l
   at::Tensor input;  // this rank's shard (maybe a view of `output`)
-  int64_t host = 0;
   int64_t local_rank = 0;
   c10::intrusive_ptr<c10::ivalue::Future> result;
 
@@ -52,7 +51,6 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::_allgather_base(
   auto gather = std::make_shared<Gather>();
   gather->output = output.view({hosts, local, -1});
   gather->input = input.view({-1});
-  gather->host = groups_.gather_across->getRank();
   gather->local_rank = groups_.gather_inside->getRank();
   gather->result = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
 
