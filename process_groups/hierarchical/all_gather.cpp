@@ -9,6 +9,7 @@
 
 #include "process_groups/hierarchical/backend.h"
 #include "process_groups/hierarchical/future_work.h"
+#include "process_groups/hierarchical/in_turn.h"
 #include "process_groups/single_tensor_collectives.h"
 
 namespace ddp_ext::hierarchical {
@@ -63,38 +64,25 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::_allgather_base(
   auto first = groups_.gather_across->allgather(across, mine, c10d::AllgatherOptions());
   const auto ticket = insides_->take();
   auto inside = groups_.gather_inside->getBackend(c10::DeviceType::CPU); // Note [Hierarchical allreduce], ordering
-  auto insides = insides_;
-  first->getFuture()->addCallback([gather, inside, insides, ticket](c10::ivalue::Future& done) {
-    const bool failed = done.hasError();
-    if (failed) {
-      gather->fail(done.exception_ptr());
+  // Step 2, once step 1 has arrived: the H shards of local rank l' for every l' (strided views).
+  auto gather_inside = [gather, inside]() {
+    const int64_t local = gather->output.size(1);
+    std::vector<std::vector<at::Tensor>> within(1);
+    for (int64_t l = 0; l < local; ++l) {
+      within[0].push_back(gather->output.select(1, l));
     }
-    // Every ticket takes its turn, launching nothing after a failure.
-    insides->ready(ticket, [gather, inside, failed]() {
-      if (failed) {
+    std::vector<at::Tensor> column{gather->output.select(1, gather->local_rank)};
+    auto second = inside->allgather(within, column, c10d::AllgatherOptions());
+    second->getFuture()->addCallback([gather](c10::ivalue::Future& finished) {
+      if (finished.hasError()) {
+        gather->fail(finished.exception_ptr());
         return;
       }
-      try {
-        // Step 2: the H shards of local rank l' for every l' (strided views).
-        const int64_t local = gather->output.size(1);
-        std::vector<std::vector<at::Tensor>> within(1);
-        for (int64_t l = 0; l < local; ++l) {
-          within[0].push_back(gather->output.select(1, l));
-        }
-        std::vector<at::Tensor> column{gather->output.select(1, gather->local_rank)};
-        auto second = inside->allgather(within, column, c10d::AllgatherOptions());
-        second->getFuture()->addCallback([gather](c10::ivalue::Future& finished) {
-          if (finished.hasError()) {
-            gather->fail(finished.exception_ptr());
-            return;
-          }
-          gather->result->markCompleted(c10::IValue(std::vector<at::Tensor>{gather->output}));
-        });
-      } catch (...) {
-        gather->fail(std::current_exception());
-      }
+      gather->result->markCompleted(c10::IValue(std::vector<at::Tensor>{gather->output}));
     });
-  });
+  };
+  launch_in_turn(first, insides_, ticket, [gather](std::exception_ptr error) { gather->fail(error); },
+                 gather_inside);
   return c10::make_intrusive<FutureWork>(getRank(), c10d::OpType::_ALLGATHER_BASE, gather->result);
 }
 

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "process_groups/hierarchical/future_work.h"
+#include "process_groups/hierarchical/in_turn.h"
 #include "process_groups/single_tensor_collectives.h"
 
 namespace ddp_ext::hierarchical {
@@ -135,23 +136,8 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::allreduce(
     c10d::AllreduceOptions across_opts;
     across_opts.reduceOp = steps->op;
     auto second = groups.inter->getBackend(c10::DeviceType::CPU)->allreduce(segment, across_opts);
-    second->getFuture()->addCallback([steps, gathers, gather_ticket, gather](c10::ivalue::Future& done) {
-      const bool failed = done.hasError();
-      if (failed) {
-        steps->fail(done.exception_ptr());
-      }
-      // Every ticket takes its turn, launching nothing after a failure.
-      gathers->ready(gather_ticket, [steps, gather, failed]() {
-        if (failed) {
-          return;
-        }
-        try {
-          gather();
-        } catch (...) {
-          steps->fail(std::current_exception());
-        }
-      });
-    });
+    launch_in_turn(second, gathers, gather_ticket, [steps](std::exception_ptr error) { steps->fail(error); },
+                   gather);
   };
   first->getFuture()->addCallback(
       [steps, across, gathers, across_ticket, gather_ticket, reduce_across](c10::ivalue::Future& done) {
