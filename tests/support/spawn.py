@@ -14,9 +14,37 @@ import queue
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 DEFAULT_TIMEOUT_S = 180.0
+
+_crash_report = None  # a rank's open file for faulthandler: it must outlive the call
+
+
+def report_crashes(store_path: str, rank: int) -> None:
+    """On a rank: a fatal signal (a segfault) writes every thread's Python
+    stack to a file beside the store, which `collect` adds to the rank's
+    "died" message."""
+    import faulthandler
+
+    global _crash_report
+    _crash_report = open(_crash_path(store_path, rank), "w")
+    faulthandler.enable(file=_crash_report, all_threads=True)
+
+
+def _crash_path(store_path: str, rank: int) -> str:
+    return f"{store_path}.crash-{rank}"
+
+
+def _crash_stacks(store_path: Optional[str], rank: int) -> str:
+    if store_path is None:
+        return ""
+    try:
+        with open(_crash_path(store_path, rank)) as report:
+            text = report.read().strip()
+    except OSError:
+        return ""
+    return f"; its threads' Python stacks when it died:\n{text}" if text else ""
 
 
 def _rank_main(fn, rank, world_size, store_path, args, results, backend="gloo"):
@@ -24,6 +52,7 @@ def _rank_main(fn, rank, world_size, store_path, args, results, backend="gloo"):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    report_crashes(store_path, rank)
     try:
         if "nccl" in backend:
             # NCCL binds a rank to the current device when it first communicates.
@@ -45,10 +74,11 @@ class RanksFailed(AssertionError):
     pass
 
 
-def collect(results, procs, timeout: float, what: str = "") -> List[Any]:
+def collect(results, procs, timeout: float, what: str = "", store_path: Optional[str] = None) -> List[Any]:
     """Waits for one (rank, ok, value) per process on `results` and returns the
     values by rank; raises RanksFailed with every rank's traceback if a rank
-    failed, died or did not answer within `timeout` seconds."""
+    failed, died or did not answer within `timeout` seconds (with the stacks
+    of a rank that died, where it ran `report_crashes(store_path, rank)`)."""
     world_size = len(procs)
     outcomes = {}
     deadline = time.monotonic() + timeout
@@ -65,7 +95,10 @@ def collect(results, procs, timeout: float, what: str = "") -> List[Any]:
                 time.sleep(0.5)
                 if results.empty():
                     for r in dead:
-                        outcomes[r] = (False, f"rank {r} died with exit code {procs[r].exitcode}")
+                        outcomes[r] = (
+                            False,
+                            f"rank {r} died with exit code {procs[r].exitcode}" + _crash_stacks(store_path, r),
+                        )
             continue
         outcomes[rank] = (ok, pickle.loads(value) if ok else value)
         if not ok:
@@ -144,7 +177,7 @@ def run_ranks(
         for p in procs:
             p.start()
         try:
-            return collect(results, procs, timeout)
+            return collect(results, procs, timeout, store_path=store_path)
         finally:
             stop(procs)
 

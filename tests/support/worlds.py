@@ -20,7 +20,7 @@ import tempfile
 import traceback
 from typing import Any, Callable, Dict, List
 
-from tests.support.spawn import DEFAULT_TIMEOUT_S, RanksFailed, collect, stop
+from tests.support.spawn import DEFAULT_TIMEOUT_S, RanksFailed, collect, report_crashes, stop
 
 
 def _rank_loop(rank, world_size, store_path, jobs, results):
@@ -28,6 +28,7 @@ def _rank_loop(rank, world_size, store_path, jobs, results):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    report_crashes(store_path, rank)
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
@@ -54,7 +55,7 @@ class World:
         context = multiprocessing.get_context("spawn")
         self.world_size = world_size
         self._tmp = tempfile.TemporaryDirectory(prefix="ddp_ext_world_")
-        store_path = os.path.join(self._tmp.name, "store")
+        store_path = self._store_path = os.path.join(self._tmp.name, "store")
         self._results = context.Queue()
         self._jobs = [context.Queue() for _ in range(world_size)]
         self._procs = [
@@ -76,7 +77,10 @@ class World:
             jobs.put((fn, args))
         self.jobs_run += 1
         try:
-            return collect(self._results, self._procs, timeout, what=f"job {self.jobs_run} of this shared world ")
+            return collect(
+                self._results, self._procs, timeout, what=f"job {self.jobs_run} of this shared world ",
+                store_path=self._store_path,
+            )
         except RanksFailed:
             self.close(graceful=False)  # ranks may be hung, or disagree about what comes next
             raise
