@@ -63,7 +63,6 @@ the step is refused there, as with the overlap (Note [Gradients edited
 before the step] in ddp_ext/_optimizer_overlap.py).
 """
 
-import math
 import time
 from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
@@ -77,6 +76,7 @@ from ddp_ext._gradient_edits import GradientEdits
 from ddp_ext._optimizer_overlap import (_called_by_grad_scaler, _unhooked_step, _view, hooked_step_refusal,
                                         shown_names)
 from ddp_ext._shard_gradient import ShardGradient, drop_zeroed
+from ddp_ext._sharded_clip import GlobalNorm, scale_by_norm
 from ddp_ext._shard_plan import SCALAR_STATE, ShardPlan, replicates
 from ddp_ext._shard_recut import recut
 
@@ -409,65 +409,27 @@ class ShardedOptimizer:
             for index, offset, numel in plan.layout:
                 self.params[index].view(-1).copy_(full[offset:offset + numel])
 
-    # --- clipping -------------------------------------------------------------
-
-    # Note [Clipping sharded gradients]
-    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    # torch.nn.utils.clip_grad_norm_ takes the norm of each gradient, then
-    # the norm of those norms, and multiplies every gradient by
-    # clamp(max_norm / (norm + 1e-6), max=1). Here each rank sums |g|^p over
-    # its pieces in float64, one all-reduce adds the ranks' sums (a max for
-    # p = inf), and the root is cast to the gradients' dtype: the same
-    # formula, summed in another order, so the norm (and the clipped
-    # gradients) may differ from torch's in the last bits. A replicated
-    # bucket (Note [Replicated plans] in ddp_ext/_shard_plan.py) counts
-    # once: each rank sums the range a sharded plan would give it, the same
-    # slices of the same bits, so the norm is bitwise the sharded one. Every rank gets
-    # the same norm, so the parameters stay identical on every rank. The
-    # clipped pieces are remembered as the gradients the step may use (Note
-    # [Gradients after a sharded backward]). Every rank joins the
-    # all-reduce, also one whose pieces hold no parameter some rank used.
+    # --- clipping: Note [Clipping sharded gradients] in ddp_ext/_sharded_clip.py ---
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
         """Clips the last synchronising backward's gradient by its whole norm:
-        one scalar all-reduce of the shards' sums (Note [Clipping sharded
-        gradients])."""
+        one scalar all-reduce of the shards' sums."""
         if not self.reduced:
             raise RuntimeError(self._error(
                 "clip_grad_norm_ needs the gradients of a synchronising backward, after backward() and before "
                 "optimizer.step()."))
         if self.clipped:
             raise RuntimeError(self._error("clip_grad_norm_ was called already since this backward."))
-        norm_type = float(norm_type)
         if not self.used:
             return torch.tensor(0.0)  # no rank used a parameter: the same on every rank
-        grads = [plan.grad[piece.at:piece.at + piece.stop - piece.start]
-                 for plan in self.reduced.values() for piece in plan.pieces if piece.index in self.used]
-        local = torch.zeros((), dtype=torch.float64, device=self.device)
-        for g in self._counted():
-            if g.numel():
-                if math.isinf(norm_type):
-                    local = torch.maximum(local, g.detach().abs().max().to(torch.float64))
-                else:
-                    local += torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float64) ** norm_type
-        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-        # With whether this rank's gradients were edited: every rank refuses alike, after the all-reduce.
-        edited = torch.tensor(float(bool(self.edits.edited())), dtype=torch.float64, device=self.device)
-        both = torch.stack([local, edited])
-        dist.all_reduce(both, op=op, group=self.group)
-        self._refuse_edits(elsewhere=bool(both[1] > 0))
-        local = both[0]
-        total = local if math.isinf(norm_type) else local ** (1.0 / norm_type)
-        total = total.to(self.params[min(self.used)].dtype)  # the first used parameter's, on every rank
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(
-                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
-                "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
-                "`error_if_nonfinite=False`")
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if grads:  # a rank whose pieces hold no used parameter has joined the all-reduce all the same
-            with torch.no_grad():
-                torch._foreach_mul_(grads, coefficient)
+        norm = GlobalNorm(norm_type, self.group, self.device)
+        # In the first used parameter's dtype, on every rank.
+        total, edited = norm.of(self._counted(), bool(self.edits.edited()), self.params[min(self.used)].dtype)
+        self._refuse_edits(elsewhere=edited)
+        if error_if_nonfinite:
+            norm.refuse_nonfinite(total)
+        scale_by_norm([plan.grad[piece.at:piece.at + piece.stop - piece.start] for plan in self.reduced.values()
+                       for piece in plan.pieces if piece.index in self.used], max_norm, total)
         self.clipped = True
         return total
 
